@@ -1,0 +1,32 @@
+"""dataparallel: data-parallel PyTorch training over a pluggable control channel.
+
+import dataparallel as dp
+ch = dp.connect("tcpstore://127.0.0.1:29500", rank=r, world_size=n)
+ch.rendezvous()
+torch.distributed.init_process_group("gloo", store=ch.as_store(), rank=ch.rank, world_size=n)
+"""
+
+from .channel import ControlChannel
+from .connect import connect
+from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
+from .keyspace import KeySpace
+from .registry import ChannelURL, known_schemes, parse_url, register_transport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthError",
+    "BadMessage",
+    "ChannelClosed",
+    "ChannelURL",
+    "ConfigError",
+    "ControlChannel",
+    "ControlError",
+    "ControlTimeout",
+    "KeySpace",
+    "PeerLost",
+    "connect",
+    "known_schemes",
+    "parse_url",
+    "register_transport",
+]

@@ -1,0 +1,348 @@
+"""The control channel: the one interface the training loop talks to its peers through.
+
+A transport implements a handful of primitives (the ``_``-prefixed hooks below); the core
+builds on them the public calls, their timeouts and error messages, rank assignment, the
+job-token check, liveness and the collectives (:mod:`dataparallel.collectives`), so every
+transport behaves the same and a new one stays small.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .collectives import Collectives
+from .errors import AuthError, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
+from .liveness import Liveness
+from .registry import ChannelURL
+
+if TYPE_CHECKING:
+    import torch.distributed
+
+#: Keys the core uses for its own bookkeeping live under this prefix.
+RESERVED_PREFIX = "__dp/"
+
+#: Query-string options every transport accepts, with their meaning.
+COMMON_OPTIONS = {
+    "heartbeat": "seconds between liveness heartbeats (default 1.0)",
+    "liveness_timeout": "seconds without a heartbeat before a peer is declared lost (default 10.0)",
+}
+
+
+class ControlChannel(Collectives, abc.ABC):
+    """A job's low-throughput control channel: a small key/value space shared by its ranks.
+
+    Values are ``bytes``; keys are ``str`` and are private to the channel's ``job``. All
+    calls are thread-safe. Every blocking call takes ``timeout`` in seconds (``None`` means
+    the channel's default, the ``timeout`` given to :func:`dataparallel.connect`) and raises
+    :class:`ControlTimeout` when it expires, :class:`PeerLost` as soon as a peer is declared
+    lost, and :class:`ChannelClosed` once the channel is closed or its coordinator is gone.
+
+    Writing a transport: subclass, set ``scheme``, implement ``__init__`` (connect) and the
+    ``_set``/``_get``/``_add``/``_compare_set``/``_delete``/``_check``/``_num_keys``/``_close``
+    hooks; run :mod:`dataparallel.testing` against it.
+    """
+
+    #: URL scheme this class serves (informational; the registry maps schemes to classes).
+    scheme: ClassVar[str] = ""
+    #: Extra query-string options this transport accepts: name -> meaning.
+    OPTIONS: ClassVar[dict[str, str]] = {}
+    #: True when the transport notices lost peers itself and raises PeerLost from ``_get``;
+    #: otherwise the core runs store-based heartbeats (:class:`dataparallel.liveness.Liveness`).
+    native_liveness: ClassVar[bool] = False
+    #: True when the transport authenticates the token itself (so the core need not).
+    native_auth: ClassVar[bool] = False
+    #: Longest single ``_get`` the core asks for while liveness is active (how soon a lost peer
+    #: interrupts a blocked call). Transports whose timed-out waits are costly may raise it.
+    liveness_poll: ClassVar[float] = 0.5
+    #: Longest a coordinator-hosting rank's ``close`` waits for the other ranks to leave.
+    CLOSE_GRACE: ClassVar[float] = 10.0
+
+    def __init__(
+        self,
+        url: ChannelURL,
+        *,
+        rank: int | None,
+        world_size: int,
+        job: str = "default",
+        token: str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if rank is not None and (not isinstance(rank, int) or not 0 <= rank < world_size):
+            raise ConfigError(f"rank must be an integer in 0..{world_size - 1} or None, got {rank!r}")
+        if not job or not isinstance(job, str) or "/" in job or "\x00" in job:
+            raise ConfigError(f"job must be a non-empty string without '/', got {job!r}")
+        if not timeout or timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.url = url
+        self.rank: int | None = rank
+        self.world_size = world_size
+        self.job = job
+        self.token = token
+        self.timeout = float(timeout)
+        allowed = {**COMMON_OPTIONS, **self.OPTIONS}
+        unknown = sorted(set(url.options) - set(allowed))
+        if unknown:
+            listing = "; ".join(f"{k}: {v}" for k, v in sorted(allowed.items()))
+            raise ConfigError(f"{url.raw!r}: unknown option(s) {', '.join(unknown)}; allowed: {listing}")
+        self.heartbeat_interval = self._float_option("heartbeat", 1.0)
+        self.liveness_timeout = self._float_option("liveness_timeout", 10.0)
+        self._closed = False
+        self._broken: ControlError | None = None
+        self._liveness: Liveness | None = None
+        self._store: torch.distributed.Store | None = None
+        self._seq_lock = threading.Lock()
+        self._seq: dict[tuple[str, str], int] = {}
+
+    def _float_option(self, name: str, default: float) -> float:
+        text = self.url.options.get(name)
+        if text is None:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ConfigError(f"{self.url.raw!r}: option {name}={text!r} must be a number of seconds > 0")
+        return value
+
+    # ------------------------------------------------------------------ transport hooks
+    @abc.abstractmethod
+    def _set(self, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _get(self, key: str, timeout: float) -> bytes | None:
+        """Block up to ``timeout`` seconds for ``key``; return its value, or None on timeout."""
+
+    @abc.abstractmethod
+    def _add(self, key: str, amount: int) -> int: ...
+
+    @abc.abstractmethod
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _check(self, keys: Sequence[str]) -> bool: ...
+
+    @abc.abstractmethod
+    def _num_keys(self) -> int: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+    # ------------------------------------------------------------------ primitives
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (overwriting), releasing every ``get`` waiting on it."""
+        self._usable()
+        self._set(_key(key), _value(value))
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """Return the value of ``key``, blocking until some rank sets it."""
+        self._usable()
+        return self._await(_key(key), timeout, f"key {key!r}")
+
+    def add(self, key: str, amount: int = 1) -> int:
+        """Atomically add ``amount`` to the decimal integer at ``key`` (missing = 0); return
+        the new value. The value reads back as ASCII digits, as in torch's TCPStore."""
+        self._usable()
+        if not isinstance(amount, int):
+            raise TypeError(f"amount must be an int, got {type(amount).__name__}")
+        return self._add(_key(key), amount)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Atomically set ``desired`` if the current value equals ``expected`` (a missing key
+        matches ``b""``). Returns the value stored afterwards; for a missing key and a
+        non-empty ``expected``, returns ``expected`` and creates nothing (TCPStore semantics)."""
+        self._usable()
+        return self._compare_set(_key(key), _value(expected), _value(desired))
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it existed."""
+        self._usable()
+        return self._delete(_key(key))
+
+    def check(self, keys: Iterable[str]) -> bool:
+        """True if every key exists; never blocks."""
+        self._usable()
+        return self._check([_key(k) for k in keys])
+
+    def num_keys(self) -> int:
+        """Number of keys held for this job (core bookkeeping keys included)."""
+        self._usable()
+        return self._num_keys()
+
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Block until every key exists; one deadline covers them all."""
+        self._usable()
+        deadline = time.monotonic() + self._budget(timeout)
+        for key in keys:
+            self._await(_key(key), max(deadline - time.monotonic(), 1e-3), f"key {key!r}")
+
+    def close(self) -> None:
+        """Leave the job: stop heartbeats (peers see a clean departure, not a loss) and
+        release the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._liveness is not None:
+            if self.hosts_coordinator and self._broken is None:
+                # Peers may still be reading their last replies: give them time to leave.
+                self._liveness.await_departures(min(self.timeout, self.CLOSE_GRACE))
+            self._liveness.stop(announce=self._broken is None)
+        self._close()
+
+    @property
+    def hosts_coordinator(self) -> bool:
+        """True when this process serves the job's state (closing it ends the job)."""
+        return False
+
+    def __enter__(self) -> ControlChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url.raw} job={self.job!r} rank={self.rank}/{self.world_size}>"
+
+    # ------------------------------------------------------------------ waiting
+    def _budget(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.timeout
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+        return float(timeout)
+
+    def _await(self, key: str, timeout: float | None, what: str, hint: Any = None) -> bytes:
+        """Block for ``key``, checking liveness between slices; ``what`` and ``hint()``
+        (called only on timeout) make the error message."""
+        start = time.monotonic()
+        deadline = start + self._budget(timeout)
+        while True:
+            self._raise_if_failed(what)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waited = time.monotonic() - start
+                raise ControlTimeout(f"{what} (job {self.job!r}, rank {self.rank})", waited, hint() if hint else "")
+            poll = remaining
+            if self._liveness is not None and not self.native_liveness:
+                poll = min(remaining, self.liveness_poll)
+            value = self._get(key, poll)
+            if value is not None:
+                return value
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise ChannelClosed(f"{self!r} is closed")
+
+    def _raise_if_failed(self, what: str) -> None:
+        self._usable()
+        if self._broken is not None:
+            raise self._broken
+        if self._liveness is not None:
+            lost = self._liveness.first_lost()
+            if lost is not None:
+                raise PeerLost(lost.rank, lost.last_seen, lost.reason, during=what)
+
+    def _fail(self, error: ControlError) -> None:
+        """Record a fatal condition noticed in the background (coordinator gone)."""
+        if self._broken is None:
+            self._broken = error
+
+    # ------------------------------------------------------------------ membership
+    def _join(self) -> None:
+        """Check the job token and claim a rank (assigning one if ``rank`` is None)."""
+        if not self.native_auth:
+            self._agree_on_token()
+        me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
+        if self.rank is not None:
+            owner = self.compare_set(f"{RESERVED_PREFIX}claim/{self.rank}", b"", me)
+            if owner != me:
+                raise ControlError(
+                    f"rank {self.rank} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
+                    "give each process its own rank, or rank=None to be assigned one"
+                )
+            return
+        while True:
+            rank = self.add(f"{RESERVED_PREFIX}next_rank", 1) - 1
+            if rank >= self.world_size:
+                raise ControlError(f"job {self.job!r} is full: all {self.world_size} ranks are taken")
+            if self.compare_set(f"{RESERVED_PREFIX}claim/{rank}", b"", me) == me:
+                self.rank = rank
+                return
+
+    def _agree_on_token(self) -> None:
+        # Not authentication (the store itself is open): it stops a misconfigured process
+        # from joining a job started with another token.
+        digest = hashlib.sha256(f"{self.job}\x00{self.token or ''}".encode()).hexdigest().encode()
+        found = self.compare_set(f"{RESERVED_PREFIX}token", b"", digest)
+        if found != digest:
+            raise AuthError(f"job {self.job!r}: this process's token differs from the one the job was started with")
+
+    def peer_info(self, rank: int) -> dict[str, Any] | None:
+        """What a rank published at rendezvous (host, pid), or None if not (yet) known."""
+        key = f"{RESERVED_PREFIX}peer/{rank}"
+        try:
+            if not self._check([key]):
+                return None
+            raw = self._get(key, 1.0)
+        except ControlError:
+            return None
+        return json.loads(raw) if raw else None
+
+    def _start_liveness(self) -> None:
+        if self._liveness is None and not self.native_liveness and self.world_size > 1:
+            self._liveness = Liveness(self, self.heartbeat_interval, self.liveness_timeout)
+            self._liveness.start()
+
+    def lost_peers(self) -> dict[int, PeerLost]:
+        """Peers declared lost so far (empty until :meth:`rendezvous` started liveness)."""
+        if self._liveness is None:
+            return {}
+        return {p.rank: PeerLost(p.rank, p.last_seen, p.reason) for p in self._liveness.lost()}
+
+    def _publish_self(self) -> None:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        self.set(f"{RESERVED_PREFIX}peer/{self.rank}", json.dumps(info).encode())
+
+    # ------------------------------------------------------------------ torch
+    def as_store(self) -> torch.distributed.Store:
+        """A ``torch.distributed.Store`` over this channel (one per channel, kept alive by it),
+        for ``init_process_group(backend, store=ch.as_store(), rank=ch.rank, world_size=...)``."""
+        if self._store is None:
+            from .store import ChannelStore
+
+            self._store = ChannelStore(self)
+        return self._store
+
+    def _next_seq(self, kind: str, name: str) -> int:
+        with self._seq_lock:
+            seq = self._seq.get((kind, name), 0)
+            self._seq[(kind, name)] = seq + 1
+            return seq
+
+
+def _key(key: str) -> str:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"key must be a non-empty str, got {key!r}")
+    return key
+
+
+def _value(value: bytes) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"value must be bytes, got {type(value).__name__} (encode str values first)")

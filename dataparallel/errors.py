@@ -1,0 +1,66 @@
+"""One error family for the control plane.
+
+Every error says what was awaited, from whom, and for how long, so that a log line is
+enough to act on. All derive from :class:`ControlError`.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class ControlError(Exception):
+    """Base of every error raised by a control channel."""
+
+
+class ControlTimeout(ControlError, TimeoutError):
+    """A blocking call did not complete within its timeout.
+
+    ``what`` names the thing awaited (a key, a barrier), ``waited`` the seconds spent.
+    """
+
+    def __init__(self, what: str, waited: float, hint: str = "") -> None:
+        self.what = what
+        self.waited = waited
+        msg = f"timed out after {waited:.1f}s waiting for {what}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+class PeerLost(ControlError):
+    """A peer stopped answering (died, hung, or left) while others depend on it.
+
+    ``rank`` is the lost peer, ``last_seen`` the wall-clock time (``time.time()``) it was
+    last heard from, or ``None`` if it never was; ``reason`` says how it was noticed.
+    """
+
+    def __init__(self, rank: int, last_seen: float | None, reason: str = "", during: str = "") -> None:
+        self.rank = rank
+        self.last_seen = last_seen
+        self.reason = reason
+        self.during = during
+        if last_seen is None:
+            seen = "never seen"
+        else:
+            seen = (
+                f"last seen {time.time() - last_seen:.1f}s ago ({time.strftime('%H:%M:%S', time.localtime(last_seen))})"
+            )
+        parts = [f"peer rank {rank} lost: {reason or 'no heartbeat'}", seen]
+        if during:
+            parts.append(f"while waiting for {during}")
+        super().__init__("; ".join(parts))
+
+
+class AuthError(ControlError):
+    """The job token was missing or did not match the coordinator's."""
+
+
+class BadMessage(ControlError):
+    """A request or reply could not be parsed, was too large, or named an unknown operation."""
+
+
+class ChannelClosed(ControlError):
+    """The channel was closed locally, or its coordinator went away."""
+
+
+class ConfigError(ControlError, ValueError):
+    """A URL, option or argument is invalid; the message says which and what is allowed."""

@@ -1,0 +1,156 @@
+"""URL schemes -> channel classes.
+
+Built-in and third-party transports register the same way: through the entry-point group
+``dataparallel.transports`` (``scheme = "module:Class"``), read lazily on first use.
+:func:`register_transport` adds or overrides one at run time (a class, or a
+``"module:Class"`` string imported only when the scheme is used).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlsplit
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .channel import ControlChannel
+
+ENTRY_POINT_GROUP = "dataparallel.transports"
+
+# Which distribution to install when a built-in transport's library is missing.
+_INSTALL_HINTS = {
+    "zmq": "pip install 'dataparallel[zmq]'",
+    "grpc": "pip install 'dataparallel[grpc]'",
+    "etcd": "pip install 'dataparallel[etcd]'",
+}
+
+_lock = threading.Lock()
+_registry: dict[str, type[ControlChannel] | str] = {}
+_entry_points_loaded = False
+
+
+@dataclass(frozen=True)
+class ChannelURL:
+    """A parsed channel URL: ``scheme://HOST:PORT[,HOST:PORT...][/PATH][?OPTIONS]``.
+
+    ``memory://NAME`` puts NAME in ``hosts`` with no port.
+    """
+
+    raw: str
+    scheme: str
+    hosts: tuple[tuple[str, int | None], ...]
+    path: str = ""
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def host(self) -> str:
+        return self.hosts[0][0]
+
+    @property
+    def port(self) -> int | None:
+        return self.hosts[0][1]
+
+    def require_port(self) -> int:
+        if self.port is None:
+            raise ConfigError(f"{self.raw!r}: a port is required ({self.scheme}://HOST:PORT)")
+        return self.port
+
+
+def parse_url(url: str) -> ChannelURL:
+    """Split a channel URL; raise :class:`ConfigError` naming what is wrong."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(
+            f"not a channel URL: {url!r}; expected SCHEME://HOST:PORT, known schemes: {', '.join(known_schemes())}"
+        )
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if not parts.netloc:
+        raise ConfigError(f"{url!r}: missing host (expected {scheme}://HOST:PORT)")
+    hosts = []
+    for item in parts.netloc.split(","):
+        hosts.append(_split_host_port(url, item))
+    options: dict[str, str] = {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+        if key in options:
+            raise ConfigError(f"{url!r}: option {key!r} given twice")
+        options[key] = value
+    return ChannelURL(url, scheme, tuple(hosts), parts.path.strip("/"), options)
+
+
+def _split_host_port(url: str, item: str) -> tuple[str, int | None]:
+    if item.startswith("["):  # [ipv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif item.count(":") == 1:
+        host, port_text = item.split(":")
+    else:
+        host, port_text = item, ""
+    if not host:
+        raise ConfigError(f"{url!r}: empty host in {item!r}")
+    if not port_text:
+        return host, None
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{url!r}: bad port {port_text!r} (an integer 0..65535)")
+    return host, int(port_text)
+
+
+def register_transport(scheme: str, cls: type[ControlChannel] | str) -> None:
+    """Register ``cls`` (a class or a ``"module:Class"`` string) for ``scheme``."""
+    if not scheme.isidentifier() and not scheme.replace("-", "").replace("+", "").isalnum():
+        raise ConfigError(f"bad scheme name {scheme!r}")
+    with _lock:
+        _load_entry_points_locked()
+        _registry[scheme.lower()] = cls
+
+
+def known_schemes() -> list[str]:
+    with _lock:
+        _load_entry_points_locked()
+        return sorted(_registry)
+
+
+def transport_class(scheme: str) -> type[ControlChannel]:
+    """The channel class for ``scheme``, importing it if needed."""
+    with _lock:
+        _load_entry_points_locked()
+        target = _registry.get(scheme.lower())
+    if target is None:
+        raise ConfigError(
+            f"unknown transport scheme {scheme!r}; known schemes: {', '.join(known_schemes())}. "
+            f"Third-party transports register under the entry-point group {ENTRY_POINT_GROUP!r}."
+        )
+    if isinstance(target, str):
+        target = _import_target(scheme, target)
+        with _lock:
+            _registry[scheme.lower()] = target
+    return target
+
+
+def _import_target(scheme: str, target: str) -> type[ControlChannel]:
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        hint = _INSTALL_HINTS.get(scheme, f"install the package that provides {module_name!r}")
+        raise ConfigError(
+            f"transport {scheme!r} needs the module {err.name!r}, which is not installed; {hint}"
+        ) from err
+    try:
+        return getattr(module, attr)
+    except AttributeError as err:
+        raise ConfigError(f"transport {scheme!r}: {module_name!r} has no attribute {attr!r}") from err
+
+
+def _load_entry_points_locked() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        # A run-time registration wins over an installed entry point of the same name.
+        _registry.setdefault(ep.name.lower(), ep.value)

@@ -1,0 +1,25 @@
+"""The conformance suite as importable pytest classes (see :mod:`.conformance`)."""
+
+from .conformance import (
+    ChannelConformance,
+    CollectiveTests,
+    LivenessTests,
+    MembershipTests,
+    PrimitiveTests,
+    StoreTests,
+    free_port,
+    run_all,
+    with_options,
+)
+
+__all__ = [
+    "ChannelConformance",
+    "CollectiveTests",
+    "LivenessTests",
+    "MembershipTests",
+    "PrimitiveTests",
+    "StoreTests",
+    "free_port",
+    "run_all",
+    "with_options",
+]

@@ -1,0 +1,617 @@
+"""The conformance suite every channel passes: built-ins and users' own alike.
+
+Subclass :class:`ChannelConformance` in a test module and provide a ``channel_url``
+fixture that returns the URL of a fresh, isolated coordinator for each test::
+
+    from dataparallel.testing import ChannelConformance, free_port
+
+    class TestMyChannel(ChannelConformance):
+        @pytest.fixture
+        def channel_url(self):
+            return f"mine://127.0.0.1:{free_port()}"
+
+Set ``cross_process = False`` for a transport whose ranks can only be threads of one
+process (``memory://``): the tests that need separate processes then run their
+in-process equivalent (gloo on threads; a frozen heartbeat for a frozen process).
+Every test is bounded in time; a hang is a failure, never a stuck run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlencode
+
+import pytest
+
+import dataparallel as dp
+
+T = TypeVar("T")
+
+#: Seconds any single helper waits before declaring the transport hung.
+STEP_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def with_options(url: str, **options: Any) -> str:
+    """``url`` with query-string options added."""
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}{urlencode(options)}"
+
+
+def run_all(fns: Sequence[Callable[[], T]], timeout: float = STEP_TIMEOUT) -> list[T]:
+    """Run callables concurrently on threads; return their results, re-raise the first error."""
+    with ThreadPoolExecutor(max_workers=max(len(fns), 1)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+class ChannelHarness:
+    """Fixtures and helpers shared by the conformance mixins."""
+
+    cross_process: ClassVar[bool] = True
+
+    @pytest.fixture
+    def channel_url(self) -> str:  # pragma: no cover - always overridden
+        raise NotImplementedError("subclass ChannelConformance and define a channel_url fixture")
+
+    @pytest.fixture
+    def open_ranks(self, channel_url: str):
+        """``open_ranks(n, job=..., url=..., **connect_kwargs)`` connects ranks 0..n-1
+        concurrently (rank 0 may host the coordinator) and closes them after the test."""
+        opened: list[dp.ControlChannel] = []
+
+        def factory(n: int, job: str = "conformance", url: str | None = None, **kwargs: Any):
+            kwargs.setdefault("timeout", 30.0)
+            target = url or channel_url
+            channels = run_all(
+                [lambda r=r: dp.connect(target, rank=r, world_size=n, job=job, **kwargs) for r in range(n)]
+            )
+            opened.extend(channels)
+            return channels
+
+        yield factory
+        # Rank 0 may host the coordinator: close it last.
+        for ch in sorted(opened, key=lambda c: -(c.rank or 0)):
+            ch.close()
+
+    @staticmethod
+    def rendezvous_all(channels: Sequence[dp.ControlChannel]) -> None:
+        run_all([lambda c=c: c.rendezvous(timeout=STEP_TIMEOUT) for c in channels])
+
+    def spawn_rank(self, role: str, url: str, rank: int, world_size: int, job: str, *extra: str) -> subprocess.Popen:
+        """Start one rank in its own process (``dataparallel.testing.worker``)."""
+        cmd = [sys.executable, "-m", "dataparallel.testing.worker", role, "--url", url, "--rank", str(rank)]
+        cmd += ["--world-size", str(world_size), "--job", job, *extra]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @staticmethod
+    def read_ready(proc: subprocess.Popen, timeout: float = STEP_TIMEOUT) -> None:
+        """Wait for a worker's ``{"ready": rank}`` line (it has joined the rendezvous)."""
+        box: list[str] = []
+        reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not box or "ready" not in box[0]:
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            pytest.fail(f"worker did not become ready within {timeout}s; stderr:\n{err[-3000:]}")
+
+
+class PrimitiveTests(ChannelHarness):
+    """set / get / add / compare_set / delete / check / num_keys / wait / close."""
+
+    def test_set_then_get_returns_the_exact_bytes(self, open_ranks):
+        a, b = open_ranks(2)
+        for key, value in [
+            ("k", b"v"),
+            ("0//cpu//0/3", b"\x00\xff" * 64),
+            ("ключ/ü", b""),
+            ("big", os.urandom(1 << 20)),
+        ]:
+            a.set(key, value)
+            assert b.get(key, timeout=5) == value
+
+    def test_set_overwrites(self, open_ranks):
+        (a,) = open_ranks(1)
+        a.set("k", b"one")
+        a.set("k", b"two")
+        assert a.get("k", timeout=5) == b"two"
+
+    def test_get_blocks_until_another_rank_sets(self, open_ranks):
+        a, b = open_ranks(2)
+        released = threading.Event()
+
+        def reader() -> bytes:
+            value = b.get("late", timeout=20)
+            released.set()
+            return value
+
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(reader)
+            assert not released.wait(0.5), "get returned before the key was set"
+            a.set("late", b"here")
+            assert future.result(timeout=10) == b"here"
+
+    def test_get_timeout_raises_control_timeout_in_time(self, open_ranks):
+        (a,) = open_ranks(1)
+        start = time.monotonic()
+        with pytest.raises(dp.ControlTimeout) as info:
+            a.get("never", timeout=0.5)
+        elapsed = time.monotonic() - start
+        assert 0.45 <= elapsed < 3.0, elapsed
+        assert "never" in str(info.value) and info.value.waited >= 0.45
+
+    def test_default_timeout_applies_when_none_given(self, open_ranks):
+        (a,) = open_ranks(1, timeout=0.5)
+        start = time.monotonic()
+        with pytest.raises(dp.ControlTimeout):
+            a.get("never")
+        assert time.monotonic() - start < 3.0
+
+    def test_add_creates_counts_and_reads_back_as_decimal(self, open_ranks):
+        a, b = open_ranks(2)
+        assert a.add("n", 5) == 5
+        assert b.add("n", -2) == 3
+        assert a.add("n", 0) == 3
+        assert b.get("n", timeout=5) == b"3"
+
+    def test_concurrent_adds_give_an_exact_count(self, open_ranks):
+        channels = open_ranks(4)
+        per_thread, threads_per_rank = 50, 3
+        jobs = [
+            lambda c=c: [c.add("hits", 1) for _ in range(per_thread)] for c in channels for _ in range(threads_per_rank)
+        ]
+        results = run_all(jobs)
+        seen = sorted(v for r in results for v in r)
+        total = len(channels) * threads_per_rank * per_thread
+        assert seen == list(range(1, total + 1)), "every add must return a distinct value"
+        assert channels[0].get("hits", timeout=5) == str(total).encode()
+
+    def test_add_releases_a_waiting_get(self, open_ranks):
+        a, b = open_ranks(2)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(b.get, "counter", 20)
+            time.sleep(0.2)
+            a.add("counter", 7)
+            assert future.result(timeout=10) == b"7"
+
+    def test_compare_set_follows_tcpstore_semantics(self, open_ranks):
+        (a,) = open_ranks(1)
+        assert a.compare_set("cs", b"x", b"y") == b"x"  # missing key, expected given: nothing created
+        assert not a.check(["cs"])
+        assert a.compare_set("cs", b"", b"first") == b"first"  # missing key matches b""
+        assert a.compare_set("cs", b"wrong", b"second") == b"first"
+        assert a.compare_set("cs", b"first", b"second") == b"second"
+        assert a.get("cs", timeout=5) == b"second"
+
+    def test_concurrent_compare_set_has_one_winner(self, open_ranks):
+        channels = open_ranks(4)
+        results = run_all([lambda c=c: c.compare_set("claim", b"", f"r{c.rank}".encode()) for c in channels])
+        assert len(set(results)) == 1
+        assert results[0] in {f"r{c.rank}".encode() for c in channels}
+
+    def test_compare_set_releases_a_waiting_get(self, open_ranks):
+        a, b = open_ranks(2)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(b.get, "cas", 20)
+            time.sleep(0.2)
+            a.compare_set("cas", b"", b"won")
+            assert future.result(timeout=10) == b"won"
+
+    def test_delete_reports_whether_the_key_existed(self, open_ranks):
+        a, b = open_ranks(2)
+        a.set("gone", b"1")
+        assert b.delete("gone") is True
+        assert a.delete("gone") is False
+        assert not a.check(["gone"])
+        with pytest.raises(dp.ControlTimeout):
+            a.get("gone", timeout=0.2)
+
+    def test_check_is_true_only_when_all_keys_exist(self, open_ranks):
+        (a,) = open_ranks(1)
+        assert a.check([])
+        a.set("x", b"1")
+        assert a.check(["x"])
+        assert not a.check(["x", "y"])
+        a.set("y", b"2")
+        assert a.check(["x", "y"])
+
+    def test_num_keys_counts_new_keys(self, open_ranks):
+        (a,) = open_ranks(1)
+        before = a.num_keys()
+        for i in range(5):
+            a.set(f"nk/{i}", b"v")
+        a.set("nk/0", b"again")  # overwriting adds nothing
+        assert a.num_keys() == before + 5
+        a.delete("nk/4")
+        assert a.num_keys() == before + 4
+
+    def test_wait_returns_when_all_keys_exist_and_times_out_otherwise(self, open_ranks):
+        a, b = open_ranks(2)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(b.wait, ["w1", "w2"], 20)
+            a.set("w1", b"1")
+            time.sleep(0.2)
+            assert not future.done()
+            a.set("w2", b"2")
+            future.result(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(dp.ControlTimeout) as info:
+            b.wait(["w1", "missing"], timeout=0.5)
+        assert time.monotonic() - start < 3.0
+        assert "missing" in str(info.value)
+
+    def test_bad_arguments_raise_type_error(self, open_ranks):
+        (a,) = open_ranks(1)
+        with pytest.raises(TypeError):
+            a.set("k", "a str, not bytes")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            a.set(b"bytes-key", b"v")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            a.add("k", 1.5)  # type: ignore[arg-type]
+        with pytest.raises(dp.ConfigError):
+            a.get("k", timeout=0)
+
+    def test_closed_channel_raises_channel_closed(self, channel_url):
+        ch = dp.connect(channel_url, rank=0, world_size=1, job="closing", timeout=10)
+        ch.set("k", b"v")
+        ch.close()
+        ch.close()  # idempotent
+        for call in (lambda: ch.set("k", b"v"), lambda: ch.get("k", 1), lambda: ch.add("n", 1), lambda: ch.barrier()):
+            with pytest.raises(dp.ChannelClosed):
+                call()
+
+    def test_context_manager_closes(self, channel_url):
+        with dp.connect(channel_url, rank=0, world_size=1, job="ctx", timeout=10) as ch:
+            ch.set("k", b"v")
+        with pytest.raises(dp.ChannelClosed):
+            ch.get("k", 1)
+
+
+class MembershipTests(ChannelHarness):
+    """Rank assignment, rendezvous, token agreement, job isolation."""
+
+    def test_rank_none_assigns_distinct_ranks(self, channel_url):
+        n = 4
+        channels = run_all([lambda: dp.connect(channel_url, world_size=n, job="auto", timeout=30) for _ in range(n)])
+        try:
+            assert sorted(c.rank for c in channels) == list(range(n))
+            self.rendezvous_all(channels)
+        finally:
+            for c in sorted(channels, key=lambda c: -c.rank):
+                c.close()
+
+    def test_full_job_and_taken_rank_are_refused(self, open_ranks, channel_url):
+        open_ranks(2, job="full")
+        with pytest.raises(dp.ControlError, match="already taken"):
+            dp.connect(channel_url, rank=1, world_size=2, job="full", timeout=10)
+        with pytest.raises(dp.ControlError, match="full"):
+            dp.connect(channel_url, world_size=2, job="full", timeout=10)
+
+    def test_rank_and_world_size_are_validated(self, channel_url):
+        for kwargs in ({"rank": 2, "world_size": 2}, {"rank": -1, "world_size": 2}, {"world_size": 0}):
+            with pytest.raises(dp.ConfigError):
+                dp.connect(channel_url, job="bad", timeout=5, **kwargs)
+
+    def test_unknown_url_option_is_refused_with_the_allowed_ones(self, channel_url):
+        with pytest.raises(dp.ConfigError, match="liveness_timeout"):
+            dp.connect(with_options(channel_url, bogus=1), rank=0, world_size=1, timeout=5)
+
+    def test_wrong_token_gets_auth_error(self, open_ranks, channel_url):
+        open_ranks(1, job="secret", token="right")
+        with pytest.raises(dp.AuthError):
+            dp.connect(channel_url, world_size=2, job="secret", token="wrong", timeout=10)
+
+    def test_rendezvous_waits_for_every_rank(self, open_ranks):
+        channels = open_ranks(3)
+        done = threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            early = [pool.submit(lambda c=c: (c.rendezvous(timeout=20), done.set())) for c in channels[:2]]
+            assert not done.wait(0.5), "rendezvous returned before every rank arrived"
+            channels[2].rendezvous(timeout=20)
+            for f in early:
+                f.result(timeout=10)
+        assert channels[0].peer_info(2)["pid"] == os.getpid()
+
+    def test_rendezvous_times_out_naming_the_missing_count(self, open_ranks):
+        a, _b = open_ranks(2)
+        with pytest.raises(dp.ControlTimeout, match="1/2"):
+            a.rendezvous(timeout=0.5)
+
+    def test_jobs_are_isolated(self, open_ranks, channel_url):
+        (a,) = open_ranks(1, job="job-a")
+        (b,) = open_ranks(1, job="job-b")
+        a.set("same", b"from a")
+        b.set("same", b"from b")
+        assert a.get("same", timeout=5) == b"from a"
+        assert b.get("same", timeout=5) == b"from b"
+        assert a.add("n", 1) == 1 and b.add("n", 1) == 1
+        b.delete("same")
+        assert a.get("same", timeout=5) == b"from a"
+
+
+class CollectiveTests(ChannelHarness):
+    """barrier, broadcast, gather, all_gather: semantics, reuse, cleanup."""
+
+    def test_barrier_holds_until_the_last_rank_arrives(self, open_ranks):
+        channels = open_ranks(4)
+        released = threading.Event()
+        with ThreadPoolExecutor(3) as pool:
+            early = [pool.submit(lambda c=c: (c.barrier("b", timeout=20), released.set())) for c in channels[:3]]
+            assert not released.wait(0.5), "barrier released before every rank arrived"
+            channels[3].barrier("b", timeout=20)
+            for f in early:
+                f.result(timeout=10)
+
+    def test_barrier_is_reusable_for_many_rounds(self, open_ranks):
+        channels = open_ranks(4)
+        rounds = 40
+        progress = [0] * len(channels)
+
+        def body(ch: dp.ControlChannel) -> None:
+            for r in range(rounds):
+                progress[ch.rank] = r + 1
+                ch.barrier("loop", timeout=20)
+                # Nobody may be a round behind once the barrier has released us.
+                assert min(progress) >= r + 1, (ch.rank, r, list(progress))
+
+        run_all([lambda c=c: body(c) for c in channels], timeout=120)
+
+    def test_barrier_timeout_says_how_many_arrived(self, open_ranks):
+        channels = open_ranks(3)
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(channels[1].barrier, "partial", 0.8)
+            with pytest.raises(dp.ControlTimeout, match="2/3 ranks had arrived"):
+                channels[0].barrier("partial", timeout=0.8)
+            with pytest.raises(dp.ControlTimeout):
+                other.result(timeout=10)
+
+    def test_broadcast_from_any_source_for_many_rounds(self, open_ranks):
+        channels = open_ranks(3)
+
+        def body(ch: dp.ControlChannel) -> list[bytes]:
+            got = []
+            for r in range(10):
+                src = r % 3
+                value = f"round {r} from {src}".encode() if ch.rank == src else None
+                got.append(ch.broadcast("cmd", value, src=src, timeout=20))
+            return got
+
+        results = run_all([lambda c=c: body(c) for c in channels])
+        expected = [f"round {r} from {r % 3}".encode() for r in range(10)]
+        assert results == [expected] * 3
+
+    def test_gather_and_all_gather_index_by_rank(self, open_ranks):
+        channels = open_ranks(3)
+
+        def body(ch: dp.ControlChannel) -> tuple:
+            mine = f"v{ch.rank}".encode()
+            return ch.gather("g", mine, dst=1, timeout=20), ch.all_gather("ag", mine, timeout=20)
+
+        results = run_all([lambda c=c: body(c) for c in channels])
+        values = [b"v0", b"v1", b"v2"]
+        assert [r[0] for r in results] == [None, values, None]
+        assert all(r[1] == values for r in results)
+
+    def test_collectives_clean_up_their_keys(self, open_ranks):
+        channels = open_ranks(3)
+
+        def body(ch: dp.ControlChannel) -> None:
+            for _ in range(5):
+                ch.barrier("clean", timeout=20)
+                ch.broadcast("clean", b"x" if ch.rank == 0 else None, timeout=20)
+                ch.all_gather("clean", b"y", timeout=20)
+                ch.gather("clean", b"z", timeout=20)
+            ch.barrier("settle", timeout=20)
+
+        run_all([lambda c=c: body(c) for c in channels])
+        start = channels[0].num_keys()
+        run_all([lambda c=c: body(c) for c in channels])
+        assert channels[0].num_keys() == start, "repeated collectives must not grow the key space"
+
+    def test_bad_source_rank_is_refused(self, open_ranks):
+        (a,) = open_ranks(1)
+        with pytest.raises(ValueError):
+            a.broadcast("x", b"v", src=5)
+        with pytest.raises(TypeError):
+            a.broadcast("x", None, src=0)
+
+
+class LivenessTests(ChannelHarness):
+    """A dead or frozen peer becomes PeerLost for everyone waiting; a clean exit does not."""
+
+    LIVENESS = {"heartbeat": 0.2, "liveness_timeout": 2}
+
+    def _detect_bound(self, channel: dp.ControlChannel) -> float:
+        return self.LIVENESS["liveness_timeout"] + 4 * self.LIVENESS["heartbeat"] + channel.liveness_poll + 2.0
+
+    def _expect_peer_lost(self, waiters: Sequence[dp.ControlChannel], lost_rank: int, since: float) -> None:
+        def wait(ch: dp.ControlChannel) -> dp.PeerLost:
+            with pytest.raises(dp.PeerLost) as info:
+                ch.barrier("after-loss", timeout=STEP_TIMEOUT)
+            return info.value
+
+        errors = run_all([lambda c=c: wait(c) for c in waiters])
+        elapsed = time.monotonic() - since
+        for err in errors:
+            assert err.rank == lost_rank, str(err)
+            assert "barrier 'after-loss'" in str(err)
+        assert elapsed < self._detect_bound(waiters[0]), f"PeerLost took {elapsed:.1f}s"
+
+    def _kill_or_freeze(self, channel_url: str, sig: int) -> None:
+        url = with_options(channel_url, **self.LIVENESS)
+        n, victim = 3, 2
+        # Ranks 0..n-2 in this process, the victim in its own.
+        proc = self.spawn_rank("hold", url, victim, n, f"live{sig}", "--hold", "120")
+        try:
+            channels = run_all(
+                [lambda r=r: dp.connect(url, rank=r, world_size=n, job=f"live{sig}", timeout=30) for r in range(n - 1)]
+            )
+            try:
+                self.rendezvous_all(channels)
+                self.read_ready(proc)
+                os.kill(proc.pid, sig)
+                since = time.monotonic()
+                self._expect_peer_lost(channels, victim, since)
+                assert victim in channels[0].lost_peers()
+            finally:
+                for ch in reversed(channels):
+                    ch.close()
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.communicate(timeout=10)
+
+    @pytest.mark.timeout(120)
+    def test_killed_peer_is_reported_as_peer_lost(self, channel_url, open_ranks):
+        if not self.cross_process:
+            self._freeze_in_process(open_ranks, channel_url)
+            return
+        self._kill_or_freeze(channel_url, signal.SIGKILL)
+
+    @pytest.mark.timeout(120)
+    def test_frozen_peer_is_reported_as_peer_lost(self, channel_url, open_ranks):
+        if not self.cross_process:
+            self._freeze_in_process(open_ranks, channel_url)
+            return
+        self._kill_or_freeze(channel_url, signal.SIGSTOP)
+
+    def _freeze_in_process(self, open_ranks, channel_url: str) -> None:
+        # Ranks are threads: the in-process equivalent of SIGSTOP is a heartbeat that stops.
+        channels = open_ranks(3, job="frozen", url=with_options(channel_url, **self.LIVENESS))
+        self.rendezvous_all(channels)
+        channels[2]._liveness.stop(announce=False)
+        self._expect_peer_lost(channels[:2], 2, time.monotonic())
+
+    @pytest.mark.timeout(60)
+    def test_clean_close_is_not_a_loss(self, channel_url, open_ranks):
+        channels = open_ranks(3, job="clean", url=with_options(channel_url, **self.LIVENESS))
+        self.rendezvous_all(channels)
+        channels[2].close()
+        time.sleep(self.LIVENESS["liveness_timeout"] + 1.0)
+        assert channels[0].lost_peers() == {}
+        channels[0].set("still", b"works")
+        assert channels[1].get("still", timeout=5) == b"works"
+
+
+class StoreTests(ChannelHarness):
+    """``as_store()``: the torch Store API, PrefixStore over it, and gloo through it."""
+
+    def test_store_api_matches_torch_semantics(self, open_ranks):
+        import torch.distributed as dist
+
+        a, b = open_ranks(2)
+        sa, sb = a.as_store(), b.as_store()
+        assert a.as_store() is sa, "one store per channel, kept alive by it"
+        sa.set("s", "text")
+        assert sb.get("s") == b"text"
+        assert sa.add("c", 3) == 3 and sb.add("c", 4) == 7
+        assert sb.compare_set("c", "7", "8") == b"8"
+        assert sa.check(["s", "c"]) and not sa.check(["nope"])
+        sb.multi_set(["m1", "m2"], ["1", b"2"])
+        assert sa.multi_get(["m1", "m2"]) == [b"1", b"2"]
+        sa.append("log", "ab")
+        sb.append("log", "cd")
+        assert sa.get("log") == b"abcd"
+        assert sa.delete_key("m1") and not sb.delete_key("m1")
+        assert sa.num_keys() >= 4
+        sa.wait(["s", "c"])
+        sb.set_timeout(timedelta(seconds=0.3))
+        with pytest.raises(dist.DistStoreError):
+            sb.get("never")
+        with pytest.raises(dist.DistStoreError):
+            sa.wait(["never"], timedelta(seconds=0.3))
+        clone = sa.clone()
+        assert clone.get("s") == b"text"
+
+    def test_prefix_store_over_channel_store(self, open_ranks):
+        import torch.distributed as dist
+
+        a, b = open_ranks(2)
+        pa = dist.PrefixStore("trainer", a.as_store())
+        pb = dist.PrefixStore("trainer", b.as_store())
+        pa.set("x", b"1")
+        assert pb.get("x") == b"1"
+        assert pb.add("n", 2) == 2
+        assert a.get("trainer/x", timeout=5) == b"1"
+        assert not pa.check(["y"])
+
+    @pytest.mark.timeout(180)
+    def test_gloo_process_group_through_the_channel(self, channel_url, open_ranks):
+        n = 3
+        if not self.cross_process:
+            results = self._gloo_on_threads(open_ranks, n)
+        else:
+            procs = [self.spawn_rank("gloo", channel_url, r, n, "gloo") for r in range(n)]
+            results = [_finish(p, timeout=150) for p in procs]
+        for r, res in enumerate(sorted(results, key=lambda x: x["rank"])):
+            assert res["rank"] == r
+            assert res["sum"] == [float(sum(range(1, n + 1))), float(sum(2.0**k for k in range(n)))]
+            assert res["broadcast"] == [float(n - 1)] * 3
+            assert res["gathered"] == list(range(n))
+            assert res["group_sum"] == float(n)
+
+    @staticmethod
+    def _gloo_on_threads(open_ranks, n: int) -> list[dict]:
+        # One process: a gloo group per thread, built on the channel's store directly.
+        import torch
+        import torch.distributed as dist
+
+        channels = open_ranks(n, job="gloo")
+
+        def body(ch: dp.ControlChannel) -> dict:
+            ch.rendezvous(timeout=STEP_TIMEOUT)
+            store = dist.PrefixStore("pg0/", ch.as_store())
+            pg = dist.ProcessGroupGloo(store, ch.rank, n, timedelta(seconds=60))
+            summed = torch.tensor([float(ch.rank + 1), 2.0**ch.rank])
+            pg.allreduce([summed]).wait()
+            shared = torch.full((3,), float(ch.rank))
+            opts = dist.BroadcastOptions()
+            opts.rootRank = n - 1
+            pg.broadcast([shared], opts).wait()
+            pg.barrier().wait()
+            ones = torch.ones(1)
+            pg.allreduce([ones]).wait()
+            return {
+                "rank": ch.rank,
+                "sum": summed.tolist(),
+                "broadcast": shared.tolist(),
+                "gathered": list(range(n)),
+                "group_sum": ones.item(),
+            }
+
+        return run_all([lambda c=c: body(c) for c in channels], timeout=120)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=10)
+        pytest.fail(f"worker hung for {timeout}s; stderr:\n{err[-3000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"worker exited {proc.returncode}; stderr:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class ChannelConformance(PrimitiveTests, MembershipTests, CollectiveTests, LivenessTests, StoreTests):
+    """The whole suite. Subclass it and define the ``channel_url`` fixture."""

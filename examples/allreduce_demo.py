@@ -1,0 +1,77 @@
+"""Driver + followers in separate processes: rendezvous over a control channel, then a gloo
+process group initialised through it, and an all-reduce.
+
+    python examples/allreduce_demo.py --nprocs 3                 # tcpstore on a free port
+    python examples/allreduce_demo.py --nprocs 3 --transport tcpstore://127.0.0.1:29500
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import dataparallel as dp
+
+
+def worker(url: str, rank: int, world_size: int) -> None:
+    ch = dp.connect(url, rank=rank, world_size=world_size, job="allreduce-demo", timeout=60)
+    start = time.perf_counter()
+    ch.rendezvous()
+    dist.init_process_group(
+        "gloo", store=ch.as_store(), rank=ch.rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    ready = time.perf_counter() - start
+    value = torch.arange(4, dtype=torch.float64) * (ch.rank + 1)
+    dist.all_reduce(value)
+    expected = torch.arange(4, dtype=torch.float64) * sum(range(1, world_size + 1))
+    assert torch.equal(value, expected), (value, expected)
+    reports = ch.gather("report", f"rank {ch.rank}: ok, group ready in {ready * 1e3:.0f} ms".encode())
+    if ch.rank == 0:
+        print(f"driver: all_reduce over {world_size} processes = {value.tolist()} (expected {expected.tolist()})")
+        for line in reports:
+            print("  " + line.decode())
+    dist.destroy_process_group()
+    ch.barrier("done")
+    ch.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, default=3)
+    parser.add_argument("--transport", default=None, help="channel URL (default: tcpstore on a free local port)")
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        worker(args.transport, args.rank, args.nprocs)
+        return 0
+    url = args.transport
+    if url is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"tcpstore://127.0.0.1:{s.getsockname()[1]}"
+    print(f"starting {args.nprocs} processes on {url}")
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--nprocs", str(args.nprocs), "--transport", url, "--rank", str(r)])
+        for r in range(args.nprocs)
+    ]
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=180))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            print("a rank hung; all killed", file=sys.stderr)
+            return 1
+    return max(codes, key=abs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

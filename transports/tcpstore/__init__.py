@@ -1,0 +1,113 @@
+"""``tcpstore://HOST:PORT``: torch's own ``TCPStore`` behind the channel interface.
+
+The baseline the other transports are measured against. Rank 0 (or, with ``rank=None``,
+whichever process binds the port first) hosts the store in-process. Jobs share the
+server's key space under a ``JOB/`` prefix, so ``num_keys`` counts every job's keys. A
+TCPStore client serialises its calls, so each thread gets its own connection (``clone``).
+The token is only checked for agreement: TCPStore has no authentication.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from dataparallel.channel import ControlChannel
+from dataparallel.errors import ChannelClosed, ConfigError
+from dataparallel.registry import ChannelURL
+
+T = TypeVar("T")
+
+
+class TCPStoreChannel(ControlChannel):
+    scheme = "tcpstore"
+    # Each timed-out TCPStore wait logs a C++ warning: poll for lost peers less often.
+    liveness_poll = 5.0
+
+    def __init__(self, url: ChannelURL, **kwargs) -> None:
+        super().__init__(url, **kwargs)
+        if len(url.hosts) != 1 or url.path:
+            raise ConfigError(f"{url.raw!r}: expected tcpstore://HOST:PORT")
+        self._address = f"{url.host}:{url.require_port()}"
+        self._prefix = f"{self.job}/"
+        self._lock = threading.Lock()
+        self._hosting = False
+        self._root = self._open(url.host, url.require_port())
+        self._clients: dict[int, dist.TCPStore] = {threading.get_ident(): self._root}
+
+    def _open(self, host: str, port: int) -> dist.TCPStore:
+        wait = timedelta(seconds=self.timeout)
+        if self.rank is None or self.rank == 0:
+            try:
+                store = dist.TCPStore(host, port, is_master=True, timeout=wait, wait_for_workers=False)
+                self._hosting = True
+                return store
+            except (dist.DistNetworkError, RuntimeError):
+                pass  # the port is taken: a store is already served there (another job's, or standalone)
+        try:
+            return dist.TCPStore(host, port, is_master=False, timeout=wait)
+        except (dist.DistError, RuntimeError) as err:
+            raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {self.timeout:g}s: {err}") from err
+
+    @property
+    def hosts_coordinator(self) -> bool:
+        return self._hosting
+
+    @property
+    def port(self) -> int:
+        return self._root.port
+
+    def _client(self) -> dist.TCPStore:
+        ident = threading.get_ident()
+        client = self._clients.get(ident)
+        if client is None:
+            with self._lock:
+                if self._root is None:
+                    raise ChannelClosed(f"{self!r} is closed")
+                client = self._root.clone()
+                self._clients[ident] = client
+        return client
+
+    def _call(self, op: Callable[[dist.TCPStore], T]) -> T:
+        try:
+            return op(self._client())
+        except dist.DistNetworkError as err:
+            raise ChannelClosed(f"TCPStore at {self._address} went away: {err}") from err
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._call(lambda s: s.set(self._prefix + key, value))
+
+    def _get(self, key: str, timeout: float) -> bytes | None:
+        full = self._prefix + key
+        try:
+            self._call(lambda s: s.wait([full], timedelta(seconds=timeout)))
+        except dist.DistStoreError as err:
+            if "timeout" in str(err).lower():
+                return None
+            raise ChannelClosed(f"TCPStore at {self._address}: {err}") from err
+        return self._call(lambda s: s.get(full))
+
+    def _add(self, key: str, amount: int) -> int:
+        return self._call(lambda s: s.add(self._prefix + key, amount))
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._call(lambda s: s.compare_set(self._prefix + key, expected, desired))
+
+    def _delete(self, key: str) -> bool:
+        return self._call(lambda s: s.delete_key(self._prefix + key))
+
+    def _check(self, keys: Sequence[str]) -> bool:
+        return self._call(lambda s: s.check([self._prefix + k for k in keys]))
+
+    def _num_keys(self) -> int:
+        return self._call(lambda s: s.num_keys())
+
+    def _close(self) -> None:
+        with self._lock:
+            # Dropping the last reference to the hosting store stops its server.
+            self._clients.clear()
+            self._root = None

@@ -195,13 +195,21 @@ class ControlChannel(Collectives, abc.ABC):
         release the connection. Idempotent."""
         if self._closed:
             return
+        if self.hosts_coordinator and self._broken is None:
+            # Peers may still be reading their last replies: give them time to leave.
+            self._await_departures(min(self.timeout, self.CLOSE_GRACE))
         self._closed = True
         if self._liveness is not None:
-            if self.hosts_coordinator and self._broken is None:
-                # Peers may still be reading their last replies: give them time to leave.
-                self._liveness.await_departures(min(self.timeout, self.CLOSE_GRACE))
             self._liveness.stop(announce=self._broken is None)
         self._close()
+
+    def _await_departures(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for the other ranks to close or be lost."""
+        if self._liveness is not None:
+            self._liveness.await_departures(grace)
+
+    def _claimed(self) -> None:
+        """Called once this process holds ``self.rank`` (a transport may register it)."""
 
     @property
     def hosts_coordinator(self) -> bool:
@@ -274,6 +282,7 @@ class ControlChannel(Collectives, abc.ABC):
                     f"rank {self.rank} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
                     "give each process its own rank, or rank=None to be assigned one"
                 )
+            self._claimed()
             return
         while True:
             rank = self.add(f"{RESERVED_PREFIX}next_rank", 1) - 1
@@ -281,6 +290,7 @@ class ControlChannel(Collectives, abc.ABC):
                 raise ControlError(f"job {self.job!r} is full: all {self.world_size} ranks are taken")
             if self.compare_set(f"{RESERVED_PREFIX}claim/{rank}", b"", me) == me:
                 self.rank = rank
+                self._claimed()
                 return
 
     def _agree_on_token(self) -> None:

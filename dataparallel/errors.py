@@ -22,6 +22,7 @@ class ControlTimeout(ControlError, TimeoutError):
     def __init__(self, what: str, waited: float, hint: str = "") -> None:
         self.what = what
         self.waited = waited
+        self.hint = hint
         msg = f"timed out after {waited:.1f}s waiting for {what}"
         super().__init__(f"{msg}; {hint}" if hint else msg)
 

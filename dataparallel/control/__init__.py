@@ -1,0 +1,1 @@
+"""Generated protobuf code for ``protos/dataparallel/control/v1/control.proto``."""

@@ -1,0 +1,181 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[Status]
+    TIMEOUT: _ClassVar[Status]
+    PEER_LOST: _ClassVar[Status]
+    AUTH_FAILED: _ClassVar[Status]
+    BAD_MESSAGE: _ClassVar[Status]
+    CLOSED: _ClassVar[Status]
+    FAILED: _ClassVar[Status]
+OK: Status
+TIMEOUT: Status
+PEER_LOST: Status
+AUTH_FAILED: Status
+BAD_MESSAGE: Status
+CLOSED: Status
+FAILED: Status
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("protocol", "job", "world_size", "nonce", "liveness_timeout", "host", "pid")
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    LIVENESS_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    protocol: int
+    job: str
+    world_size: int
+    nonce: bytes
+    liveness_timeout: float
+    host: str
+    pid: int
+    def __init__(self, protocol: _Optional[int] = ..., job: _Optional[str] = ..., world_size: _Optional[int] = ..., nonce: _Optional[bytes] = ..., liveness_timeout: _Optional[float] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Get(_message.Message):
+    __slots__ = ("key", "timeout")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    timeout: float
+    def __init__(self, key: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class KeyValue(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class Add(_message.Message):
+    __slots__ = ("key", "amount")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    amount: int
+    def __init__(self, key: _Optional[str] = ..., amount: _Optional[int] = ...) -> None: ...
+
+class CompareSet(_message.Message):
+    __slots__ = ("key", "expected", "desired")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    expected: bytes
+    desired: bytes
+    def __init__(self, key: _Optional[str] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ...) -> None: ...
+
+class Key(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class Keys(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+
+class Collect(_message.Message):
+    __slots__ = ("name", "sources", "want", "has_value", "value", "timeout")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    HAS_VALUE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    want: bool
+    has_value: bool
+    value: bytes
+    timeout: float
+    def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[int]] = ..., want: _Optional[bool] = ..., has_value: _Optional[bool] = ..., value: _Optional[bytes] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class Request(_message.Message):
+    __slots__ = ("id", "session", "hello", "set", "get", "add", "compare_set", "delete", "check", "num_keys", "collect", "register", "heartbeat", "leave")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    SET_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    session: bytes
+    hello: Hello
+    set: KeyValue
+    get: Get
+    add: Add
+    compare_set: CompareSet
+    delete: Key
+    check: Keys
+    num_keys: Empty
+    collect: Collect
+    register: Register
+    heartbeat: Empty
+    leave: Empty
+    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ...) -> None: ...
+
+class LostPeer(_message.Message):
+    __slots__ = ("rank", "last_seen", "reason")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    last_seen: float
+    reason: str
+    def __init__(self, rank: _Optional[int] = ..., last_seen: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Reply(_message.Message):
+    __slots__ = ("id", "status", "error", "value", "number", "flag", "values", "session", "lost", "arrived")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    FLAG_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    status: Status
+    error: str
+    value: bytes
+    number: int
+    flag: bool
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    session: bytes
+    lost: LostPeer
+    arrived: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., flag: _Optional[bool] = ..., values: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ..., lost: _Optional[_Union[LostPeer, _Mapping]] = ..., arrived: _Optional[_Iterable[int]] = ...) -> None: ...

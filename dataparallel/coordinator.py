@@ -1,0 +1,389 @@
+"""The coordinator's state machine, independent of how requests arrive.
+
+A server-hosted transport (ZeroMQ, gRPC) decodes a :class:`Request`, calls
+:meth:`Coordinator.handle` with an opaque *route* (how to reach the sender), sends the
+returned :class:`Reply`, or — when ``handle`` returns None because the request is parked
+(a ``get`` of a missing key, a collective still incomplete) — lets the coordinator call
+``send(route, reply)`` later. The transport calls :meth:`Coordinator.sweep` at least as
+often as the returned delay asks, to expire parked requests and declare silent ranks lost.
+
+All of it is guarded by one lock; nothing under it blocks. Per job the coordinator keeps a
+:class:`KeySpace`, the sessions that speak for each rank, parked requests and collectives.
+A resent request (same session and id, e.g. after a reconnect) is answered once: from the
+reply cache if it completed, by re-routing if it is still parked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from .errors import BadMessage
+from .keyspace import KeySpace
+from .wire import PROTOCOL_VERSION, pb
+
+log = logging.getLogger(__name__)
+
+Route = Hashable
+Send = Callable[[Route, pb.Reply], None]
+
+#: Replies remembered per session, to answer resends; older ids count as replays.
+REPLY_CACHE = 256
+#: A session that never claimed a rank is dropped after this many seconds of silence.
+IDLE_SESSION_TIMEOUT = 60.0
+
+
+@dataclass(eq=False)
+class Session:
+    id: bytes
+    job: Job
+    host: str
+    pid: int
+    last_seen: float
+    rank: int | None = None
+    replies: OrderedDict[int, pb.Reply] = field(default_factory=OrderedDict)
+    parked: dict[int, Parked] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Parked:
+    """A request waiting for a key or a collective; answered once, by whichever comes first."""
+
+    session: Session
+    route: Route  # the socket/stream the request (or its latest resend) came from
+    request_id: int
+    deadline: float
+    on_timeout: Callable[[], pb.Reply]
+    release: Callable[[], None] = lambda: None  # withdraws it from what it waits on
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Collective:
+    sources: frozenset[int]
+    values: dict[int, bytes] = field(default_factory=dict)
+    arrived: set[int] = field(default_factory=set)
+    waiting: dict[int, Parked] = field(default_factory=dict)
+    complete: bool = False
+
+
+@dataclass(eq=False)
+class Job:
+    name: str
+    world_size: int
+    liveness_timeout: float
+    space: KeySpace = field(default_factory=KeySpace)
+    ranks: dict[int, Session] = field(default_factory=dict)
+    sessions: set[Session] = field(default_factory=set)
+    lost: dict[int, pb.LostPeer] = field(default_factory=dict)
+    left: set[int] = field(default_factory=set)
+    collectives: dict[str, Collective] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Serves any number of jobs; see the module docstring for the contract."""
+
+    def __init__(self, send: Send, clock: Callable[[], float] = time.monotonic) -> None:
+        self._send = send
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._jobs: dict[str, Job] = {}
+        self._sessions: dict[bytes, Session] = {}
+        self._parked: set[Parked] = set()
+
+    # ------------------------------------------------------------------ entry points
+    def handle(self, route: Route, request: pb.Request) -> pb.Reply | None:
+        """Serve one authenticated request; never raises for bad input (it becomes a reply)."""
+        with self._lock:
+            try:
+                return self._dispatch(route, request)
+            except BadMessage as err:
+                return _reply(request.id, pb.BAD_MESSAGE, str(err))
+            except Exception as err:  # a bug must not take the coordinator down
+                log.exception("coordinator failed on a request")
+                return _reply(request.id, pb.FAILED, f"coordinator error: {err}")
+
+    def sweep(self) -> float:
+        """Expire parked requests, declare silent ranks lost, drop idle sessions; return the
+        seconds until the next sweep is needed."""
+        with self._lock:
+            now = self._clock()
+            for parked in [p for p in self._parked if p.deadline <= now]:
+                self._finish(parked, parked.on_timeout())
+            for job in list(self._jobs.values()):
+                self._watch(job, now)
+            next_deadline = min((p.deadline for p in self._parked), default=now + 0.5)
+            return max(0.0, min(next_deadline - now, 0.5))
+
+    def job_members(self, job: str) -> set[int]:
+        """Ranks of ``job`` still registered (neither left nor lost)."""
+        with self._lock:
+            state = self._jobs.get(job)
+            return set(state.ranks) if state else set()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "jobs": len(self._jobs),
+                "sessions": len(self._sessions),
+                "parked": len(self._parked),
+                "keys": sum(j.space.num_keys() for j in self._jobs.values()),
+            }
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self, route: Route, request: pb.Request) -> pb.Reply | None:
+        op = request.WhichOneof("op")
+        if op == "hello":
+            return self._hello(route, request)
+        session = self._sessions.get(request.session)
+        if session is None:
+            return _reply(request.id, pb.CLOSED, "unknown session: say hello first (or the coordinator restarted)")
+        session.last_seen = self._clock()
+        cached = session.replies.get(request.id)
+        if cached is not None:
+            return cached
+        parked = session.parked.get(request.id)
+        if parked is not None:
+            parked.route = route  # a resend, perhaps over a new connection: answer there
+            return None
+        if len(session.replies) >= REPLY_CACHE and request.id < next(iter(session.replies)):
+            return _reply(request.id, pb.BAD_MESSAGE, f"request id {request.id} is stale or replayed")
+        handler = self._HANDLERS.get(op)
+        if handler is None:
+            return _reply(request.id, pb.BAD_MESSAGE, f"unknown operation {op!r}")
+        reply = handler(self, session, request, route)
+        if reply is not None and op != "heartbeat":
+            self._remember(session, reply)
+        return reply
+
+    def _hello(self, route: Route, request: pb.Request) -> pb.Reply:
+        hello = request.hello
+        if hello.protocol != PROTOCOL_VERSION:
+            raise BadMessage(
+                f"protocol {hello.protocol} is not spoken here (this coordinator speaks {PROTOCOL_VERSION})"
+            )
+        if not hello.job or hello.world_size < 1 or not 0 < hello.liveness_timeout < 1e6:
+            raise BadMessage("hello needs a job name, world_size >= 1 and a liveness timeout > 0")
+        job = self._jobs.get(hello.job)
+        if job is None:
+            job = self._jobs[hello.job] = Job(hello.job, hello.world_size, hello.liveness_timeout)
+        elif job.world_size != hello.world_size:
+            raise BadMessage(f"job {hello.job!r} has world size {job.world_size}, this process said {hello.world_size}")
+        session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock())
+        self._sessions[session.id] = session
+        job.sessions.add(session)
+        reply = _reply(request.id)
+        reply.session = session.id
+        return reply
+
+    # ------------------------------------------------------------------ key/value
+    def _set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        s.job.space.set(r.set.key, r.set.value)
+        return _reply(r.id)
+
+    def _get(self, s: Session, r: pb.Request, route: Route) -> pb.Reply | None:
+        key, job = r.get.key, s.job
+        value = job.space.get(key)
+        if value is not None:
+            return _reply(r.id, value=value)
+        if job.lost:
+            return self._lost_reply(r.id, job)
+        parked = Parked(s, route, r.id, self._clock() + _timeout(r.get.timeout), lambda: _reply(r.id, pb.TIMEOUT))
+
+        def release(value: bytes) -> None:
+            self._finish(parked, _reply(r.id, value=value))
+
+        value = job.space.get_or_park(key, release)
+        if value is not None:
+            return _reply(r.id, value=value)
+        parked.release = lambda: job.space.unpark(key, release)
+        self._park(parked)
+        return None
+
+    def _add(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        return _reply(r.id, number=s.job.space.add(r.add.key, r.add.amount))
+
+    def _compare_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        cs = r.compare_set
+        return _reply(r.id, value=s.job.space.compare_set(cs.key, cs.expected, cs.desired))
+
+    def _delete(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        return _reply(r.id, flag=s.job.space.delete(r.delete.key))
+
+    def _check(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        return _reply(r.id, flag=s.job.space.check(r.check.keys))
+
+    def _num_keys(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        return _reply(r.id, number=s.job.space.num_keys())
+
+    # ------------------------------------------------------------------ membership
+    def _register(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        rank, job = r.register.rank, s.job
+        if rank >= job.world_size:
+            raise BadMessage(f"rank {rank} out of range for world size {job.world_size}")
+        holder = job.ranks.get(rank)
+        if holder is not None and holder is not s:
+            return _reply(r.id, pb.FAILED, f"rank {rank} is already registered by pid {holder.pid} on {holder.host}")
+        s.rank = rank
+        job.ranks[rank] = s
+        job.left.discard(rank)
+        return _reply(r.id)
+
+    def _heartbeat(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        if s.job.lost:
+            return self._lost_reply(r.id, s.job, status=pb.OK)
+        return _reply(r.id)
+
+    def _leave(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        job = s.job
+        for parked in list(s.parked.values()):
+            self._finish(parked, _reply(parked.request_id, pb.CLOSED, "session left"), send=False)
+        if s.rank is not None and job.ranks.get(s.rank) is s:
+            del job.ranks[s.rank]
+            job.left.add(s.rank)
+        self._drop_session(s)
+        return _reply(r.id)
+
+    def _drop_session(self, s: Session) -> None:
+        self._sessions.pop(s.id, None)
+        job = s.job
+        job.sessions.discard(s)
+        if not job.sessions and self._jobs.get(job.name) is job:
+            del self._jobs[job.name]  # last one out: a later job of the same name starts clean
+
+    # ------------------------------------------------------------------ collectives
+    def _collect(self, s: Session, r: pb.Request, route: Route) -> pb.Reply | None:
+        c, job = r.collect, s.job
+        if s.rank is None:
+            return _reply(r.id, pb.FAILED, "collectives need a registered rank")
+        sources = frozenset(c.sources) if c.sources else frozenset(range(job.world_size))
+        if not sources or max(sources) >= job.world_size:
+            raise BadMessage(f"collective {c.name!r}: source ranks {sorted(sources)} out of range")
+        state = job.collectives.get(c.name)
+        if state is None:
+            state = job.collectives[c.name] = Collective(sources)
+        elif state.sources != sources:
+            raise BadMessage(f"collective {c.name!r}: ranks disagree on its sources")
+        if s.rank in state.arrived:
+            raise BadMessage(f"rank {s.rank} entered collective {c.name!r} twice")
+        if job.lost and not state.complete and c.want:
+            return self._lost_reply(r.id, job)
+        state.arrived.add(s.rank)
+        if c.has_value:
+            state.values[s.rank] = c.value
+        reply: pb.Reply | None = _reply(r.id)
+        if c.want and not state.complete:
+            rank = s.rank
+
+            def on_timeout() -> pb.Reply:
+                arrived = sorted(state.arrived)
+                missing = sorted(set(range(job.world_size)) - state.arrived)
+                # Withdraw this rank so a retry of the same name starts clean.
+                state.arrived.discard(rank)
+                state.values.pop(rank, None)
+                if not state.arrived:
+                    job.collectives.pop(c.name, None)
+                note = f"{len(arrived)}/{job.world_size} ranks had arrived; missing ranks {missing}"
+                timeout = _reply(r.id, pb.TIMEOUT, note)
+                timeout.arrived.extend(arrived)
+                return timeout
+
+            parked = Parked(s, route, r.id, self._clock() + _timeout(c.timeout), on_timeout)
+            parked.release = lambda: state.waiting.pop(rank, None)
+            state.waiting[rank] = parked
+            self._park(parked)
+            reply = None
+        elif c.want:
+            reply = self._collected(r.id, state, job)
+        if not state.complete and sources <= state.arrived:
+            state.complete = True
+            for parked in list(state.waiting.values()):
+                self._finish(parked, self._collected(parked.request_id, state, job))
+        if state.complete and len(state.arrived) == job.world_size:
+            del job.collectives[c.name]
+        return reply
+
+    @staticmethod
+    def _collected(request_id: int, state: Collective, job: Job) -> pb.Reply:
+        reply = _reply(request_id)
+        reply.values.extend(state.values.get(rank, b"") for rank in range(job.world_size))
+        return reply
+
+    # ------------------------------------------------------------------ parking, liveness
+    def _park(self, parked: Parked) -> None:
+        parked.session.parked[parked.request_id] = parked
+        self._parked.add(parked)
+
+    def _finish(self, parked: Parked, reply: pb.Reply, send: bool = True) -> None:
+        if parked.done:
+            return
+        parked.done = True
+        parked.release()
+        self._parked.discard(parked)
+        session = parked.session
+        session.parked.pop(parked.request_id, None)
+        self._remember(session, reply)
+        if send:
+            self._send(parked.route, reply)
+
+    def _remember(self, session: Session, reply: pb.Reply) -> None:
+        session.replies[reply.id] = reply
+        while len(session.replies) > REPLY_CACHE:
+            session.replies.popitem(last=False)
+
+    def _watch(self, job: Job, now: float) -> None:
+        for rank, session in list(job.ranks.items()):
+            silent = now - session.last_seen
+            if rank not in job.lost and silent > job.liveness_timeout:
+                reason = (
+                    f"no message for {silent:.1f}s (liveness timeout {job.liveness_timeout:g}s); "
+                    f"it ran as pid {session.pid} on {session.host}"
+                )
+                job.lost[rank] = pb.LostPeer(rank=rank, last_seen=time.time() - silent, reason=reason)
+                log.warning("job %r: rank %d lost: %s", job.name, rank, reason)
+                del job.ranks[rank]
+                self._drop_session(session)
+                self._fail_parked(job)
+        for session in [s for s in job.sessions if s.rank is None]:
+            if now - session.last_seen > max(IDLE_SESSION_TIMEOUT, 3 * job.liveness_timeout):
+                self._drop_session(session)
+
+    def _fail_parked(self, job: Job) -> None:
+        for parked in [p for p in self._parked if p.session.job is job]:
+            self._finish(parked, self._lost_reply(parked.request_id, job))
+
+    @staticmethod
+    def _lost_reply(request_id: int, job: Job, status: int = pb.PEER_LOST) -> pb.Reply:
+        first = next(iter(job.lost.values()))
+        reply = _reply(request_id, status, first.reason if status == pb.PEER_LOST else "")
+        reply.lost.CopyFrom(first)
+        return reply
+
+    _HANDLERS: dict[str, Callable[[Coordinator, Session, pb.Request, Route], pb.Reply | None]] = {
+        "set": _set,
+        "get": _get,
+        "add": _add,
+        "compare_set": _compare_set,
+        "delete": _delete,
+        "check": _check,
+        "num_keys": _num_keys,
+        "collect": _collect,
+        "register": _register,
+        "heartbeat": _heartbeat,
+        "leave": _leave,
+    }
+
+
+def _reply(request_id: int, status: int = pb.OK, error: str = "", **fields) -> pb.Reply:
+    return pb.Reply(id=request_id, status=status, error=error, **fields)
+
+
+def _timeout(seconds: float) -> float:
+    if not 0 < seconds <= 7 * 86400:
+        raise BadMessage(f"timeout {seconds!r} out of range (0, 1 week]")
+    return seconds

@@ -1,0 +1,243 @@
+"""ZeroMQ-specific behaviour beyond the conformance suite: security, hostile frames,
+coordinator death, reconnects. Every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+from netproxy import TcpProxy
+
+import dataparallel as dp
+from dataparallel.testing import close_all, free_port, run_all, with_options
+from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb, seal, token_key
+
+FAST = {"heartbeat": 0.2, "liveness_timeout": 2}
+
+
+def open_job(url: str, n: int, **kwargs) -> list[dp.ControlChannel]:
+    kwargs.setdefault("timeout", 20)
+    channels = run_all([lambda r=r: dp.connect(url, rank=r, world_size=n, **kwargs) for r in range(n)])
+    run_all([lambda c=c: c.rendezvous() for c in channels])
+    return channels
+
+
+def exercise(channels: list[dp.ControlChannel], tag: str) -> None:
+    """The job still works: a barrier, a broadcast, and a set seen by another rank."""
+    got = run_all([lambda c=c: c.broadcast(tag, tag.encode() if c.rank == 0 else None, timeout=10) for c in channels])
+    assert got == [tag.encode()] * len(channels)
+    channels[-1].set(tag, b"ok")
+    assert channels[0].get(tag, timeout=5) == b"ok"
+
+
+def raw_dealer(port: int) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def reply_to(sock: zmq.Socket, frames: list[bytes], key: bytes) -> pb.Reply | None:
+    sock.send_multipart(frames)
+    if not sock.poll(3000):
+        return None
+    raw = sock.recv()
+    reply = pb.Reply()
+    reply.ParseFromString(raw[MAC_SIZE:])
+    return reply
+
+
+def test_wrong_token_is_refused_and_the_job_carries_on():
+    url = f"zmq://127.0.0.1:{free_port()}"
+    host = dp.connect(url, rank=0, world_size=2, job="j", token="right", timeout=20)
+    try:
+        with pytest.raises(dp.AuthError, match="token"):
+            dp.connect(url, rank=1, world_size=2, job="j", token="wrong", timeout=5)
+        with pytest.raises(dp.AuthError):
+            dp.connect(url, rank=1, world_size=2, job="j", timeout=5)  # no token at all
+        follower = dp.connect(url, rank=1, world_size=2, job="j", token="right", timeout=20)
+        channels = [host, follower]
+        run_all([lambda c=c: c.rendezvous() for c in channels])
+        exercise(channels, "after-bad-token")
+    finally:
+        close_all([c for c in (locals().get("follower"), host) if c is not None])
+
+
+def test_garbage_frames_get_error_replies_and_the_job_carries_on():
+    url = f"zmq://127.0.0.1:{free_port()}"
+    channels = open_job(url, 2, token="t")
+    key = token_key("t")
+    try:
+        sock = raw_dealer(channels[0].port)
+        cases = [
+            ([b""], pb.BAD_MESSAGE),  # shorter than a MAC
+            ([os.urandom(1000)], pb.AUTH_FAILED),  # random bytes: MAC fails
+            ([b"a", b"b", b"c"], pb.BAD_MESSAGE),  # too many frames
+            ([seal(key, pb.Request(id=1))], pb.CLOSED),  # no session
+            ([_mac(key, b"\xff\xff\xff\x0f garbage")], pb.BAD_MESSAGE),  # signed, not protobuf
+            ([seal(key, pb.Request(id=2, session=b"forged", set=pb.KeyValue(key="x", value=b"y")))], pb.CLOSED),
+        ]
+        for frames, status in cases:
+            reply = reply_to(sock, frames, key)
+            assert reply is not None and reply.status == status, (frames[0][:40], reply)
+        # A session with hostile requests: unknown op, out-of-range timeout, duplicate collective.
+        hello = pb.Request(id=1, hello=pb.Hello(protocol=1, job="j2", world_size=2, liveness_timeout=5))
+        session = reply_to(sock, [seal(key, hello)], key).session
+        for request in (
+            pb.Request(id=2, session=session),  # no op set
+            pb.Request(id=3, session=session, get=pb.Get(key="k", timeout=-1)),
+            pb.Request(id=4, session=session, hello=pb.Hello(protocol=99, job="j2", world_size=2)),
+            pb.Request(id=5, session=session, register=pb.Register(rank=7)),
+        ):
+            assert reply_to(sock, [seal(key, request)], key).status == pb.BAD_MESSAGE, request
+        # Raw non-ZMTP bytes on the port: zmq drops that connection.
+        import socket
+
+        with socket.create_connection(("127.0.0.1", channels[0].port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(4096))
+        sock.close()
+        exercise(channels, "after-garbage")
+    finally:
+        close_all(channels)
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    import hmac
+
+    return hmac.digest(key, body, "sha256") + body
+
+
+@pytest.mark.timeout(60)
+def test_oversized_frame_drops_only_that_connection():
+    url = f"zmq://127.0.0.1:{free_port()}"
+    channels = open_job(url, 2)
+    try:
+        sock = raw_dealer(channels[0].port)
+        sock.send(b"\0" * (MAX_FRAME + MAC_SIZE + 1))
+        assert not sock.poll(1000), "an oversized frame must not be answered"
+        sock.close()
+        exercise(channels, "after-oversize")
+    finally:
+        close_all(channels)
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(90)
+def test_standalone_coordinator_death_fails_clients_fast():
+    port = free_port()
+    server = _spawn(["-m", "dataparallel", "serve", f"zmq://127.0.0.1:{port}"])
+    try:
+        assert "serving" in server.stdout.readline()
+        url = with_options(f"zmq://127.0.0.1:{port}", **FAST)
+        channels = open_job(url, 2)
+        assert not any(c.hosts_coordinator for c in channels)
+        exercise(channels, "before")
+        server.kill()
+        start = time.monotonic()
+        errors = run_all([lambda c=c: _expect(dp.ChannelClosed, c.barrier, "after", 30) for c in channels])
+        elapsed = time.monotonic() - start
+        assert elapsed < FAST["liveness_timeout"] + 3, elapsed
+        assert all("silent" in str(e) or "coordinator" in str(e) for e in errors), errors
+        close_all(channels)
+    finally:
+        server.kill()
+        server.communicate(timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_death_of_the_hosting_rank_fails_the_others_fast():
+    url = with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)
+    host = _spawn(["-m", "dataparallel.testing.worker", "hold", "--url", url, "--rank", "0", "--world-size", "2"])
+    try:
+        follower = dp.connect(url, rank=1, world_size=2, timeout=30)
+        follower.rendezvous()
+        assert '"ready"' in host.stdout.readline()
+        host.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        err = _expect(dp.ChannelClosed, follower.get, "never", 30)
+        assert time.monotonic() - start < FAST["liveness_timeout"] + 3
+        assert "coordinator" in str(err)
+        follower.close()
+    finally:
+        host.kill()
+        host.communicate(timeout=10)
+
+
+def _expect(kind: type[Exception], fn, *args) -> Exception:
+    with pytest.raises(kind) as info:
+        fn(*args)
+    return info.value
+
+
+@pytest.mark.timeout(90)
+def test_curve_encrypts_traffic_and_needs_the_same_token():
+    port = free_port()
+    secret = b"SECRET-PAYLOAD-0123456789"
+    for curve in (False, True):
+        url = f"zmq://127.0.0.1:{port}" + ("?curve=1" if curve else "")
+        host = dp.connect(url, rank=0, world_size=2, token="tok", timeout=20)
+        proxy = TcpProxy(host.port)
+        try:
+            via_proxy = url.replace(str(port), str(proxy.port))
+            follower = dp.connect(via_proxy, rank=1, world_size=2, token="tok", timeout=20)
+            follower.set("k", secret)
+            assert host.get("k", timeout=5) == secret
+            assert (secret in proxy.captured) is (not curve), "CURVE must hide the payload; plain must not"
+            if curve:
+                for bad in (f"zmq://127.0.0.1:{port}", f"zmq://127.0.0.1:{port}?curve=1"):
+                    token = "tok" if "curve" not in bad else "other"
+                    with pytest.raises((dp.ChannelClosed, dp.AuthError), match="coordinator"):
+                        dp.connect(bad, rank=1, world_size=2, job="intruder", token=token, timeout=1.5)
+            close_all([follower, host])
+        finally:
+            proxy.close()
+            host.close()
+    with pytest.raises(dp.ConfigError, match="token"):
+        dp.connect(f"zmq://127.0.0.1:{free_port()}?curve=1", rank=0, world_size=1)
+
+
+@pytest.mark.timeout(90)
+def test_dropped_connection_reconnects_and_parked_get_completes():
+    url = with_options(f"zmq://127.0.0.1:{free_port()}", heartbeat=0.2, liveness_timeout=4)
+    host = dp.connect(url, rank=0, world_size=2, timeout=20)
+    proxy = TcpProxy(host.port)
+    follower = dp.connect(url.replace(str(host.port), str(proxy.port)), rank=1, world_size=2, timeout=20)
+    try:
+        run_all([lambda c=c: c.rendezvous() for c in (host, follower)])
+        result: list[bytes] = []
+        waiter = threading.Thread(target=lambda: result.append(follower.get("late", timeout=30)))
+        waiter.start()
+        time.sleep(0.3)
+        proxy.drop_connections()  # the parked get's connection is gone
+        host.set("late", b"arrived")
+        waiter.join(timeout=20)
+        assert result == [b"arrived"]
+        assert follower.add("n", 1) == 1 and host.add("n", 1) == 2, "no request applied twice"
+        run_all([lambda c=c: c.barrier("still", timeout=10) for c in (host, follower)])
+        assert host.lost_peers() == {} and follower.lost_peers() == {}
+    finally:
+        close_all([follower, host])
+        proxy.close()
+
+
+def test_a_silent_client_does_not_disturb_the_job():
+    url = f"zmq://127.0.0.1:{free_port()}"
+    channels = open_job(url, 2)
+    try:
+        import socket
+
+        idle = [socket.create_connection(("127.0.0.1", channels[0].port), timeout=5) for _ in range(20)]
+        exercise(channels, "with-idle-clients")
+        for s in idle:
+            s.close()
+    finally:
+        close_all(channels)

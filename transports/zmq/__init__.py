@@ -1,0 +1,163 @@
+"""``zmq://HOST:PORT``: the control channel over ZeroMQ, the default on a private network.
+
+Rank 0 (or, with ``rank=None``, the first process to bind the port) hosts the
+coordinator (:mod:`.server`) in a background thread; if the port is already served (a
+standalone ``dataparallel serve``), every rank is a client. Each thread that calls the
+channel gets its own DEALER socket, so a blocked ``get`` never holds up another thread's
+call; a heartbeat thread keeps the session alive and notices a silent coordinator.
+Requests unanswered for a while are resent with the same id (the coordinator answers each
+once), so a connection that drops briefly and reconnects carries on.
+
+Options: ``?curve=1`` encrypts all traffic with CURVE keys derived from the token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError
+from dataparallel.registry import ChannelURL
+from dataparallel.remote import RemoteChannel
+from dataparallel.wire import open_frame, pb, seal, token_key
+
+from .server import ZmqCoordinatorServer, curve_server_keys
+
+#: Longest a waiting caller goes without checking for a broken channel.
+_POLL_SLICE = 0.25
+
+
+class ZmqChannel(RemoteChannel):
+    scheme = "zmq"
+    OPTIONS = {"curve": "1 to encrypt traffic with CURVE keys derived from the token (a token is required)"}
+
+    def __init__(self, url: ChannelURL, **kwargs) -> None:
+        super().__init__(url, **kwargs)
+        if len(url.hosts) != 1 or url.path:
+            raise ConfigError(f"{url.raw!r}: expected zmq://HOST:PORT")
+        curve = url.options.get("curve", "0").lower()
+        if curve not in ("0", "1", "false", "true", "no", "yes"):
+            raise ConfigError(f"{url.raw!r}: curve must be 1 or 0, got {curve!r}")
+        self._curve = curve in ("1", "true", "yes")
+        if self._curve and not self.token:
+            raise ConfigError(f"{url.raw!r}: curve=1 derives its keys from the job token; pass token=")
+        if self._curve and not zmq.has("curve"):
+            raise ConfigError("this libzmq was built without CURVE support")
+        self._key = token_key(self.token)
+        port = url.require_port()
+        self._server: ZmqCoordinatorServer | None = None
+        if self.rank in (None, 0):
+            try:
+                self._server = ZmqCoordinatorServer(url.host, port, self.token, self._curve).start()
+                port = self._server.port
+            except zmq.ZMQError:
+                pass  # the port is served already (standalone coordinator, or another job's rank 0)
+        host = "127.0.0.1" if url.host in ("0.0.0.0", "*") else url.host
+        self._endpoint = f"tcp://{host}:{port}"
+        self._ctx = zmq.Context()
+        self._lock = threading.Lock()
+        self._sockets: dict[int, zmq.Socket] = {}
+        self._resend_after = max(1.0, self.liveness_timeout / 2)
+        try:
+            self._init_remote()
+        except BaseException:
+            self._close_transport()
+            raise
+
+    @property
+    def _hosted(self):
+        return self._server.coordinator if self._server is not None else None
+
+    @property
+    def port(self) -> int:
+        return int(self._endpoint.rsplit(":", 1)[1])
+
+    def _socket(self) -> zmq.Socket:
+        ident = threading.get_ident()
+        sock = self._sockets.get(ident)
+        if sock is None:
+            with self._lock:
+                if self._ctx.closed:
+                    raise ChannelClosed(f"{self!r} is closed")
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RECONNECT_IVL, 100)
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+                if self._curve:
+                    sock.curve_serverkey = curve_server_keys(self.token)[0]
+                    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+                sock.connect(self._endpoint)
+                self._sockets[ident] = sock
+        return sock
+
+    def _call(self, request: pb.Request, timeout: float) -> pb.Reply:
+        frame = seal(self._key, request)
+        control = request.WhichOneof("op") in ("heartbeat", "leave")
+        try:
+            sock = self._socket()
+            start = time.monotonic()
+            deadline = start + timeout
+            resend_at = start + (self._resend_after if _try_send(sock, frame) else 0.1)
+            while True:
+                if self._broken is not None and not control:
+                    raise self._broken
+                now = time.monotonic()
+                if now >= deadline:
+                    raise ChannelClosed(
+                        f"no reply from the coordinator at {self._endpoint} within {timeout:.1f}s "
+                        "(is rank 0 / `dataparallel serve` running? do token and curve match?)"
+                    )
+                if now >= resend_at:
+                    # The coordinator answers a resent id only once.
+                    resend_at = now + (self._resend_after if _try_send(sock, frame) else 0.1)
+                if not sock.poll(int(1000 * min(_POLL_SLICE, deadline - now, resend_at - now)) + 1):
+                    continue
+                reply = self._open(sock.recv())
+                if reply.id == request.id:
+                    return reply
+                # else: a late answer to a request this thread gave up on; drop it
+        except zmq.ZMQError as err:
+            raise ChannelClosed(f"{self!r}: socket closed ({err})") from err
+
+    def _open(self, frame: bytes) -> pb.Reply:
+        try:
+            return open_frame(self._key, frame, pb.Reply)
+        except AuthError:
+            raise AuthError(
+                f"the coordinator at {self._endpoint} does not know this job's token (its reply is not "
+                "signed with ours): the token differs from the one the coordinator was started with"
+            ) from None
+        except BadMessage as err:
+            raise BadMessage(f"garbled reply from the coordinator at {self._endpoint}: {err}") from None
+
+    def _close_transport(self) -> None:
+        heartbeats = getattr(self, "_heartbeats", None)
+        if heartbeats is not None and heartbeats is not threading.current_thread():
+            heartbeats.join(timeout=self.heartbeat_interval + 2.0)
+        with self._lock:
+            self._ctx.destroy(linger=0)
+            self._sockets.clear()
+        if self._server is not None:
+            self._server.stop()
+
+    @classmethod
+    def serve(cls, url: ChannelURL, token: str | None) -> None:
+        """Run a standalone coordinator until interrupted."""
+        curve = url.options.get("curve", "0").lower() in ("1", "true", "yes")
+        server = ZmqCoordinatorServer(url.host, url.require_port(), token, curve)
+        try:
+            server.serve()
+        finally:
+            server.stop()
+
+
+def _try_send(sock: zmq.Socket, frame: bytes) -> bool:
+    """Queue ``frame`` without blocking; False while no connection is ready to take it
+    (coordinator not up yet, reconnecting, or a failed CURVE handshake)."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False

@@ -34,6 +34,8 @@ Send = Callable[[Route, pb.Reply], None]
 
 #: Replies remembered per session, to answer resends; older ids count as replays.
 REPLY_CACHE = 256
+#: Longest gap between sweeps: a newly parked request's timeout fires at most this late.
+SWEEP_INTERVAL = 0.1
 #: A session that never claimed a rank is dropped after this many seconds of silence.
 IDLE_SESSION_TIMEOUT = 60.0
 
@@ -117,8 +119,8 @@ class Coordinator:
                 self._finish(parked, parked.on_timeout())
             for job in list(self._jobs.values()):
                 self._watch(job, now)
-            next_deadline = min((p.deadline for p in self._parked), default=now + 0.5)
-            return max(0.0, min(next_deadline - now, 0.5))
+            next_deadline = min((p.deadline for p in self._parked), default=now + SWEEP_INTERVAL)
+            return max(0.0, min(next_deadline - now, SWEEP_INTERVAL))
 
     def job_members(self, job: str) -> set[int]:
         """Ranks of ``job`` still registered (neither left nor lost)."""
@@ -311,7 +313,8 @@ class Coordinator:
     @staticmethod
     def _collected(request_id: int, state: Collective, job: Job) -> pb.Reply:
         reply = _reply(request_id)
-        reply.values.extend(state.values.get(rank, b"") for rank in range(job.world_size))
+        if state.values:  # a barrier carries none: do not send N empty values to N ranks
+            reply.values.extend(state.values.get(rank, b"") for rank in range(job.world_size))
         return reply
 
     # ------------------------------------------------------------------ parking, liveness

@@ -1,7 +1,7 @@
 """Driver + followers in separate processes: rendezvous over a control channel, then a gloo
 process group initialised through it, and an all-reduce.
 
-    python examples/allreduce_demo.py --nprocs 3                 # tcpstore on a free port
+    python examples/allreduce_demo.py --nprocs 3                 # zmq on a free local port
     python examples/allreduce_demo.py --nprocs 3 --transport tcpstore://127.0.0.1:29500
 """
 
@@ -45,7 +45,7 @@ def worker(url: str, rank: int, world_size: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, default=3)
-    parser.add_argument("--transport", default=None, help="channel URL (default: tcpstore on a free local port)")
+    parser.add_argument("--transport", default=None, help="channel URL (default: zmq on a free local port)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
@@ -55,7 +55,7 @@ def main() -> int:
     if url is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            url = f"tcpstore://127.0.0.1:{s.getsockname()[1]}"
+            url = f"zmq://127.0.0.1:{s.getsockname()[1]}"
     print(f"starting {args.nprocs} processes on {url}")
     procs = [
         subprocess.Popen([sys.executable, __file__, "--nprocs", str(args.nprocs), "--transport", url, "--rank", str(r)])

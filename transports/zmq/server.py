@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 import uuid
 
 import zmq
@@ -65,10 +66,13 @@ class ZmqCoordinatorServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
+        next_sweep = 0.0
         try:
             while not self._stopped.is_set():
-                delay = self.coordinator.sweep()
-                events = dict(poller.poll(max(1, int(delay * 1000))))
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + self.coordinator.sweep()
+                events = dict(poller.poll(max(1, int((next_sweep - now) * 1000))))
                 if self._wake in events:
                     break
                 if self._sock in events:
@@ -97,10 +101,9 @@ class ZmqCoordinatorServer:
     def _drain(self) -> None:
         # Serve everything already queued before sweeping again.
         for _ in range(10_000):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 2:
                 if frames:
                     self._send(

@@ -1,0 +1,273 @@
+"""Control-plane latency: our transports side by side with torch's TCPStore and a raw socket floor.
+
+    python -m benchmarks.control_plane                 # N = 2, 4, 8, 16, 32
+    python -m benchmarks.control_plane --sizes 2 4 --rounds 50
+
+Measures, in one run, on one machine:
+
+* round trip: one client doing ``get`` of an existing key (one request, one reply) against a
+  coordinator in another process — zmq (``dataparallel serve``), tcpstore (our adapter over
+  a TCPStore hosted by another process), torch's TCPStore called directly, and a raw Python
+  TCP echo (the floor: the least a Python request/reply over loopback can cost);
+* barrier latency for N processes: ``ch.barrier()`` over zmq (native, one round trip per
+  rank) and tcpstore (the core's add+get barrier), against torch's TCPStore store-based
+  barrier (add, then the last rank sets a key the others wait on — torch's
+  ``_store_based_barrier`` pattern) and torch's native ``Store.barrier``.
+
+Medians over rounds; ratios are to TCPStore in the same run. Prints a table, writes
+``benchmarks/results/control_plane.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAYLOAD = b"x" * 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- servers (subprocesses)
+def serve_echo(port: int) -> None:
+    srv = socket.create_server(("127.0.0.1", port))
+    print("ready", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while data := conn.recv(65536):
+            conn.sendall(data)
+
+
+def serve_tcpstore(port: int) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    print("ready", flush=True)
+    while store:
+        time.sleep(3600)
+
+
+def start_server(kind: str, port: int) -> subprocess.Popen:
+    if kind == "zmq":
+        cmd = [sys.executable, "-m", "dataparallel", "serve", f"zmq://127.0.0.1:{port}"]
+    else:
+        cmd = [sys.executable, "-m", "benchmarks.control_plane", "--serve", kind, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    return proc
+
+
+# ---------------------------------------------------------------------- round trip
+def time_ops(op, repeats: int) -> float:
+    for _ in range(min(200, repeats)):
+        op()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        op()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
+
+
+def round_trips(repeats: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    import dataparallel as dp
+
+    out: dict[str, float] = {}
+    port = free_port()
+    proc = start_server("echo", port)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            out["raw socket"] = time_ops(lambda: (s.sendall(PAYLOAD), s.recv(65536)), repeats)
+    finally:
+        proc.kill()
+    for kind in ("zmq", "tcpstore"):
+        port = free_port()
+        proc = start_server(kind, port)
+        try:
+            ch = dp.connect(f"{kind}://127.0.0.1:{port}", rank=1, world_size=2, job="rtt", timeout=30)
+            ch.set("k", PAYLOAD)
+            out[kind] = time_ops(lambda ch=ch: ch.get("k"), repeats)
+            if kind == "tcpstore":
+                raw = dist.TCPStore("127.0.0.1", port, is_master=False)
+                raw.set("k", PAYLOAD)
+                out["TCPStore (torch)"] = time_ops(lambda raw=raw: raw.get("k"), repeats)
+            ch.close()
+        finally:
+            proc.kill()
+    return out
+
+
+# ---------------------------------------------------------------------- barriers
+def barrier_worker(kind: str, port: int, rank: int, n: int, rounds: int) -> None:
+    if kind in ("TCPStore add+wait", "TCPStore native"):
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=rank == 0, wait_for_workers=False, timeout=timedelta(seconds=120)
+        )
+        if kind == "TCPStore native":
+
+            def barrier(i: int) -> None:
+                store.barrier(f"b{i}", n)
+        else:
+
+            def barrier(i: int) -> None:
+                if store.add(f"b{i}", 1) == n:
+                    store.set(f"done{i}", b"1")
+                else:
+                    store.wait([f"done{i}"])
+
+        barrier(-1)  # everyone is connected
+    else:
+        import dataparallel as dp
+
+        ch = dp.connect(f"{kind}://127.0.0.1:{port}", rank=rank, world_size=n, job="bench", timeout=120)
+        ch.rendezvous()
+
+        def barrier(i: int) -> None:
+            ch.barrier("b")
+
+    samples = []
+    for i in range(rounds):
+        t = time.perf_counter()
+        barrier(i)
+        samples.append(time.perf_counter() - t)
+    barrier(rounds)  # nobody leaves (and takes a hosted server down) while others measure
+    if rank == 0:
+        print(json.dumps({"median_ms": statistics.median(samples[rounds // 5 :]) * 1e3}), flush=True)
+    if kind not in ("TCPStore add+wait", "TCPStore native"):
+        ch.close()
+
+
+def barrier_latency(kind: str, n: int, rounds: int) -> float:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.control_plane",
+                "--worker",
+                kind,
+                "--port",
+                str(port),
+                "--rank",
+                str(r),
+                "--n",
+                str(n),
+                "--rounds",
+                str(rounds),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=300)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    return json.loads(out.strip().splitlines()[-1])["median_ms"]
+
+
+BARRIER_KINDS = ["zmq", "tcpstore", "TCPStore add+wait", "TCPStore native"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--rounds", type=int, default=100, help="barriers timed per size")
+    parser.add_argument("--repeats", type=int, default=3000, help="round trips timed per transport")
+    parser.add_argument("--out", type=Path, default=RESULTS / "control_plane.json")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        {"echo": serve_echo, "tcpstore": serve_tcpstore}[args.serve](args.port)
+        return 0
+    if args.worker:
+        barrier_worker(args.worker, args.port, args.rank, args.n, args.rounds)
+        return 0
+
+    from tqdm import tqdm
+
+    rtt = round_trips(args.repeats)
+    barriers: dict[str, dict[int, float]] = {k: {} for k in BARRIER_KINDS}
+    with tqdm(total=len(args.sizes) * len(BARRIER_KINDS), desc="barriers", unit="run") as bar:
+        for n in args.sizes:
+            for kind in BARRIER_KINDS:
+                bar.set_postfix_str(f"{kind} N={n}")
+                barriers[kind][n] = barrier_latency(kind, n, args.rounds)
+                bar.update()
+
+    print(f"\nround trip (one get of an existing key), median of {args.repeats}:")
+    floor = rtt["raw socket"]
+    for name, us in rtt.items():
+        print(f"  {name:18s} {us:8.1f} us   {us / floor:5.2f}x floor   {us / rtt['TCPStore (torch)']:5.2f}x TCPStore")
+    print(f"\nbarrier latency (median ms of {args.rounds} rounds; ratio to TCPStore add+wait):")
+    print("  N    " + "".join(f"{k:>24s}" for k in BARRIER_KINDS))
+    for n in args.sizes:
+        base = barriers["TCPStore add+wait"][n]
+        cells = "".join(f"{barriers[k][n]:>14.3f} ({barriers[k][n] / base:4.2f}x)" for k in BARRIER_KINDS)
+        print(f"  {n:<4d} {cells}")
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    result = {"machine": machine, "round_trip_us": rtt, "barrier_ms": barriers, "rounds": args.rounds}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(result["round_trip_us"])
+    left.barh(names, [result["round_trip_us"][k] for k in names], color="tab:blue")
+    left.set_xlabel("µs (median)")
+    left.set_title("round trip: get of an existing key")
+    for kind, series in result["barrier_ms"].items():
+        sizes = sorted(int(n) for n in series)
+        right.plot(sizes, [series[n] if n in series else series[str(n)] for n in sizes], marker="o", label=kind)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("processes (N)")
+    right.set_ylabel("ms per barrier (median)")
+    right.set_title("barrier latency")
+    right.legend()
+    fig.suptitle(result["machine"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

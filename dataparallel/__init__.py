@@ -14,6 +14,19 @@ from .registry import ChannelURL, known_schemes, parse_url, register_transport
 
 __version__ = "0.1.0"
 
+# The training loop imports torch: load it on first use, so that `dataparallel serve`
+# and transports that do not need torch stay light.
+_LAZY = {"fit", "drive", "follow", "TrainOptions", "EpochMetrics", "FitResult"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module 'dataparallel' has no attribute {name!r}")
+
+
 __all__ = [
     "AuthError",
     "BadMessage",
@@ -23,9 +36,15 @@ __all__ = [
     "ControlChannel",
     "ControlError",
     "ControlTimeout",
+    "EpochMetrics",
+    "FitResult",
     "KeySpace",
     "PeerLost",
+    "TrainOptions",
     "connect",
+    "drive",
+    "fit",
+    "follow",
     "known_schemes",
     "parse_url",
     "register_transport",

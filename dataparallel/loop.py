@@ -1,0 +1,453 @@
+"""The distributed training loop: one driver (rank 0) decides, followers obey.
+
+Per epoch: the driver broadcasts a command over the control channel -> every rank trains
+on its shard (DistributedDataParallel syncs gradients over gloo/NCCL, initialised through
+``channel.as_store()``) -> every rank validates its shard with the bare module (no
+collectives) -> each rank reports (loss sum, samples, batches, its RNG state) to the
+driver over the channel -> the driver aggregates, calls callbacks, checkpoints, decides
+(next epoch or stop) and the next command is the barrier.
+
+Uneven data: a ``Dataset`` is sharded by ``DistributedSampler`` (which pads shards to equal
+length, so every rank runs the same number of steps); a per-rank batch source (a callable
+``(epoch, rank, world_size) -> iterable of batches``) may yield different counts per rank,
+and runs under torch's ``Join`` so no rank blocks in an all-reduce its peers never make.
+
+Failure: a watchdog thread on every rank watches the channel's liveness; when a peer is
+lost it aborts the process group so that no rank sits in a collective, and the loop
+raises :class:`PeerLost` naming the rank and the epoch.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .channel import ControlChannel
+from .errors import ChannelClosed, ControlError, PeerLost
+
+log = logging.getLogger(__name__)
+
+Batch = Any
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BatchSource = Callable[[int, int, int], Iterable[Batch]]
+
+
+@dataclass
+class TrainOptions:
+    """How to train. ``batch_size`` is per rank (the global batch is ``batch_size * world_size``
+    per optimizer step, times ``grad_accum``)."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    grad_accum: int = 1
+    amp: str | None = None  # "bf16" or "fp16" (fp16 uses a GradScaler)
+    clip_grad_norm: float | None = None
+    shuffle: bool = True
+    seed: int = 0
+    patience: int | None = None  # stop after this many epochs without a better validation loss
+    checkpoint: str | os.PathLike | None = None  # file rank 0 writes after every epoch
+    resume: bool = False  # continue from ``checkpoint`` if it exists
+    collective_timeout: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("epochs, batch_size and grad_accum must be >= 1")
+        if self.amp not in (None, "bf16", "fp16"):
+            raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {self.amp!r}")
+        if self.resume and self.checkpoint is None:
+            raise ValueError("resume=True needs checkpoint=PATH")
+
+
+@dataclass
+class EpochMetrics:
+    epoch: int
+    train_loss: float
+    train_samples: int
+    train_batches: int
+    val_loss: float | None = None
+    val_samples: int = 0
+    val_accuracy: float | None = None
+    lr: float | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class FitResult:
+    """Per-epoch metrics (the driver's aggregate; followers get the same)."""
+
+    epochs: list[EpochMetrics] = field(default_factory=list)
+    stopped_early: bool = False
+
+    @property
+    def last(self) -> EpochMetrics:
+        return self.epochs[-1]
+
+
+def fit(
+    channel: ControlChannel,
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+    train_data: Dataset | BatchSource,
+    val_data: Dataset | BatchSource | None = None,
+    *,
+    options: TrainOptions | None = None,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    callbacks: Sequence[Callable[[EpochMetrics], None]] = (),
+    process_group: dist.ProcessGroup | None = None,
+) -> FitResult:
+    """Train ``model`` data-parallel with every rank of ``channel``'s job; rank 0 drives.
+
+    ``model`` must already be on its device (CUDA -> NCCL, CPU -> gloo); its initial
+    parameters are taken from rank 0. ``optimizer`` and ``scheduler`` are factories (called
+    with the DDP parameters / the optimizer). Batches are ``(inputs, targets)``. If no
+    default process group exists, one is initialised through ``channel.as_store()`` (and
+    destroyed at the end); pass ``process_group`` to use your own. Blocks until training
+    ends; raises :class:`PeerLost` if a peer dies or hangs.
+    """
+    return _Trainer(
+        channel,
+        model,
+        loss_fn,
+        optimizer,
+        train_data,
+        val_data,
+        options or TrainOptions(),
+        scheduler,
+        callbacks,
+        process_group,
+    ).run()
+
+
+def drive(channel: ControlChannel, *args: Any, **kwargs: Any) -> FitResult:
+    """:func:`fit` on rank 0 (the driver). Raises if called on another rank."""
+    if channel.rank != 0:
+        raise ValueError(f"drive() runs on rank 0; this is rank {channel.rank}: call follow()")
+    return fit(channel, *args, **kwargs)
+
+
+def follow(channel: ControlChannel, *args: Any, **kwargs: Any) -> FitResult:
+    """:func:`fit` on a follower (rank > 0): executes the driver's commands."""
+    if channel.rank == 0:
+        raise ValueError("follow() runs on ranks > 0; rank 0 calls drive()")
+    return fit(channel, *args, **kwargs)
+
+
+class _Trainer:
+    def __init__(self, channel, model, loss_fn, optimizer, train_data, val_data, options, scheduler, callbacks, pg):
+        self.ch: ControlChannel = channel
+        self.rank, self.world = channel.rank, channel.world_size
+        self.opts: TrainOptions = options
+        self.model = model
+        self.loss_fn = loss_fn
+        self.train_data, self.val_data = train_data, val_data
+        self.callbacks = callbacks
+        self.device = next(model.parameters()).device
+        self._own_pg = False
+        self.pg = pg
+        self._make_optimizer = optimizer
+        self._make_scheduler = scheduler
+        self._lost: PeerLost | None = None
+        self._stop_watch = threading.Event()
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        self.ch.rendezvous()
+        if self.pg is None:
+            if not dist.is_initialized():
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
+                dist.init_process_group(
+                    backend,
+                    store=self.ch.as_store(),
+                    rank=self.rank,
+                    world_size=self.world,
+                    timeout=timedelta(seconds=self.opts.collective_timeout),
+                    **kwargs,
+                )
+                self._own_pg = True
+            self.pg = dist.group.WORLD
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids, process_group=self.pg)
+        self.optimizer = self._make_optimizer(self.ddp.parameters())
+        self.scheduler = self._make_scheduler(self.optimizer) if self._make_scheduler else None
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.opts.amp == "fp16")
+        self.history = FitResult()
+        self.start_epoch = 0
+        self.best = (float("inf"), -1)  # (val loss, epoch)
+        threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Abort the process group when the channel declares a peer lost, so that no rank
+        waits in a collective for a peer that will never come."""
+        while not self._stop_watch.wait(0.2):
+            lost = self.ch.lost_peers()
+            if lost:
+                self._lost = next(iter(lost.values()))
+                log.error("rank %d: %s; aborting the process group", self.rank, self._lost)
+                with contextlib.suppress(Exception):
+                    self.pg.abort()
+                return
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> FitResult:
+        self._setup()
+        epoch = -1
+        try:
+            self._maybe_resume()
+            epoch = self.start_epoch
+            while True:
+                command = self._command(epoch)
+                if command["cmd"] == "stop":
+                    self.history.stopped_early = command.get("early", False)
+                    break
+                epoch = command["epoch"]
+                started = time.perf_counter()
+                train = self._train_epoch(epoch)
+                val = self._validate(epoch)
+                lr = self.optimizer.param_groups[0]["lr"]
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self._report(epoch, train, val, lr, time.perf_counter() - started)
+                epoch += 1
+            self.ch.barrier("dp-fit-end", timeout=self.opts.collective_timeout)
+        except (RuntimeError, ControlError) as err:
+            raise self._explain(err, epoch) from err
+        finally:
+            self._stop_watch.set()
+            if self._own_pg and self._lost is None:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+        return self.history
+
+    def _command(self, next_epoch: int) -> dict:
+        payload = None
+        if self.rank == 0:
+            stop = next_epoch >= self.opts.epochs or self._should_stop_early()
+            payload = json.dumps(
+                {"cmd": "stop", "early": self._should_stop_early()} if stop else {"cmd": "train", "epoch": next_epoch}
+            ).encode()
+        return json.loads(self.ch.broadcast("dp-command", payload, timeout=self.opts.collective_timeout))
+
+    def _should_stop_early(self) -> bool:
+        patience = self.opts.patience
+        if patience is None or not self.history.epochs or self.history.last.val_loss is None:
+            return False
+        return self.history.last.epoch - self.best[1] >= patience
+
+    def _explain(self, err: Exception, epoch: int) -> Exception:
+        """Turn a collective failure caused by a lost peer into PeerLost naming it."""
+        if isinstance(err, PeerLost):
+            return PeerLost(err.rank, err.last_seen, err.reason, during=f"epoch {epoch}")
+        deadline = time.monotonic() + self.ch.liveness_timeout + 2 * self.ch.heartbeat_interval + 1
+        while self._lost is None and not self.ch.lost_peers() and time.monotonic() < deadline:
+            if isinstance(err, ChannelClosed):
+                break
+            time.sleep(0.1)
+        lost = self._lost or next(iter(self.ch.lost_peers().values()), None)
+        if lost is not None:
+            return PeerLost(lost.rank, lost.last_seen, lost.reason, during=f"epoch {epoch}")
+        return err
+
+    # ------------------------------------------------------------------ epochs
+    def _batches(self, data: Dataset | BatchSource, epoch: int, train: bool) -> Iterable[Batch]:
+        if callable(data) and not isinstance(data, Dataset):
+            return data(epoch, self.rank, self.world)
+        if train:
+            sampler = DistributedSampler(
+                data, num_replicas=self.world, rank=self.rank, shuffle=self.opts.shuffle, seed=self.opts.seed
+            )
+            sampler.set_epoch(epoch)
+        else:
+            # Validation needs no collectives: shard exactly, without the padding duplicates.
+            sampler = range(self.rank, len(data), self.world)
+        return DataLoader(data, batch_size=self.opts.batch_size, sampler=sampler)
+
+    def _autocast(self):
+        if self.opts.amp is None:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.opts.amp == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _train_epoch(self, epoch: int) -> tuple[float, int, int]:
+        self.ddp.train()
+        batches = self._batches(self.train_data, epoch, train=True)
+        k = self.opts.grad_accum
+        loss_sum, samples, count = 0.0, 0, 0
+        bar = None
+        if self.rank == 0 and self.opts.progress:
+            from tqdm import tqdm
+
+            total = len(batches) if hasattr(batches, "__len__") else None
+            bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
+        # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
+        with Join([self.ddp], enable=not isinstance(self.train_data, Dataset)):
+            for i, ((x, y), last) in enumerate(_with_last(batches)):
+                count += 1
+                x, y = x.to(self.device), y.to(self.device)
+                boundary = (i + 1) % k == 0 or last
+                sync = contextlib.nullcontext() if boundary else self.ddp.no_sync()
+                with sync:
+                    with self._autocast():
+                        loss = self.loss_fn(self.ddp(x), y)
+                    self.scaler.scale(loss / k).backward()
+                if boundary:
+                    self._step()
+                loss_sum += float(loss.detach()) * len(y)
+                samples += len(y)
+                if bar is not None:
+                    bar.update()
+        if bar is not None:
+            bar.close()
+        return loss_sum, samples, count
+
+    def _step(self) -> None:
+        if self.opts.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.opts.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _validate(self, epoch: int) -> tuple[float, int, int]:
+        if self.val_data is None:
+            return 0.0, 0, 0
+        module = self.ddp.module
+        module.eval()
+        loss_sum, samples, correct = 0.0, 0, 0
+        for x, y in self._batches(self.val_data, epoch, train=False):
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                out = module(x)
+                loss = self.loss_fn(out, y)
+            loss_sum += float(loss) * len(y)
+            samples += len(y)
+            if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
+                correct += int((out.argmax(1) == y).sum())
+        return loss_sum, samples, correct
+
+    # ------------------------------------------------------------------ reports, checkpoints
+    def _report(self, epoch: int, train: tuple, val: tuple, lr: float, seconds: float) -> None:
+        mine = {"train": train, "val": val, "rng": _rng_state()}
+        reports = self.ch.all_gather(
+            f"dp-report-{epoch}", json.dumps(mine).encode(), timeout=self.opts.collective_timeout
+        )
+        parsed = [json.loads(r) for r in reports]
+        t_loss, t_n, t_b = (sum(p["train"][i] for p in parsed) for i in range(3))
+        v_loss, v_n, v_correct = (sum(p["val"][i] for p in parsed) for i in range(3))
+        metrics = EpochMetrics(
+            epoch=epoch,
+            train_loss=t_loss / max(t_n, 1),
+            train_samples=t_n,
+            train_batches=t_b,
+            val_loss=v_loss / v_n if v_n else None,
+            val_samples=v_n,
+            val_accuracy=v_correct / v_n if v_n else None,
+            lr=lr,
+            seconds=seconds,
+        )
+        self.history.epochs.append(metrics)
+        if metrics.val_loss is not None and metrics.val_loss < self.best[0]:
+            self.best = (metrics.val_loss, epoch)
+        if self.rank == 0:
+            for callback in self.callbacks:
+                callback(metrics)
+            if self.opts.checkpoint is not None:
+                self._save(epoch, [p["rng"] for p in parsed])
+
+    def _save(self, epoch: int, rng_states: list[str]) -> None:
+        state = {
+            "epoch": epoch,
+            "model": self.ddp.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict(),
+            "rng": rng_states,
+            "world_size": self.world,
+            "history": [asdict(m) for m in self.history.epochs],
+            "best": self.best,
+            "options": {"seed": self.opts.seed, "batch_size": self.opts.batch_size},
+        }
+        save_atomically(state, Path(self.opts.checkpoint))
+
+    def _maybe_resume(self) -> None:
+        if not self.opts.resume:
+            return
+        state = None
+        if self.rank == 0 and Path(self.opts.checkpoint).exists():
+            state = torch.load(self.opts.checkpoint, map_location="cpu", weights_only=False)
+            if state["world_size"] != self.world:
+                raise ValueError(f"checkpoint was written by {state['world_size']} ranks; this job has {self.world}")
+        box = [state]
+        dist.broadcast_object_list(
+            box, src=0, group=self.pg, device=self.device if self.device.type == "cuda" else None
+        )
+        state = box[0]
+        if state is None:
+            return
+        self.ddp.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        _set_rng_state(state["rng"][self.rank])
+        self.history.epochs = [EpochMetrics(**m) for m in state["history"]]
+        self.best = tuple(state["best"])
+        self.start_epoch = state["epoch"] + 1
+
+
+def save_atomically(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync it, rename over ``path``,
+    fsync the directory: a crash leaves the old checkpoint or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _with_last(items: Iterable[Any]) -> Iterable[tuple[Any, bool]]:
+    """Yield ``(item, is_last)`` without knowing the length in advance."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
+
+
+def _rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def _set_rng_state(encoded: str) -> None:
+    raw = base64.b64decode(encoded)
+    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))

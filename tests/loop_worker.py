@@ -1,0 +1,82 @@
+"""One rank of a training job for tests/test_loop.py: ``python tests/loop_worker.py CONFIG_JSON``.
+
+Trains a small MLP (with dropout, so RNG state matters) on fixed synthetic regression data
+and saves the final parameters and metrics to ``out`` (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from torch.utils.data import TensorDataset
+
+import dataparallel as dp
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(96, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(96, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def model(dropout: float) -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)
+    )
+
+
+def batch_source(cfg: dict):
+    """A per-rank batch source instead of a Dataset, for the uneven and slow cases."""
+    full = data()
+    x, y = full.tensors
+    if cfg.get("uneven"):
+        # Rank r gets 2 + 2r batches of 8: different counts per rank.
+        return lambda epoch, rank, world: [(x[i : i + 8], y[i : i + 8]) for i in range(0, 16 * (1 + rank), 8)]
+    if cfg.get("slow"):
+
+        def slow(epoch, rank, world):
+            for i in range(0, 96, 8):
+                time.sleep(0.2)
+                yield x[i : i + 8], y[i : i + 8]
+
+        return slow
+    return None
+
+
+def main(cfg: dict) -> None:
+    ch = dp.connect(cfg["url"], rank=cfg["rank"], world_size=cfg["world"], job=cfg.get("job", "loop"), timeout=60)
+    train = batch_source(cfg) or data()
+    options = dp.TrainOptions(
+        epochs=cfg.get("epochs", 3),
+        batch_size=cfg.get("batch", 8),
+        grad_accum=cfg.get("accum", 1),
+        amp=cfg.get("amp"),
+        shuffle=cfg.get("shuffle", True),
+        checkpoint=cfg.get("checkpoint"),
+        resume=cfg.get("resume", False),
+        clip_grad_norm=cfg.get("clip"),
+        progress=False,
+        collective_timeout=60,
+    )
+    net = model(cfg.get("dropout", 0.0))
+    result = dp.fit(
+        ch,
+        net,
+        torch.nn.functional.mse_loss,
+        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        train,
+        data(),
+        options=options,
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9),
+    )
+    if ch.rank == 0:
+        torch.save({"epochs": [vars(m) for m in result.epochs], "state": net.state_dict()}, cfg["out"])
+    ch.close()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

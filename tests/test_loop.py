@@ -1,0 +1,136 @@
+"""The training loop across real processes (gloo on CPU) over real transports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dataparallel as dp
+from dataparallel.testing import free_port, with_options
+
+WORKER = Path(__file__).with_name("loop_worker.py")
+TRANSPORTS = ["zmq", "tcpstore"]
+
+
+def spawn(cfg: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def run_job(tmp_path: Path, transport: str, world: int, tag: str, **cfg) -> dict:
+    url = f"{transport}://127.0.0.1:{free_port()}"
+    out = str(tmp_path / f"{tag}.pt")
+    procs = [spawn({"url": url, "rank": r, "world": world, "out": out, **cfg}) for r in range(world)]
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{tag}: a rank hung")
+        assert p.returncode == 0, f"{tag}: rank exited {p.returncode}:\n{err[-3000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def assert_same_params(a: dict, b: dict, **tol) -> None:
+    for name in a["state"]:
+        torch.testing.assert_close(a["state"][name], b["state"][name], **tol, msg=f"parameter {name} differs")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_data_parallel_training_equals_one_process_on_the_same_global_batches(tmp_path, transport):
+    # One process with batch 12 sees the same global batches as 2 x 6 and 3 x 4
+    # (DistributedSampler strides one shuffled permutation), so parameters must agree.
+    single = run_job(tmp_path, "zmq", 1, "single", batch=12)
+    for world in (2, 3):
+        multi = run_job(tmp_path, transport, world, f"n{world}", batch=12 // world)
+        # Float sums in another order: agree to ~1e-6, far below one SGD step (lr 0.05).
+        assert_same_params(single, multi, rtol=1e-5, atol=1e-6)
+        assert multi["epochs"][-1]["train_samples"] == 96
+    losses = [e["train_loss"] for e in single["epochs"]]
+    assert losses[-1] < losses[0], "training must reduce the loss"
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
+    big = run_job(tmp_path, "zmq", 2, "big", batch=8, shuffle=False)
+    accumulated = run_job(tmp_path, "zmq", 2, "accum", batch=4, accum=2, shuffle=False)
+    assert_same_params(big, accumulated, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_uneven_batch_counts_neither_deadlock_nor_drop_data(tmp_path):
+    result = run_job(tmp_path, "zmq", 2, "uneven", uneven=True, epochs=2)
+    # rank 0: 2 batches, rank 1: 4 batches of 8; all of them are trained on.
+    assert result["epochs"][-1]["train_batches"] == 6
+    assert result["epochs"][-1]["train_samples"] == 48
+
+
+@pytest.mark.timeout(300)
+def test_resume_equals_uninterrupted_bitwise(tmp_path):
+    whole = run_job(tmp_path, "zmq", 2, "whole", epochs=4, dropout=0.2, checkpoint=str(tmp_path / "w.ckpt"))
+    ckpt = str(tmp_path / "r.ckpt")
+    run_job(tmp_path, "zmq", 2, "first", epochs=2, dropout=0.2, checkpoint=ckpt)
+    resumed = run_job(tmp_path, "zmq", 2, "second", epochs=4, dropout=0.2, checkpoint=ckpt, resume=True)
+    for name in whole["state"]:
+        assert torch.equal(whole["state"][name], resumed["state"][name]), name
+    assert [e["train_loss"] for e in whole["epochs"]] == [e["train_loss"] for e in resumed["epochs"]]
+    assert not list(tmp_path.glob(".*.tmp")), "no temporary checkpoint left behind"
+
+
+@pytest.mark.timeout(300)
+def test_bf16_autocast_trains(tmp_path):
+    result = run_job(tmp_path, "zmq", 2, "bf16", amp="bf16", epochs=3, clip=1.0)
+    losses = [e["train_loss"] for e in result["epochs"]]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(120)
+def test_killed_follower_makes_the_driver_raise_peer_lost(tmp_path):
+    url = with_options(f"zmq://127.0.0.1:{free_port()}", heartbeat=0.2, liveness_timeout=2)
+    cfg = {"url": url, "world": 2, "out": str(tmp_path / "x.pt"), "slow": True, "epochs": 50}
+    follower = spawn({**cfg, "rank": 1})
+    driver = spawn({**cfg, "rank": 0})
+    try:
+        time.sleep(6)  # both ranks are inside an epoch (0.2 s per batch)
+        assert driver.poll() is None and follower.poll() is None
+        follower.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = driver.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+        assert driver.returncode != 0
+        assert "PeerLost" in err and "peer rank 1 lost" in err and "epoch" in err, err[-2000:]
+        assert elapsed < 2 + 8, f"driver took {elapsed:.1f}s to give up"
+    finally:
+        for p in (driver, follower):
+            p.kill()
+            p.communicate(timeout=10)
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError):
+        dp.TrainOptions(amp="fp8")
+    with pytest.raises(ValueError):
+        dp.TrainOptions(resume=True)
+    with pytest.raises(ValueError):
+        dp.TrainOptions(grad_accum=0)
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    from dataparallel.loop import save_atomically
+
+    path = tmp_path / "c.pt"
+    save_atomically({"a": 1}, path)
+    save_atomically({"a": 2}, path)
+    assert torch.load(path)["a"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["c.pt"]

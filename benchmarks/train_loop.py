@@ -1,0 +1,141 @@
+"""Epoch time of ``dp.fit`` against a plain torchrun-style DDP loop, same model, data and run.
+
+    python -m benchmarks.train_loop [--nprocs 2] [--epochs 5] [--repeats 3]
+
+Both sides: N processes, gloo on CPU, DistributedSampler, DDP, Adam, the same MLP on the same
+synthetic data. The plain loop initialises with ``env://`` (TCPStore) and does nothing else;
+``dp.fit`` adds the control plane (epoch command, reports, validation, barrier) over zmq.
+Interleaved repeats; medians of per-epoch time (first epoch excluded as warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup() -> tuple[torch.nn.Module, TensorDataset, TensorDataset]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, 64, generator=g)
+    y = (x[:, :8].sum(1) > 0).long()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2)
+    )
+    return model, TensorDataset(x[:7168], y[:7168]), TensorDataset(x[7168:], y[7168:])
+
+
+def plain(rank: int, world: int, port: int, epochs: int) -> list[float]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    model, train, val = setup()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    stamps = [time.perf_counter()]
+    for epoch in range(epochs):
+        sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=0)
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(train, batch_size=64, sampler=sampler):
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            for x, y in DataLoader(val, batch_size=64, sampler=range(rank, len(val), world)):
+                torch.nn.functional.cross_entropy(model(x), y)
+        dist.barrier()
+        stamps.append(time.perf_counter())
+    dist.destroy_process_group()
+    return [b - a for a, b in itertools.pairwise(stamps)]
+
+
+def ours(rank: int, world: int, port: int, epochs: int) -> list[float]:
+    import dataparallel as dp
+
+    ch = dp.connect(f"zmq://127.0.0.1:{port}", rank=rank, world_size=world, job="bench", timeout=120)
+    model, train, val = setup()
+    stamps: list[float] = []
+    # Epoch to epoch on the driver: command, training, validation, reports, decision.
+    dp.fit(
+        ch,
+        model,
+        torch.nn.functional.cross_entropy,
+        lambda p: torch.optim.Adam(p, lr=1e-3),
+        train,
+        val,
+        options=dp.TrainOptions(epochs=epochs + 1, batch_size=64, progress=False),
+        callbacks=[lambda m: stamps.append(time.perf_counter())],
+    )
+    ch.close()
+    return [b - a for a, b in itertools.pairwise(stamps)]
+
+
+def run(kind: str, world: int, epochs: int) -> list[float]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.train_loop", "--worker", kind, "--port", str(port)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--rank", str(r), "--nprocs", str(world), "--epochs", str(epochs)], stdout=subprocess.PIPE, text=True
+        )
+        for r in range(world)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)
+        fn = plain if args.worker == "plain" else ours
+        print(json.dumps(fn(args.rank, args.nprocs, args.port, args.epochs)), flush=True)
+        return 0
+    from tqdm import tqdm
+
+    epochs: dict[str, list[float]] = {"plain DDP": [], "dp.fit": []}
+    for _ in tqdm(range(args.repeats), desc="repeats"):
+        epochs["plain DDP"] += run("plain", args.nprocs, args.epochs)[1:]
+        epochs["dp.fit"] += run("ours", args.nprocs, args.epochs)[1:]
+    base = statistics.median(epochs["plain DDP"])
+    print(f"{args.nprocs} processes, gloo, {args.epochs} epochs x {args.repeats} repeats (first epoch excluded):")
+    for name, times in epochs.items():
+        med = statistics.median(times)
+        print(f"  {name:10s} median epoch {med * 1e3:8.1f} ms   {med / base:5.3f}x plain DDP")
+    RESULTS.mkdir(exist_ok=True)
+    summary = {k: statistics.median(v) for k, v in epochs.items()}
+    (RESULTS / "train_loop.json").write_text(json.dumps({"epoch_s": epochs, "median_s": summary}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

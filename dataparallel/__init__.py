@@ -16,14 +16,22 @@ __version__ = "0.1.0"
 
 # The training loop imports torch: load it on first use, so that `dataparallel serve`
 # and transports that do not need torch stay light.
-_LAZY = {"fit", "drive", "follow", "TrainOptions", "EpochMetrics", "FitResult"}
+_LAZY = {
+    "fit": "loop",
+    "drive": "loop",
+    "follow": "loop",
+    "TrainOptions": "loop",
+    "EpochMetrics": "loop",
+    "FitResult": "loop",
+    "Replicas": "replicas",
+}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from . import loop
+        import importlib
 
-        return getattr(loop, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'dataparallel' has no attribute {name!r}")
 
 
@@ -40,6 +48,7 @@ __all__ = [
     "FitResult",
     "KeySpace",
     "PeerLost",
+    "Replicas",
     "TrainOptions",
     "connect",
     "drive",

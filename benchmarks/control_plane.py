@@ -9,8 +9,8 @@ Measures, in one run, on one machine:
   coordinator in another process — zmq (``dataparallel serve``), tcpstore (our adapter over
   a TCPStore hosted by another process), torch's TCPStore called directly, and a raw Python
   TCP echo (the floor: the least a Python request/reply over loopback can cost);
-* barrier latency for N processes: ``ch.barrier()`` over zmq (native, one round trip per
-  rank) and tcpstore (the core's add+get barrier), against torch's TCPStore store-based
+* barrier latency for N processes: ``ch.barrier()`` over zmq and grpc (native, one round
+  trip per rank) and tcpstore (the core's add+get barrier), against torch's TCPStore store-based
   barrier (add, then the last rank sets a key the others wait on — torch's
   ``_store_based_barrier`` pattern) and torch's native ``Store.barrier``.
 
@@ -63,8 +63,8 @@ def serve_tcpstore(port: int) -> None:
 
 
 def start_server(kind: str, port: int) -> subprocess.Popen:
-    if kind == "zmq":
-        cmd = [sys.executable, "-m", "dataparallel", "serve", f"zmq://127.0.0.1:{port}"]
+    if kind in ("zmq", "grpc"):
+        cmd = [sys.executable, "-m", "dataparallel", "serve", f"{kind}://127.0.0.1:{port}"]
     else:
         cmd = [sys.executable, "-m", "benchmarks.control_plane", "--serve", kind, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -98,7 +98,7 @@ def round_trips(repeats: int) -> dict[str, float]:
             out["raw socket"] = time_ops(lambda: (s.sendall(PAYLOAD), s.recv(65536)), repeats)
     finally:
         proc.kill()
-    for kind in ("zmq", "tcpstore"):
+    for kind in ("zmq", "grpc", "tcpstore"):
         port = free_port()
         proc = start_server(kind, port)
         try:
@@ -191,7 +191,7 @@ def barrier_latency(kind: str, n: int, rounds: int) -> float:
     return json.loads(out.strip().splitlines()[-1])["median_ms"]
 
 
-BARRIER_KINDS = ["zmq", "tcpstore", "TCPStore add+wait", "TCPStore native"]
+BARRIER_KINDS = ["zmq", "grpc", "tcpstore", "TCPStore add+wait", "TCPStore native"]
 
 
 def main() -> int:

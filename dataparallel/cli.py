@@ -25,9 +25,15 @@ def _serve(args: argparse.Namespace) -> int:
     token = os.environ.get(args.token_env) if args.token_env else None
     # SIGTERM ends the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    print(f"dataparallel {__version__}: serving {args.url} (token {'set' if token else 'not set'})", flush=True)
+
+    def ready(port: int) -> None:
+        print(
+            f"dataparallel {__version__}: serving {args.url} on port {port} (token {'set' if token else 'not set'})",
+            flush=True,
+        )
+
     try:
-        serve(url, token)
+        serve(url, token, ready)
     except KeyboardInterrupt:
         pass
     return 0

@@ -17,7 +17,7 @@ import dataparallel as dp
 from dataparallel.testing import free_port, with_options
 
 WORKER = Path(__file__).with_name("loop_worker.py")
-TRANSPORTS = ["zmq", "tcpstore"]
+TRANSPORTS = ["zmq", "grpc", "tcpstore"]
 
 
 def spawn(cfg: dict) -> subprocess.Popen:

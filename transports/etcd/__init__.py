@@ -1,0 +1,330 @@
+"""``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``: the control channel on an etcd v3 cluster.
+
+For jobs whose coordinator must survive the loss of a machine, and sites that already run
+etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
+
+- Every key lives under ``/PREFIX/JOB/`` (PREFIX defaults to ``dataparallel``).
+- ``get`` of a missing key reads the key and its revision, then watches from the next
+  revision: no polling, and no write can slip between the read and the watch.
+- ``add`` and ``compare_set`` are transactions guarded by the key's ``mod_revision``
+  (retried on conflict); a missing key is ``version == 0``.
+- Liveness: each rank holds a lease (TTL = ``liveness_timeout``) kept alive every TTL/3 and
+  a key ``__dp/alive/RANK`` bound to it. A watch on those keys sees a rank's key vanish when
+  its lease expires (killed, frozen, or cut off): ``PeerLost`` for everyone waiting. A rank
+  that closes writes ``__dp/left/RANK`` first: a clean departure.
+- The last rank to close deletes the job's keys.
+- Several endpoints: a call that cannot reach one member is retried on the next.
+
+Options: ``user``, ``password``, ``ca``, ``cert``, ``key`` (passed to etcd).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions
+
+from dataparallel.channel import ControlChannel
+from dataparallel.errors import ChannelClosed, ControlError
+from dataparallel.liveness import LostPeer
+from dataparallel.registry import ChannelURL
+
+T = TypeVar("T")
+
+_ALIVE = "__dp/alive/"
+_LEFT = "__dp/left/"
+_OPEN = "__dp/open"
+
+
+class EtcdChannel(ControlChannel):
+    scheme = "etcd"
+    OPTIONS = {
+        "user": "etcd user name",
+        "password": "etcd password",
+        "ca": "PEM file of the CA that signed etcd's certificate (enables TLS)",
+        "cert": "client certificate PEM file",
+        "key": "client key PEM file",
+    }
+    # Each slice of a blocked get re-reads and re-watches its key: keep them few.
+    liveness_poll = 1.0
+
+    def __init__(self, url: ChannelURL, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self._endpoints = [(host, port or 2379) for host, port in url.hosts]
+        prefix = url.path or "dataparallel"
+        self._root = f"/{prefix}/{self.job}/".encode()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dp-etcd", daemon=True)
+        self._thread.start()
+        self._current = 0
+        self._client: aetcd.Client | None = None
+        self._lease = None
+        self._keeper: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lost: dict[int, LostPeer] = {}
+        self._left: set[int] = set()
+        self._watch = None
+        try:
+            self._run(self._connect(), self.timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+    def _client_options(self) -> dict[str, Any]:
+        opts = self.url.options
+        out: dict[str, Any] = {}
+        if "user" in opts:
+            out["username"], out["password"] = opts["user"], opts.get("password", "")
+        if "ca" in opts:
+            out["ca_cert"] = opts["ca"]
+        if "cert" in opts or "key" in opts:
+            out["cert_cert"], out["cert_key"] = opts.get("cert"), opts.get("key")
+        return out
+
+    async def _connect(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            host, port = self._endpoints[self._current]
+            client = aetcd.Client(host=host, port=port, **self._client_options())
+            try:
+                await asyncio.wait_for(client.get(self._root + b"__dp/ping"), timeout=5)
+                self._client = client
+                return
+            except Exception as err:  # unreachable member: try the next one
+                last = err
+                await client.close()
+                self._current = (self._current + 1) % len(self._endpoints)
+                await asyncio.sleep(0.1)
+        raise ChannelClosed(f"no etcd member reachable at {self.url.raw} within {self.timeout:g}s: {last}")
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=(timeout or self.timeout) + 5)
+        except TimeoutError:
+            future.cancel()
+            raise ChannelClosed(f"etcd at {self.url.raw} did not answer within {timeout or self.timeout:g}s") from None
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a client method; while a member is unreachable, fail over to the next endpoint
+        and retry for up to ``liveness_timeout`` seconds (a restarting member, a new leader)."""
+        deadline = time.monotonic() + self.liveness_timeout
+        while True:
+            try:
+                return await getattr(self._client, method)(*args, **kwargs)
+            except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError) as err:
+                if time.monotonic() > deadline:
+                    raise ChannelClosed(
+                        f"etcd at {self.url.raw} unreachable for {self.liveness_timeout:g}s: {err}"
+                    ) from err
+                if len(self._endpoints) > 1:
+                    await self._client.close()
+                    self._current = (self._current + 1) % len(self._endpoints)
+                    host, port = self._endpoints[self._current]
+                    self._client = aetcd.Client(host=host, port=port, **self._client_options())
+                await asyncio.sleep(0.2)
+
+    def _k(self, key: str) -> bytes:
+        return self._root + key.encode()
+
+    # ------------------------------------------------------------------ primitives
+    def _set(self, key: str, value: bytes) -> None:
+        self._run(self._call("put", self._k(key), value))
+
+    def _get(self, key: str, timeout: float) -> bytes | None:
+        return self._run(self._get_async(self._k(key), timeout), timeout)
+
+    async def _get_async(self, key: bytes, timeout: float) -> bytes | None:
+        found = await self._call("get_range", key, key + b"\0")
+        if len(found):
+            return found[0].value
+        watch = await self._call("watch", key, start_revision=found.header.revision + 1)
+
+        async def first_put() -> bytes | None:
+            async for event in watch:
+                if event.kind == aetcd.rtypes.EventKind.PUT:
+                    return event.kv.value
+            return None
+
+        try:
+            return await asyncio.wait_for(first_put(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            await watch.cancel()
+
+    async def _cas_loop(self, key: bytes, update) -> bytes:
+        txn = self._client.transactions
+        while True:
+            current = await self._call("get", key)
+            new, write = update(None if current is None else current.value)
+            if not write:
+                return new
+            guard = txn.version(key) == 0 if current is None else txn.mod(key) == current.mod_revision
+            ok, _ = await self._call("transaction", compare=[guard], success=[txn.put(key, new)], failure=[])
+            if ok:
+                return new
+
+    def _add(self, key: str, amount: int) -> int:
+        def update(value: bytes | None) -> tuple[bytes, bool]:
+            try:
+                return str(int(value or b"0") + amount).encode(), True
+            except ValueError:
+                raise ControlError(f"add({key!r}): value {value[:32]!r} is not a decimal integer") from None
+
+        return int(self._run(self._cas_loop(self._k(key), update)))
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        def update(value: bytes | None) -> tuple[bytes, bool]:
+            if value is None:
+                return (desired, True) if not expected else (expected, False)
+            return (desired, True) if value == expected else (value, False)
+
+        return self._run(self._cas_loop(self._k(key), update))
+
+    def _delete(self, key: str) -> bool:
+        result = self._run(self._call("delete", self._k(key)))
+        return result is not None and result.deleted > 0  # aetcd returns None when nothing matched
+
+    def _check(self, keys: Sequence[str]) -> bool:
+        async def check() -> bool:
+            for key in keys:
+                if await self._call("get", self._k(key)) is None:
+                    return False
+            return True
+
+        return self._run(check())
+
+    def _num_keys(self) -> int:
+        return len(self._run(self._call("get_prefix", self._root)))
+
+    # ------------------------------------------------------------------ liveness
+    def _claimed(self) -> None:
+        ttl = max(2, math.ceil(self.liveness_timeout))
+
+        async def register() -> None:
+            self._lease = await self._call("lease", ttl)
+            await self._call("put", self._k(f"{_ALIVE}{self.rank}"), b"1", lease=self._lease)
+
+        self._run(register())
+        self._add(_OPEN, 1)
+        self._keeper = threading.Thread(target=self._keep_alive, args=(ttl,), name="dp-etcd-lease", daemon=True)
+        self._keeper.start()
+
+    def _keep_alive(self, ttl: int) -> None:
+        last_ok = time.monotonic()
+        while not self._stop.wait(ttl / 3):
+            try:
+                self._run(self._call("refresh_lease", self._lease.id), ttl)
+                last_ok = time.monotonic()
+            except Exception as err:  # a member restarting: retry until the lease is gone for good
+                if self._stop.is_set():
+                    return
+                if time.monotonic() - last_ok > ttl:
+                    self._fail(ChannelClosed(f"lost etcd at {self.url.raw}: no lease refresh for {ttl}s: {err}"))
+                    return
+
+    def _start_liveness(self) -> None:
+        if self._watch is None and self.world_size > 1:
+            self._liveness = self  # blocked calls poll first_lost() between slices
+            self._run(self._watch_members())
+
+    async def _watch_members(self) -> None:
+        watch = await self._open_member_watch()
+
+        async def follow(watch) -> None:
+            # A watch dies with its connection (member restart, failover): re-read and re-watch.
+            while not self._stop.is_set():
+                try:
+                    async for event in watch:
+                        if event.kind == aetcd.rtypes.EventKind.DELETE:
+                            await self._judge(int(event.kv.key[len(self._k(_ALIVE)) :]))
+                except Exception:
+                    if self._stop.is_set():
+                        return
+                    await asyncio.sleep(0.2)
+                try:
+                    watch = await self._open_member_watch()
+                except Exception:  # etcd still away, or the channel closing
+                    if self._stop.is_set():
+                        return
+                    await asyncio.sleep(0.5)
+
+        self._follower = asyncio.ensure_future(follow(watch))
+
+    async def _open_member_watch(self):
+        """Judge every rank whose alive key is gone, then watch for more to go."""
+        alive = self._k(_ALIVE)
+        found = await self._call("get_prefix", alive)
+        present = {int(kv.key[len(alive) :]) for kv in found}
+        for rank in set(range(self.world_size)) - present - {self.rank} - self._left - set(self._lost):
+            await self._judge(rank)
+        self._watch = await self._call(
+            "watch", alive, range_end=_prefix_end(alive), start_revision=found.header.revision + 1
+        )
+        return self._watch
+
+    async def _judge(self, rank: int) -> None:
+        if await self._call("get", self._k(f"{_LEFT}{rank}")) is not None:
+            self._left.add(rank)
+            return
+        reason = f"its etcd lease expired (no keep-alive for {self.liveness_timeout:g}s)"
+        self._lost = {**self._lost, rank: LostPeer(rank, time.time() - self.liveness_timeout, reason)}
+
+    # The liveness interface the core polls (see ControlChannel._await).
+    def first_lost(self) -> LostPeer | None:
+        lost = self._lost
+        return next(iter(lost.values()), None) if lost else None
+
+    def lost(self) -> list[LostPeer]:
+        return list(self._lost.values())
+
+    def stop(self, announce: bool) -> None:
+        pass  # departure is announced in _close
+
+    def await_departures(self, grace: float) -> None:
+        pass  # etcd outlives every rank: nobody waits for this one
+
+    # ------------------------------------------------------------------ close
+    def _close(self) -> None:
+        self._stop.set()
+        if self._broken is None and self._client is not None:
+            try:
+                self._run(self._leave(), 10)
+            except ControlError:
+                pass  # leaving anyway; the lease expires on its own
+        self._shutdown()
+
+    async def _leave(self) -> None:
+        if self.rank is not None and self._lease is not None:
+            await self._call("put", self._k(f"{_LEFT}{self.rank}"), b"1")
+            remaining = int(await self._cas_loop(self._k(_OPEN), lambda v: (str(int(v or b"1") - 1).encode(), True)))
+            await self._call("revoke_lease", self._lease.id)
+            if remaining <= 0:
+                await self._call("delete_prefix", self._root)  # the last one out cleans up
+        follower = getattr(self, "_follower", None)
+        if follower is not None:
+            follower.cancel()
+        if self._watch is not None:
+            await self._watch.cancel()
+
+    def _shutdown(self) -> None:
+        if self._client is not None:
+            try:
+                self._run(self._client.close(), 5)
+            except Exception:
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    return prefix[:-1] + bytes([prefix[-1] + 1])

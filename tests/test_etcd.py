@@ -8,7 +8,7 @@ import time
 
 import pytest
 from etcdserver import EtcdServer, require_etcd, start_cluster
-from jobutil import exercise, open_job
+from jobutil import exercise, open_job, spawn
 
 import dataparallel as dp
 from dataparallel.testing import close_all, with_options
@@ -83,4 +83,36 @@ def test_finished_job_leaves_no_keys_and_a_rerun_starts_clean(tmp_path):
 
         assert asyncio.run(count()) == 0
     finally:
+        server.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_crashed_job_does_not_block_a_rerun_of_the_same_name(tmp_path):
+    server = EtcdServer(tmp_path / "data").start().wait_ready()
+    url = with_options(server.url + "/crash", heartbeat=0.2, liveness_timeout=2)
+    crashed = spawn(
+        [
+            "-m",
+            "dataparallel.testing.worker",
+            "hold",
+            "--url",
+            url,
+            "--rank",
+            "0",
+            "--world-size",
+            "1",
+            "--job",
+            "again",
+        ]
+    )
+    try:
+        assert '"ready"' in crashed.stdout.readline()
+        crashed.kill()  # no close: its claim on rank 0 stays until its lease expires
+        crashed.communicate(timeout=10)
+        time.sleep(2 + 1.5)
+        with dp.connect(url, rank=0, world_size=1, job="again", timeout=10) as rerun:
+            rerun.rendezvous()
+            rerun.set("k", b"v")
+    finally:
+        crashed.kill()
         server.stop()

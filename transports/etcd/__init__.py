@@ -3,7 +3,8 @@
 For jobs whose coordinator must survive the loss of a machine, and sites that already run
 etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
 
-- Every key lives under ``/PREFIX/JOB/`` (PREFIX defaults to ``dataparallel``).
+- Every key lives under ``/PREFIX/JOB/RUN/`` (PREFIX defaults to ``dataparallel``; RUN is
+  an id bound to the first rank's lease, so a crashed job never leaks into a rerun).
 - ``get`` of a missing key reads the key and its revision, then watches from the next
   revision: no polling, and no write can slip between the read and the watch.
 - ``add`` and ``compare_set`` are transactions guarded by the key's ``mod_revision``
@@ -24,6 +25,7 @@ import asyncio
 import math
 import threading
 import time
+import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -58,7 +60,9 @@ class EtcdChannel(ControlChannel):
         super().__init__(url, **kwargs)
         self._endpoints = [(host, port or 2379) for host, port in url.hosts]
         prefix = url.path or "dataparallel"
-        self._root = f"/{prefix}/{self.job}/".encode()
+        self._job_root = f"/{prefix}/{self.job}/".encode()
+        self._root = self._job_root  # becomes /PREFIX/JOB/RUN/ once the run is known
+        self._ttl = max(2, math.ceil(self.liveness_timeout))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dp-etcd", daemon=True)
         self._thread.start()
@@ -70,13 +74,41 @@ class EtcdChannel(ControlChannel):
         self._lost: dict[int, LostPeer] = {}
         self._left: set[int] = set()
         self._watch = None
+        self._registered = False
         try:
             self._run(self._connect(), self.timeout)
+            self._run(self._open_run(), self.timeout)
         except BaseException:
             self._shutdown()
             raise
+        self._keeper = threading.Thread(target=self._keep_alive, args=(self._ttl,), name="dp-etcd-lease", daemon=True)
+        self._keeper.start()
 
     # ------------------------------------------------------------------ plumbing
+    async def _open_run(self) -> None:
+        """Join the job's current run, or start one: a run id bound to its creator's lease,
+        so a crashed job's run expires with it and a later job of the same name never sees
+        its keys (starting a run deletes whatever a dead run left)."""
+        self._lease = await self._call("lease", self._ttl)
+        run_key = self._job_root[:-1] + b"\x00run"  # outside the range the transaction wipes
+        txn = self._client.transactions
+        while True:
+            fresh = uuid.uuid4().hex.encode()
+            ok, _ = await self._call(
+                "transaction",
+                compare=[txn.version(run_key) == 0],
+                success=[
+                    txn.delete(self._job_root, _prefix_end(self._job_root)),
+                    txn.put(run_key, fresh, lease=self._lease),
+                ],
+                failure=[],
+            )
+            current = None if ok else await self._call("get", run_key)
+            if ok or current is not None:  # else the run expired in between: try again
+                break
+        run = fresh if ok else current.value
+        self._root = self._job_root + run + b"/"
+
     def _client_options(self) -> dict[str, Any]:
         opts = self.url.options
         out: dict[str, Any] = {}
@@ -208,16 +240,9 @@ class EtcdChannel(ControlChannel):
 
     # ------------------------------------------------------------------ liveness
     def _claimed(self) -> None:
-        ttl = max(2, math.ceil(self.liveness_timeout))
-
-        async def register() -> None:
-            self._lease = await self._call("lease", ttl)
-            await self._call("put", self._k(f"{_ALIVE}{self.rank}"), b"1", lease=self._lease)
-
-        self._run(register())
+        self._registered = True
+        self._run(self._call("put", self._k(f"{_ALIVE}{self.rank}"), b"1", lease=self._lease))
         self._add(_OPEN, 1)
-        self._keeper = threading.Thread(target=self._keep_alive, args=(ttl,), name="dp-etcd-lease", daemon=True)
-        self._keeper.start()
 
     def _keep_alive(self, ttl: int) -> None:
         last_ok = time.monotonic()
@@ -304,12 +329,14 @@ class EtcdChannel(ControlChannel):
         self._shutdown()
 
     async def _leave(self) -> None:
-        if self.rank is not None and self._lease is not None:
+        remaining = 1
+        if self._registered:
             await self._call("put", self._k(f"{_LEFT}{self.rank}"), b"1")
             remaining = int(await self._cas_loop(self._k(_OPEN), lambda v: (str(int(v or b"1") - 1).encode(), True)))
+        if self._lease is not None:
             await self._call("revoke_lease", self._lease.id)
-            if remaining <= 0:
-                await self._call("delete_prefix", self._root)  # the last one out cleans up
+        if self._registered and remaining <= 0:
+            await self._call("delete_prefix", self._root)  # the last one out cleans up
         follower = getattr(self, "_follower", None)
         if follower is not None:
             follower.cancel()

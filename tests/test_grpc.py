@@ -1,13 +1,11 @@
-"""gRPC-specific behaviour: TLS with certificates made here, tokens, hostile calls, and
-the same failure cases as ZeroMQ. Every wait is bounded."""
+"""gRPC-specific behaviour: TLS with certificates made here, tokens, hostile calls
+(coordinator death: test_coordinator_death.py). Every wait is bounded."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
 import os
-import signal
-import time
 from pathlib import Path
 
 import grpc
@@ -16,10 +14,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from jobutil import FAST, exercise, expect, open_job, spawn
+from jobutil import exercise, open_job
 
 import dataparallel as dp
-from dataparallel.testing import close_all, free_port, run_all, with_options
+from dataparallel.testing import close_all, free_port, with_options
 from dataparallel.wire import pb
 
 
@@ -156,41 +154,3 @@ def test_hostile_calls_get_errors_and_the_job_carries_on():
         exercise(channels, "after-hostile")
     finally:
         close_all(channels)
-
-
-@pytest.mark.timeout(90)
-def test_standalone_coordinator_death_fails_clients_fast():
-    port = free_port()
-    server = spawn(["-m", "dataparallel", "serve", f"grpc://127.0.0.1:{port}"])
-    try:
-        assert "serving" in server.stdout.readline()
-        channels = open_job(with_options(f"grpc://127.0.0.1:{port}", **FAST), 2)
-        assert not any(c.hosts_coordinator for c in channels)
-        exercise(channels, "before")
-        server.kill()
-        start = time.monotonic()
-        run_all([lambda c=c: expect(dp.ChannelClosed, c.barrier, "after", 30) for c in channels])
-        assert time.monotonic() - start < FAST["liveness_timeout"] + 3
-        close_all(channels)
-    finally:
-        server.kill()
-        server.communicate(timeout=10)
-
-
-@pytest.mark.timeout(90)
-def test_death_of_the_hosting_rank_fails_the_others_fast():
-    url = with_options(f"grpc://127.0.0.1:{free_port()}", **FAST)
-    host = spawn(["-m", "dataparallel.testing.worker", "hold", "--url", url, "--rank", "0", "--world-size", "2"])
-    try:
-        follower = dp.connect(url, rank=1, world_size=2, timeout=30)
-        follower.rendezvous()
-        assert '"ready"' in host.stdout.readline()
-        host.send_signal(signal.SIGKILL)
-        start = time.monotonic()
-        err = expect(dp.ChannelClosed, follower.get, "never", 30)
-        assert time.monotonic() - start < FAST["liveness_timeout"] + 3
-        assert "coordinator" in str(err)
-        follower.close()
-    finally:
-        host.kill()
-        host.communicate(timeout=10)

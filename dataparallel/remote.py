@@ -16,8 +16,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from .channel import ControlChannel
 from .coordinator import Coordinator
@@ -62,10 +62,29 @@ class RemoteChannel(ControlChannel, abc.ABC):
     @abc.abstractmethod
     def _close_transport(self) -> None: ...
 
+    #: The coordinator server this process hosts, if any (``.coordinator``, ``.port``, ``.stop()``).
+    _server: Any = None
+
+    def _host_unless_served(self, start: Callable[[], Any], port: int, busy: tuple[type[BaseException], ...]) -> int:
+        """Rank 0 (or, with ``rank=None``, the first process to bind) hosts the coordinator
+        in-process; if the port is already served (``dataparallel serve``, or another job's
+        rank 0) it stays a client. Returns the port to connect to."""
+        if self.rank in (None, 0):
+            try:
+                self._server = start()
+                return self._server.port
+            except busy:
+                self._server = None
+        return port
+
+    def _stop_hosting(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
     @property
     def _hosted(self) -> Coordinator | None:
         """The in-process coordinator, when this rank hosts it."""
-        return None
+        return self._server.coordinator if self._server is not None else None
 
     @property
     def hosts_coordinator(self) -> bool:
@@ -137,6 +156,9 @@ class RemoteChannel(ControlChannel, abc.ABC):
                 self._call(pb.Request(id=next(self._ids), session=self._session, leave=pb.Empty()), 2.0)
             except ControlError:
                 pass  # leaving anyway
+        heartbeats = getattr(self, "_heartbeats", None)
+        if heartbeats is not None and heartbeats is not threading.current_thread():
+            heartbeats.join(timeout=self.heartbeat_interval + 2.0)
         self._close_transport()
 
     # ------------------------------------------------------------------ liveness

@@ -17,7 +17,6 @@ Options:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,16 +81,13 @@ class GrpcChannel(RemoteChannel):
             raise ConfigError(f"{url.raw!r}: expected grpc://HOST:PORT")
         self._tls = _flag(url, "tls")
         self._metadata = ((TOKEN_HEADER, token_key(self.token).hex()),)
-        port = url.require_port()
-        self._server: GrpcCoordinatorServer | None = None
-        if self.rank in (None, 0):
-            try:
-                self._server = GrpcCoordinatorServer(
-                    url.host, port, token_key(self.token).hex(), server_credentials(url)
-                ).start()
-                port = self._server.port
-            except (OSError, RuntimeError):
-                self._server = None  # the port is served already (standalone, or another job's rank 0)
+        port = self._host_unless_served(
+            lambda: GrpcCoordinatorServer(
+                url.host, url.require_port(), token_key(self.token).hex(), server_credentials(url)
+            ).start(),
+            url.require_port(),
+            busy=(OSError, RuntimeError),
+        )
         host = "127.0.0.1" if url.host in ("0.0.0.0", "*") else url.host
         self._target = f"{host}:{port}"
         self._channel = self._open_channel(url)
@@ -112,10 +108,6 @@ class GrpcChannel(RemoteChannel):
             root_certificates=_read(url, "ca"), private_key=_read(url, "key"), certificate_chain=_read(url, "cert")
         )
         return grpc.secure_channel(self._target, credentials, options=options)
-
-    @property
-    def _hosted(self):
-        return self._server.coordinator if self._server is not None else None
 
     @property
     def port(self) -> int:
@@ -162,12 +154,8 @@ class GrpcChannel(RemoteChannel):
         return f"no reply from the coordinator at {self._target} within {timeout:.1f}s ({hint}){reason}"
 
     def _close_transport(self) -> None:
-        heartbeats = getattr(self, "_heartbeats", None)
-        if heartbeats is not None and heartbeats is not threading.current_thread():
-            heartbeats.join(timeout=self.heartbeat_interval + 2.0)
         self._channel.close()
-        if self._server is not None:
-            self._server.stop()
+        self._stop_hosting()
 
     @classmethod
     def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:

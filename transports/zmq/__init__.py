@@ -47,14 +47,11 @@ class ZmqChannel(RemoteChannel):
         if self._curve and not zmq.has("curve"):
             raise ConfigError("this libzmq was built without CURVE support")
         self._key = token_key(self.token)
-        port = url.require_port()
-        self._server: ZmqCoordinatorServer | None = None
-        if self.rank in (None, 0):
-            try:
-                self._server = ZmqCoordinatorServer(url.host, port, self.token, self._curve).start()
-                port = self._server.port
-            except zmq.ZMQError:
-                pass  # the port is served already (standalone coordinator, or another job's rank 0)
+        port = self._host_unless_served(
+            lambda: ZmqCoordinatorServer(url.host, url.require_port(), self.token, self._curve).start(),
+            url.require_port(),
+            busy=(zmq.ZMQError,),
+        )
         host = "127.0.0.1" if url.host in ("0.0.0.0", "*") else url.host
         self._endpoint = f"tcp://{host}:{port}"
         self._ctx = zmq.Context()
@@ -66,10 +63,6 @@ class ZmqChannel(RemoteChannel):
         except BaseException:
             self._close_transport()
             raise
-
-    @property
-    def _hosted(self):
-        return self._server.coordinator if self._server is not None else None
 
     @property
     def port(self) -> int:
@@ -134,14 +127,10 @@ class ZmqChannel(RemoteChannel):
             raise BadMessage(f"garbled reply from the coordinator at {self._endpoint}: {err}") from None
 
     def _close_transport(self) -> None:
-        heartbeats = getattr(self, "_heartbeats", None)
-        if heartbeats is not None and heartbeats is not threading.current_thread():
-            heartbeats.join(timeout=self.heartbeat_interval + 2.0)
         with self._lock:
             self._ctx.destroy(linger=0)
             self._sockets.clear()
-        if self._server is not None:
-            self._server.stop()
+        self._stop_hosting()
 
     @classmethod
     def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:

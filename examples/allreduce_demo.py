@@ -8,14 +8,13 @@ process group initialised through it, and an all-reduce.
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from local_job import free_zmq_url, run_ranks
 
 import dataparallel as dp
 
@@ -51,26 +50,9 @@ def main() -> int:
     if args.rank is not None:
         worker(args.transport, args.rank, args.nprocs)
         return 0
-    url = args.transport
-    if url is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            url = f"zmq://127.0.0.1:{s.getsockname()[1]}"
+    url = args.transport or free_zmq_url()
     print(f"starting {args.nprocs} processes on {url}")
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--nprocs", str(args.nprocs), "--transport", url, "--rank", str(r)])
-        for r in range(args.nprocs)
-    ]
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=180))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            print("a rank hung; all killed", file=sys.stderr)
-            return 1
-    return max(codes, key=abs)
+    return run_ranks(__file__, args.nprocs, url)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,10 @@ Reaches about 96-97% validation accuracy in 12 epochs (about 30 s on 2 CPU cores
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
 import sys
-import time
 
 import torch
+from local_job import free_zmq_url, run_ranks
 from torch.utils.data import TensorDataset
 
 import dataparallel as dp
@@ -94,30 +92,10 @@ def main() -> int:
     if args.rank is not None:
         train(args.transport, args.rank, args.nprocs, args.epochs, args.checkpoint)
         return 0
-    url = args.transport
-    if url is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            url = f"zmq://127.0.0.1:{s.getsockname()[1]}"
+    url = args.transport or free_zmq_url()
     print(f"starting a driver and {args.nprocs - 1} followers on {url}", flush=True)
     extra = ["--epochs", str(args.epochs)] + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--transport", url, "--nprocs", str(args.nprocs), "--rank", str(r), *extra]
-        )
-        for r in range(args.nprocs)
-    ]
-    try:
-        # When one rank fails the job is over: stop the others rather than wait for timeouts.
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode]
-            if failed:
-                return failed[0]
-            time.sleep(0.2)
-        return next((p.returncode for p in procs if p.returncode), 0)
-    finally:
-        for p in procs:
-            p.kill()
+    return run_ranks(__file__, args.nprocs, url, extra)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """dataparallel: data-parallel PyTorch training over a pluggable control channel.
 
 import dataparallel as dp
-ch = dp.connect("tcpstore://127.0.0.1:29500", rank=r, world_size=n)
+ch = dp.connect("tcpstore://127.0.0.1:29500", rank=r, world_size=n)  # or dp.connect(): from config
 ch.rendezvous()
-torch.distributed.init_process_group("gloo", store=ch.as_store(), rank=ch.rank, world_size=n)
+dp.init_process_group(ch)  # torch.distributed through the channel's store
 """
 
 from .channel import ControlChannel
@@ -24,6 +24,10 @@ _LAZY = {
     "EpochMetrics": "loop",
     "FitResult": "loop",
     "Replicas": "replicas",
+    "init_process_group": "process_group",
+    "launch": "launch",
+    "load_config": "config",
+    "JobConfig": "config",
 }
 
 
@@ -46,6 +50,7 @@ __all__ = [
     "ControlTimeout",
     "EpochMetrics",
     "FitResult",
+    "JobConfig",
     "KeySpace",
     "PeerLost",
     "Replicas",
@@ -54,7 +59,10 @@ __all__ = [
     "drive",
     "fit",
     "follow",
+    "init_process_group",
     "known_schemes",
+    "launch",
+    "load_config",
     "parse_url",
     "register_transport",
 ]

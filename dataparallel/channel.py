@@ -75,6 +75,7 @@ class ControlChannel(Collectives, abc.ABC):
         job: str = "default",
         token: str | None = None,
         timeout: float = 300.0,
+        serve: bool = True,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -90,6 +91,8 @@ class ControlChannel(Collectives, abc.ABC):
         self.job = job
         self.token = token
         self.timeout = float(timeout)
+        #: False: never host the job's coordinator in this process, only connect to one.
+        self.serve = serve
         allowed = {**COMMON_OPTIONS, **self.OPTIONS}
         unknown = sorted(set(url.options) - set(allowed))
         if unknown:
@@ -215,6 +218,12 @@ class ControlChannel(Collectives, abc.ABC):
     def hosts_coordinator(self) -> bool:
         """True when this process serves the job's state (closing it ends the job)."""
         return False
+
+    @classmethod
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+        """Problems a look at the server at ``url`` reveals before any request (a protocol,
+        TLS or encryption mismatch): used by ``dataparallel check``. Default: none."""
+        return []
 
     def __enter__(self) -> ControlChannel:
         return self

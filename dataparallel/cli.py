@@ -1,13 +1,9 @@
-"""``dataparallel`` command line.
-
-dataparallel serve zmq://0.0.0.0:29500 --token-env DP_TOKEN   # standalone coordinator
-"""
+"""``dataparallel`` command line: ``launch``, ``serve``, ``check``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
@@ -15,20 +11,79 @@ from . import __version__
 from .errors import ConfigError
 from .registry import parse_url, transport_class
 
+EXAMPLES = """\
+examples:
+  # one machine, 4 workers, embedded ZeroMQ coordinator on a free port
+  dataparallel launch --nprocs 4 train.py --epochs 10
+
+  # three machines, 2 workers each; the same command on each, with its --node-rank
+  dataparallel launch --url zmq://10.0.0.1:29500 --nodes 3 --nprocs 2 --node-rank 0 train.py
+
+  # settings from a file (flags > DP_* environment > file)
+  dataparallel launch --config dataparallel.toml --node-rank 1 train.py
+
+  # a standalone coordinator, and a check from another machine
+  DP_TOKEN=s3cret dataparallel serve zmq://0.0.0.0:29500
+  DP_TOKEN=s3cret dataparallel check zmq://10.0.0.1:29500
+"""
+
+
+def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
+    group = parser.add_argument_group("job configuration (flags > DP_* environment > dataparallel.toml)")
+    group.add_argument("--config", help="TOML file (default: $DP_CONFIG, else ./dataparallel.toml if present)")
+    group.add_argument("--url", help="channel URL, e.g. zmq://10.0.0.1:29500, grpc://...?tls=1, etcd://h:2379")
+    group.add_argument("--transport", help="transport scheme (zmq, grpc, etcd, tcpstore...) with --host/--port")
+    group.add_argument("--host", help="coordinator (or etcd) host")
+    group.add_argument("--port", help="coordinator (or etcd) port")
+    group.add_argument("--option", dest="options", action="append", metavar="KEY=VALUE", help="URL option, repeatable")
+    group.add_argument("--job", help="job name (default: default)")
+    group.add_argument("--timeout", help="seconds any control call may block (default 300)")
+    group.add_argument("--token-file", help="file holding the job token (or set DP_TOKEN)")
+    if launcher:
+        group.add_argument("--world-size", help="total workers (default: nodes x nprocs)")
+        group.add_argument("--nprocs", help="workers on this node (default: one per GPU, else 1)")
+        group.add_argument("--nodes", help="number of nodes (default 1)")
+        group.add_argument("--node-rank", help="this node's index, 0..nodes-1 (default 0)")
+
+
+def _load(args: argparse.Namespace):
+    from .config import SETTINGS, load_config
+
+    flags = {name: getattr(args, name, None) for name in SETTINGS}
+    flags["config"] = args.config
+    if getattr(args, "url_arg", None):
+        flags["url"] = args.url_arg
+    return load_config(flags)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .launch import launch, worker_command
+
+    target = list(args.target)
+    if target and target[0] == "--":
+        target = target[1:]
+    if args.module and target:
+        target = [args.module, *target]
+    elif args.module:
+        target = [args.module]
+    command = worker_command(target, module=bool(args.module), no_python=args.no_python)
+    return launch(command, _load(args), grace=args.grace, prefix=not args.no_prefix)
+
 
 def _serve(args: argparse.Namespace) -> int:
-    url = parse_url(args.url)
+    config = _load(args)
+    url = parse_url(config.require("url"))
     cls = transport_class(url.scheme)
     serve = getattr(cls, "serve", None)
     if serve is None:
         raise ConfigError(f"transport {url.scheme!r} has no standalone coordinator to serve")
-    token = os.environ.get(args.token_env) if args.token_env else None
+    token = config.token
     # SIGTERM ends the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def ready(port: int) -> None:
         print(
-            f"dataparallel {__version__}: serving {args.url} on port {port} (token {'set' if token else 'not set'})",
+            f"dataparallel {__version__}: serving {url.raw} on port {port} (token {'set' if token else 'not set'})",
             flush=True,
         )
 
@@ -39,27 +94,70 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from .check import check
+
+    config = _load(args)
+    timeout = float(args.timeout) if args.timeout else 5.0
+    report = check(config.require("url"), token=config.token, timeout=timeout, rounds=args.rounds)
+    print(report.render(), flush=True)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataparallel",
         description="Data-parallel PyTorch training over a pluggable control channel.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  DP_TOKEN=s3cret dataparallel serve zmq://0.0.0.0:29500 --token-env DP_TOKEN",
+        epilog=EXAMPLES,
     )
     parser.add_argument("--version", action="version", version=f"dataparallel {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log coordinator events")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run a standalone coordinator (zmq)")
-    serve.add_argument("url", help="where to listen, e.g. zmq://0.0.0.0:29500[?curve=1]")
-    serve.add_argument(
-        "--token-env", default="DP_TOKEN", help="environment variable holding the job token (default DP_TOKEN)"
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,serve,check}")
+
+    launch = sub.add_parser(
+        "launch",
+        help="start this node's workers of a training script",
+        description="Start this node's workers (ranks node_rank*nprocs ...), prefix their output with the rank, "
+        "forward signals, and stop them all when one fails (its exit code is returned).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
     )
+    _config_flags(launch, launcher=True)
+    launch.add_argument("-m", dest="module", metavar="MODULE", help="run a module (python -m MODULE)")
+    launch.add_argument("--no-python", action="store_true", help="run the command itself, not with this Python")
+    launch.add_argument("--no-prefix", action="store_true", help="leave the workers' output as it is")
+    launch.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    launch.add_argument("target", nargs=argparse.REMAINDER, help="script and its arguments")
+    launch.set_defaults(run=_launch)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run a standalone coordinator (zmq, grpc)",
+        description="Run a job coordinator on its own, outliving any rank. The token comes from DP_TOKEN "
+        "or --token-file.",
+    )
+    serve.add_argument("url_arg", metavar="URL", nargs="?", help="where to listen, e.g. zmq://0.0.0.0:29500[?curve=1]")
+    _config_flags(serve, launcher=False)
     serve.set_defaults(run=_serve)
+
+    check = sub.add_parser(
+        "check",
+        help="reach a coordinator or etcd: latency, token, diagnosis",
+        description="Connect to the coordinator (or etcd) at URL without joining a job: report reachability, "
+        "round-trip latency and whether the token works, or what is wrong (nothing listening, TLS or "
+        "encryption mismatch, wrong token). Exit status 0 when all is well, 1 otherwise.",
+    )
+    check.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
+    check.add_argument("--rounds", type=int, default=20, help="round trips to time (default 20)")
+    _config_flags(check, launcher=False)
+    check.set_defaults(run=_check)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
     try:
         return args.run(args)

@@ -2,30 +2,55 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .channel import ControlChannel
 from .registry import parse_url, transport_class
 
+_FROM_CONFIG: Any = object()
+
 
 def connect(
-    url: str,
+    url: str | None = None,
     *,
-    rank: int | None = None,
-    world_size: int,
-    job: str = "default",
+    rank: int | None = _FROM_CONFIG,
+    world_size: int | None = None,
+    job: str | None = None,
     token: str | None = None,
-    timeout: float = 300.0,
+    timeout: float | None = None,
 ) -> ControlChannel:
     """Open a control channel to the job ``job`` at ``url``.
 
     ``rank=None`` is assigned a free rank, first come first served. Returns once this
     process holds its rank; call :meth:`ControlChannel.rendezvous` to wait for the others.
-    Raises :class:`ConfigError` for a bad URL or argument (the message lists known
-    schemes/options), :class:`AuthError` for a token that does not match the job's, and
-    :class:`ControlError` when the rank is taken or the job is full.
+
+    Whatever is not passed comes from the configuration (:func:`dataparallel.config.load_config`:
+    ``DP_*`` variables set by ``dataparallel launch``, torchrun's variables,
+    ``dataparallel.toml``), so ``dp.connect()`` in a script works under ``dataparallel launch``
+    and torchrun unchanged. Raises :class:`ConfigError` for a bad URL or setting (the message
+    names it and where it came from), :class:`AuthError` for a token that does not match the
+    job's, and :class:`ControlError` when the rank is taken or the job is full.
     """
+    from .config import load_config
+
+    if url is None or rank is _FROM_CONFIG or world_size is None:
+        config = load_config()
+        url = url if url is not None else config.require("url")
+        rank = config.rank if rank is _FROM_CONFIG else rank
+        world_size = world_size if world_size is not None else config.require("world_size")
+        job = job if job is not None else config.job
+        token = token if token is not None else config.token
+        timeout = timeout if timeout is not None else config.timeout
     parsed = parse_url(url)
     cls = transport_class(parsed.scheme)
-    channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
+    channel = cls(
+        parsed,
+        rank=rank,
+        world_size=world_size,
+        job=job if job is not None else "default",
+        token=token,
+        timeout=timeout if timeout is not None else 300.0,
+    )
     try:
         channel._join()
     except BaseException:

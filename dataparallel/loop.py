@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .channel import ControlChannel
 from .errors import ChannelClosed, ControlError, PeerLost
+from .process_group import init_process_group
 
 log = logging.getLogger(__name__)
 
@@ -172,16 +172,7 @@ class _Trainer:
         self.ch.rendezvous()
         if self.pg is None:
             if not dist.is_initialized():
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-                kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
-                dist.init_process_group(
-                    backend,
-                    store=self.ch.as_store(),
-                    rank=self.rank,
-                    world_size=self.world,
-                    timeout=timedelta(seconds=self.opts.collective_timeout),
-                    **kwargs,
-                )
+                init_process_group(self.ch, device=self.device, timeout=self.opts.collective_timeout)
                 self._own_pg = True
             self.pg = dist.group.WORLD
         ids = [self.device.index] if self.device.type == "cuda" else None

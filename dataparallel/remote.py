@@ -69,7 +69,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
         """Rank 0 (or, with ``rank=None``, the first process to bind) hosts the coordinator
         in-process; if the port is already served (``dataparallel serve``, or another job's
         rank 0) it stays a client. Returns the port to connect to."""
-        if self.rank in (None, 0):
+        if self.rank in (None, 0) and self.serve:
             try:
                 self._server = start()
                 return self._server.port

@@ -2,7 +2,7 @@
 process group initialised through it, and an all-reduce.
 
     python examples/allreduce_demo.py --nprocs 3                 # zmq on a free local port
-    python examples/allreduce_demo.py --nprocs 3 --transport tcpstore://127.0.0.1:29500
+    dataparallel launch --nprocs 3 --url tcpstore://127.0.0.1:29500 examples/allreduce_demo.py
 """
 
 from __future__ import annotations
@@ -10,22 +10,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from local_job import free_zmq_url, run_ranks
 
 import dataparallel as dp
+from dataparallel.launch import in_worker, relaunch
 
 
-def worker(url: str, rank: int, world_size: int) -> None:
-    ch = dp.connect(url, rank=rank, world_size=world_size, job="allreduce-demo", timeout=60)
+def worker() -> None:
+    ch = dp.connect(timeout=60)  # URL, rank and world size from the launcher's environment
+    world_size = ch.world_size
     start = time.perf_counter()
     ch.rendezvous()
-    dist.init_process_group(
-        "gloo", store=ch.as_store(), rank=ch.rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
+    dp.init_process_group(ch, timeout=60)
     ready = time.perf_counter() - start
     value = torch.arange(4, dtype=torch.float64) * (ch.rank + 1)
     dist.all_reduce(value)
@@ -43,16 +41,12 @@ def worker(url: str, rank: int, world_size: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nprocs", type=int, default=3)
-    parser.add_argument("--transport", default=None, help="channel URL (default: zmq on a free local port)")
-    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--nprocs", type=int, default=3, help="processes to start when run by hand")
     args = parser.parse_args()
-    if args.rank is not None:
-        worker(args.transport, args.rank, args.nprocs)
+    if in_worker():
+        worker()
         return 0
-    url = args.transport or free_zmq_url()
-    print(f"starting {args.nprocs} processes on {url}")
-    return run_ranks(__file__, args.nprocs, url)
+    return relaunch(__file__, [], nprocs=args.nprocs)
 
 
 if __name__ == "__main__":

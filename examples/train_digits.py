@@ -1,10 +1,11 @@
 """Train a small CNN on scikit-learn's bundled handwritten digits (8x8 images, 10 classes),
 data-parallel across a driver and followers in separate processes.
 
-    python examples/train_digits.py --nprocs 3                      # zmq, embedded in the driver
-    python examples/train_digits.py --nprocs 3 --transport tcpstore://127.0.0.1:29500
-    # one process of a multi-host job (start the same command with each rank):
-    python examples/train_digits.py --transport zmq://10.0.0.1:29500 --nprocs 4 --rank 2
+    python examples/train_digits.py --nprocs 3        # zmq, embedded in the driver
+    # the same script, any transport: only the configuration changes
+    dataparallel launch --config examples/configs/grpc.toml examples/train_digits.py
+    DP_URL=tcpstore://127.0.0.1:29500 dataparallel launch --nprocs 3 examples/train_digits.py
+    torchrun --nproc-per-node 3 examples/train_digits.py  # torchrun's store as the channel
 
 Reaches about 96-97% validation accuracy in 12 epochs (about 30 s on 2 CPU cores).
 """
@@ -12,13 +13,15 @@ Reaches about 96-97% validation accuracy in 12 epochs (about 30 s on 2 CPU cores
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
-from local_job import free_zmq_url, run_ranks
 from torch.utils.data import TensorDataset
 
 import dataparallel as dp
+from dataparallel.launch import in_worker, relaunch
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:
@@ -47,8 +50,10 @@ def cnn() -> torch.nn.Module:
     )
 
 
-def train(url: str, rank: int | None, world_size: int, epochs: int, checkpoint: str | None) -> None:
-    ch = dp.connect(url, rank=rank, world_size=world_size, job="digits", timeout=120)
+def train(epochs: int, checkpoint: str | None, result: str | None) -> None:
+    # Transport, rank, world size, job and token come from the configuration: the DP_*
+    # variables set by `dataparallel launch`, torchrun's, or dataparallel.toml.
+    ch = dp.connect()
     torch.manual_seed(0)
     train_set, val_set = digits()
 
@@ -62,9 +67,10 @@ def train(url: str, rank: int | None, world_size: int, epochs: int, checkpoint: 
     options = dp.TrainOptions(
         epochs=epochs, batch_size=32, patience=3, checkpoint=checkpoint, resume=checkpoint is not None
     )
-    result = dp.fit(
+    model = cnn()
+    outcome = dp.fit(
         ch,
-        cnn(),
+        model,
         torch.nn.functional.cross_entropy,
         lambda params: torch.optim.Adam(params, lr=2e-3),
         train_set,
@@ -75,27 +81,34 @@ def train(url: str, rank: int | None, world_size: int, epochs: int, checkpoint: 
     )
     if ch.rank == 0:
         print(
-            f"driver: {len(result.epochs)} epochs on {world_size} processes, "
-            f"final validation accuracy {result.last.val_accuracy:.3f}"
+            f"driver: {len(outcome.epochs)} epochs on {ch.world_size} processes over {ch.url.scheme}, "
+            f"final validation accuracy {outcome.last.val_accuracy:.3f}",
+            flush=True,
         )
+        if result:
+            summary = {
+                "transport": ch.url.scheme,
+                "world_size": ch.world_size,
+                "val_loss": outcome.last.val_loss,
+                "val_accuracy": outcome.last.val_accuracy,
+                "weights": [float(p.double().sum()) for p in model.parameters()],
+            }
+            Path(result).write_text(json.dumps(summary))
     ch.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nprocs", type=int, default=3, help="world size")
-    parser.add_argument("--transport", default=None, help="channel URL (default: zmq on a free local port)")
-    parser.add_argument("--rank", type=int, default=None, help="run just this rank (multi-host); omit to start all")
+    parser.add_argument("--nprocs", type=int, default=None, help="processes to start when run by hand (default 3)")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--checkpoint", default=None, help="checkpoint file (resumed if it exists)")
+    parser.add_argument("--result", default=None, help="write the final metrics and weight sums here (JSON)")
     args = parser.parse_args()
-    if args.rank is not None:
-        train(args.transport, args.rank, args.nprocs, args.epochs, args.checkpoint)
+    if in_worker():  # started by `dataparallel launch` or torchrun
+        train(args.epochs, args.checkpoint, args.result)
         return 0
-    url = args.transport or free_zmq_url()
-    print(f"starting a driver and {args.nprocs - 1} followers on {url}", flush=True)
-    extra = ["--epochs", str(args.epochs)] + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
-    return run_ranks(__file__, args.nprocs, url, extra)
+    # Started by hand: become the launcher of a local job (zmq unless configured otherwise).
+    return relaunch(__file__, sys.argv[1:], nprocs=args.nprocs or 3)
 
 
 if __name__ == "__main__":

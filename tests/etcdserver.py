@@ -25,24 +25,31 @@ def _free_port() -> int:
 class EtcdServer:
     """One member; ``cluster`` lists every member's ``name=peer_url`` for a multi-member cluster."""
 
-    def __init__(self, data_dir: Path, name: str = "t") -> None:
+    def __init__(self, data_dir: Path, name: str = "t", host: str = "127.0.0.1", wrap: list[str] = ()) -> None:
+        """``host``: the address to serve on; ``wrap``: a command prefix (``ip netns exec NS``)."""
         self.data_dir = data_dir
         self.name = name
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.host = host
+        self.wrap = list(wrap)
+        if host == "127.0.0.1":
+            self.client_port, self.peer_port = _free_port(), _free_port()
+        else:  # a private namespace of its own: the standard ports are free
+            self.client_port, self.peer_port = 2379, 2380
         self.cluster: str | None = None
         self.proc: subprocess.Popen | None = None
 
     @property
     def peer(self) -> str:
-        return f"{self.name}=http://127.0.0.1:{self.peer_port}"
+        return f"{self.name}=http://{self.host}:{self.peer_port}"
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
+        return f"etcd://{self.host}:{self.client_port}"
 
     def start(self) -> EtcdServer:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
         cmd = [
+            *self.wrap,
             etcd_binary(),
             "--name",
             self.name,

@@ -33,6 +33,7 @@ import aetcd
 import aetcd.exceptions
 
 from dataparallel.channel import ControlChannel
+from dataparallel.check import tls_diagnosis
 from dataparallel.errors import ChannelClosed, ControlError
 from dataparallel.liveness import LostPeer
 from dataparallel.registry import ChannelURL
@@ -53,6 +54,7 @@ class EtcdChannel(ControlChannel):
         "cert": "client certificate PEM file",
         "key": "client key PEM file",
     }
+    SERVICE = "etcd"
     # Each slice of a blocked get re-reads and re-watches its key: keep them few.
     liveness_poll = 1.0
 
@@ -108,6 +110,18 @@ class EtcdChannel(ControlChannel):
                 break
         run = fresh if ok else current.value
         self._root = self._job_root + run + b"/"
+
+    @classmethod
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+        return tls_diagnosis(
+            url,
+            want_tls="ca" in url.options,
+            ca=url.options.get("ca"),
+            alpn=["h2"],
+            timeout=timeout,
+            how_to_enable="ca=CA.pem (and cert=/key= if etcd wants client certificates)",
+            how_to_disable="ca=",
+        )
 
     def _client_options(self) -> dict[str, Any]:
         opts = self.url.options

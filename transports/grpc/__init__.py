@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from dataparallel.check import tls_diagnosis
 from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError
 from dataparallel.registry import ChannelURL
@@ -156,6 +157,17 @@ class GrpcChannel(RemoteChannel):
     def _close_transport(self) -> None:
         self._channel.close()
         self._stop_hosting()
+
+    @classmethod
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+        return tls_diagnosis(
+            url,
+            want_tls=_flag(url, "tls"),
+            ca=url.options.get("ca"),
+            server_name=url.options.get("server_name"),
+            alpn=["h2"],
+            timeout=timeout,
+        )
 
     @classmethod
     def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:

@@ -9,6 +9,7 @@ The token is only checked for agreement: TCPStore has no authentication.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -41,7 +42,7 @@ class TCPStoreChannel(ControlChannel):
 
     def _open(self, host: str, port: int) -> dist.TCPStore:
         wait = timedelta(seconds=self.timeout)
-        if self.rank is None or self.rank == 0:
+        if self.rank in (None, 0) and self.serve and not _torchrun_agent_store(host, port):
             try:
                 store = dist.TCPStore(host, port, is_master=True, timeout=wait, wait_for_workers=False)
                 self._hosting = True
@@ -111,3 +112,12 @@ class TCPStoreChannel(ControlChannel):
             # Dropping the last reference to the hosting store stops its server.
             self._clients.clear()
             self._root = None
+
+
+def _torchrun_agent_store(host: str, port: int) -> bool:
+    """True when host:port is the store torchrun's agent already serves for its workers."""
+    env = os.environ
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and (host, str(port)) == (
+        env.get("MASTER_ADDR"),
+        env.get("MASTER_PORT"),
+    )

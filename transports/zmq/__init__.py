@@ -13,11 +13,13 @@ Options: ``?curve=1`` encrypts all traffic with CURVE keys derived from the toke
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
 
 import zmq
+import zmq.utils.monitor
 
 from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError
 from dataparallel.registry import ChannelURL
@@ -133,6 +135,25 @@ class ZmqChannel(RemoteChannel):
         self._stop_hosting()
 
     @classmethod
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+        """Read the server's ZMTP greeting: is it ZeroMQ at all, does it use CURVE, and
+        does a CURVE handshake with this token's key succeed?"""
+        curve = url.options.get("curve", "0").lower() in ("1", "true", "yes")
+        try:
+            mechanism = zmtp_mechanism(url.host, url.require_port(), timeout)
+        except OSError:
+            return []  # the session attempt will say what is wrong
+        if mechanism is None:
+            return [f"{url.host}:{url.port} does not speak ZeroMQ: is it the job's zmq coordinator's port?"]
+        if mechanism == b"CURVE" and not curve:
+            return ["encryption mismatch: the coordinator uses CURVE, the URL does not: add ?curve=1 (and the token)"]
+        if mechanism == b"NULL" and curve:
+            return ["encryption mismatch: the URL asks for CURVE, the coordinator is unencrypted: drop curve=1"]
+        if curve and token and not curve_handshake(url.host, url.require_port(), token, timeout):
+            return ["wrong token: the CURVE handshake fails (the coordinator's key is derived from a different token)"]
+        return []
+
+    @classmethod
     def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
         """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
         curve = url.options.get("curve", "0").lower() in ("1", "true", "yes")
@@ -142,6 +163,52 @@ class ZmqChannel(RemoteChannel):
             server.serve()
         finally:
             server.stop()
+
+
+def zmtp_mechanism(host: str, port: int, timeout: float) -> bytes | None:
+    """The security mechanism in the ZMTP 3 greeting of the peer at host:port (``b"NULL"``,
+    ``b"CURVE"``...), or None if it does not answer with a ZMTP greeting."""
+    # Signature and major version only: the peer answers with its whole greeting, and a
+    # mechanism of ours that it does not share would make it hang up first.
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(b"\xff" + bytes(8) + b"\x7f\x03")
+        got = b""
+        deadline = time.monotonic() + timeout
+        while len(got) < 64 and time.monotonic() < deadline:
+            try:
+                chunk = s.recv(64 - len(got))
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            got += chunk
+    if len(got) < 32 or got[0] != 0xFF or got[9] != 0x7F:
+        return None
+    return got[12:32].rstrip(b"\0")
+
+
+def curve_handshake(host: str, port: int, token: str, timeout: float) -> bool:
+    """Whether a CURVE handshake with the server key derived from ``token`` succeeds."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey = curve_server_keys(token)[0]
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(f"tcp://{host}:{port}")
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not monitor.poll(int(left * 1000) + 1):
+                break
+            event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return True
+            if event == zmq.EVENT_DISCONNECTED:
+                return False  # the server hung up on our HELLO
+        return False
+    finally:
+        ctx.destroy(linger=0)
 
 
 def _try_send(sock: zmq.Socket, frame: bytes) -> bool:

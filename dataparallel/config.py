@@ -1,0 +1,348 @@
+"""Job configuration from a TOML file, ``DP_*`` environment variables and flags.
+
+Precedence, highest first: flags (or keyword arguments), ``DP_*`` variables, torchrun's
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), the
+file, defaults. The file is ``--config``/``DP_CONFIG``, else ``./dataparallel.toml`` if it
+exists. Every setting has the same name in all three places::
+
+    # dataparallel.toml            environment           flag
+    transport = "zmq"            # DP_TRANSPORT          --transport   (a scheme, or a whole URL)
+    host = "10.0.0.1"            # DP_HOST               --host
+    port = 29500                 # DP_PORT               --port
+    # url = "zmq://10.0.0.1:29500?curve=1"   DP_URL      --url         (instead of the three above)
+    job = "digits"               # DP_JOB                --job
+    world_size = 8               # DP_WORLD_SIZE         --world-size
+    timeout = 300                # DP_TIMEOUT            --timeout     (seconds)
+    token_file = "/etc/dp/token" # DP_TOKEN (the token)  --token-file
+    nprocs = 4                   # DP_NPROCS             --nprocs      (launch: workers per node)
+    nodes = 2                    # DP_NODES              --nodes
+    node_rank = 0                # DP_NODE_RANK          --node-rank
+    [options]                    # DP_OPTIONS="a=1&b=2"  --option a=1  (URL query options)
+    curve = 1
+
+``rank`` and ``local_rank`` come from ``DP_RANK``/``DP_LOCAL_RANK`` (set by ``dataparallel
+launch``) or torchrun's ``RANK``/``LOCAL_RANK``. Under torchrun with no transport configured,
+the job uses torchrun's own TCPStore (``tcpstore://MASTER_ADDR:MASTER_PORT``); another
+transport defaults to ``MASTER_ADDR`` and ``MASTER_PORT + 1``.
+
+Every bad value raises :class:`ConfigError` naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from .errors import ConfigError
+from .registry import parse_url, transport_class
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_FILE = "dataparallel.toml"
+DEFAULT_JOB = "default"
+DEFAULT_TIMEOUT = 300.0
+
+#: setting -> (type, environment variable); file keys and flag names follow the setting name.
+SETTINGS: dict[str, tuple[type, str | None]] = {
+    "url": (str, "DP_URL"),
+    "transport": (str, "DP_TRANSPORT"),
+    "host": (str, "DP_HOST"),
+    "port": (int, "DP_PORT"),
+    "options": (dict, "DP_OPTIONS"),
+    "job": (str, "DP_JOB"),
+    "world_size": (int, "DP_WORLD_SIZE"),
+    "rank": (int, "DP_RANK"),
+    "local_rank": (int, "DP_LOCAL_RANK"),
+    "timeout": (float, "DP_TIMEOUT"),
+    "token_file": (str, None),
+    "nprocs": (int, "DP_NPROCS"),
+    "nodes": (int, "DP_NODES"),
+    "node_rank": (int, "DP_NODE_RANK"),
+}
+#: torchrun's variables, read below the ``DP_*`` ones.
+TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A resolved job configuration. ``origin`` says where each value came from."""
+
+    url: str | None
+    job: str = DEFAULT_JOB
+    world_size: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    token: str | None = field(default=None, repr=False)
+    timeout: float = DEFAULT_TIMEOUT
+    nprocs: int | None = None
+    nodes: int = 1
+    node_rank: int = 0
+    origin: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def describe(self, name: str) -> str:
+        return f"{name} (from {self.origin.get(name, 'default')})"
+
+    def require(self, name: str) -> Any:
+        """The value of ``name``; :class:`ConfigError` saying how to set it when it is unset."""
+        value = getattr(self, name)
+        if value is None:
+            how = {
+                "url": "url (or transport, host and port) in dataparallel.toml, DP_URL (or DP_TRANSPORT, "
+                "DP_HOST, DP_PORT), or --url",
+                "world_size": "world_size in dataparallel.toml, DP_WORLD_SIZE, or --world-size",
+            }.get(name, name)
+            raise ConfigError(f"no {name.replace('url', 'transport')} configured: set {how}")
+        return value
+
+    def connect(self, **overrides: Any):
+        """Open the channel this configuration describes (``dataparallel.connect``)."""
+        from .connect import connect
+
+        kwargs: dict[str, Any] = {
+            "rank": self.rank,
+            "world_size": self.require("world_size") if "world_size" not in overrides else None,
+            "job": self.job,
+            "token": self.token,
+            "timeout": self.timeout,
+        }
+        kwargs.update(overrides)
+        return connect(self.require("url"), **kwargs)
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file: str | os.PathLike | None = None,
+) -> JobConfig:
+    """Resolve the configuration. ``flags`` holds explicit values (``None`` = not given);
+    ``env`` defaults to ``os.environ``; ``file`` to ``flags['config']``, ``DP_CONFIG`` or
+    ``./dataparallel.toml`` when present."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    env = os.environ if env is None else env
+    path, path_origin = _config_path(flags.pop("config", None) or file, env)
+    layers: list[tuple[str, dict[str, Any]]] = []  # lowest precedence first
+    if path is not None:
+        layers.append((f"file {path}", _read_file(path, path_origin)))
+    layers.append(("torchrun", _torchrun(env)))
+    layers.append(("env", _environment(env)))
+    layers.append(("flag", _check_keys(flags, "argument")))
+
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    options: dict[str, str] = {}
+    for source, layer in layers:
+        for name, (raw, where) in layer.items():
+            if name == "options":
+                options.update(_as_options(raw, where))
+                origin["options"] = where
+                continue
+            values[name] = _coerce(name, raw, where)
+            origin[name] = where
+            if source != "torchrun" and name in ("url", "transport", "host", "port"):
+                # An explicitly chosen transport is not re-pointed at torchrun's store.
+                values.pop("__torchrun_store", None)
+    token, origin["token"] = _token(values, origin, env)
+    url = _url(values, origin, options)
+    if "__restart" in values:  # torchrun restarted the workers: a fresh job, not the dead one's keys
+        values["job"] = f"{values.get('job', DEFAULT_JOB)}.restart{values['__restart']}"
+    config = JobConfig(
+        url=url,
+        job=values.get("job", DEFAULT_JOB),
+        world_size=values.get("world_size"),
+        rank=values.get("rank"),
+        local_rank=values.get("local_rank"),
+        token=token,
+        timeout=values.get("timeout", DEFAULT_TIMEOUT),
+        nprocs=values.get("nprocs"),
+        nodes=values.get("nodes", 1),
+        node_rank=values.get("node_rank", 0),
+        origin={k: v for k, v in origin.items() if not k.startswith("__")},
+    )
+    _validate(config)
+    return config
+
+
+# ---------------------------------------------------------------------------- sources
+def _config_path(given: Any, env: Mapping[str, str]) -> tuple[Path | None, str]:
+    if given:
+        return Path(given), "--config"
+    if env.get("DP_CONFIG"):
+        return Path(env["DP_CONFIG"]), "DP_CONFIG"
+    default = Path(DEFAULT_FILE)
+    return (default, "default") if default.is_file() else (None, "")
+
+
+def _read_file(path: Path, origin: str) -> dict[str, tuple[Any, str]]:
+    try:
+        text = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read the configuration file {str(path)!r} (from {origin}): {err.strerror}") from None
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{str(path)!r} is not valid TOML: {err}") from None
+    where = f"file {path}"
+    _check_keys(data, f"key in {path}")
+    out = {name: (value, f"{where}: {name}") for name, value in data.items()}
+    if "token_file" in out:  # relative to the file that names it
+        value = out["token_file"][0]
+        if isinstance(value, str):
+            out["token_file"] = (str(path.parent / Path(value).expanduser()), out["token_file"][1])
+    return out
+
+
+def _check_keys(data: Mapping[str, Any], what: str) -> dict[str, tuple[Any, str]]:
+    unknown = sorted(set(data) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"unknown {what}: {', '.join(unknown)}; known settings: {', '.join(SETTINGS)}")
+    if what != "argument":
+        return {k: (v, what) for k, v in data.items()}
+    return {k: (v, "--option" if k == "options" else f"--{k.replace('_', '-')}") for k, v in data.items()}
+
+
+def _environment(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out = {}
+    for name, (_, var) in SETTINGS.items():
+        if var is not None and env.get(var, "") != "":
+            out[name] = (env[var], var)
+    return out
+
+
+def _torchrun(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {
+        name: (env[var], var) for name, var in TORCHRUN.items() if env.get(var, "") != ""
+    }
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        out["host"] = (env["MASTER_ADDR"], "MASTER_ADDR")
+        out["port"] = (env["MASTER_PORT"], "MASTER_PORT")
+        out["__torchrun_store"] = (True, "torchrun")
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restarts not in ("", "0"):
+        out["__restart"] = (restarts, "TORCHELASTIC_RESTART_COUNT")
+    return out
+
+
+def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str]) -> tuple[str | None, str]:
+    if env.get("DP_TOKEN"):
+        return env["DP_TOKEN"], "DP_TOKEN"
+    path = values.get("token_file")
+    if path is None:
+        return None, "default"
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as err:
+        raise ConfigError(f"cannot read {origin['token_file']} = {path!r}: {err.strerror}") from None
+    if not token:
+        raise ConfigError(f"{origin['token_file']} = {path!r} is empty")
+    return token, origin["token_file"]
+
+
+# ---------------------------------------------------------------------------- values
+def _coerce(name: str, raw: Any, where: str) -> Any:
+    if name.startswith("__"):
+        return raw
+    kind = SETTINGS[name][0]
+    if kind is int:
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise ConfigError(f"{name} (from {where}) must be an integer, got {raw!r}")
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"{name} (from {where}) must be an integer, got {raw!r}") from None
+    if kind is float:
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise ConfigError(f"{name} (from {where}) must be a number, got {raw!r}")
+        try:
+            return float(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"{name} (from {where}) must be a number, got {raw!r}") from None
+    if not isinstance(raw, str) or not raw.strip():
+        raise ConfigError(f"{name} (from {where}) must be a non-empty string, got {raw!r}")
+    return raw.strip()
+
+
+def _as_options(raw: Any, where: str) -> dict[str, str]:
+    if isinstance(raw, Mapping):
+        items = raw.items()
+    elif isinstance(raw, str):
+        items = parse_qsl(raw, keep_blank_values=True)
+    elif isinstance(raw, list | tuple):  # --option k=v, repeated
+        items = []
+        for item in raw:
+            key, sep, value = str(item).partition("=")
+            if not sep or not key:
+                raise ConfigError(f"option {item!r} (from {where}) must be KEY=VALUE")
+            items.append((key, value))
+    else:
+        raise ConfigError(f"options (from {where}) must be a table of KEY = VALUE, got {raw!r}")
+    out = {}
+    for key, value in items:
+        if isinstance(value, bool):
+            value = int(value)
+        if not isinstance(value, str | int | float):
+            raise ConfigError(f"option {key!r} (from {where}) must be a string or number, got {value!r}")
+        out[str(key)] = str(value)
+    return out
+
+
+def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]) -> str | None:
+    transport = values.get("transport")
+    if "url" in values:
+        url = values["url"]
+    elif transport is not None and "://" in transport:
+        url, origin["url"] = transport, origin["transport"]
+    elif values.get("__torchrun_store") and transport in (None, "tcpstore"):
+        url, origin["url"] = f"tcpstore://{values['host']}:{values['port']}", "torchrun (MASTER_ADDR, MASTER_PORT)"
+    elif transport is not None:
+        host, port = values.get("host"), values.get("port")
+        if host is None or port is None:
+            missing = " and ".join(n for n, v in (("host", host), ("port", port)) if v is None)
+            raise ConfigError(f"transport {transport!r} (from {origin['transport']}) needs {missing} as well")
+        if origin.get("port") == "MASTER_PORT":
+            port += 1  # torchrun's own store holds MASTER_PORT
+            origin["port"] = "MASTER_PORT + 1"
+        host = f"[{host}]" if ":" in host else host
+        url = f"{transport}://{host}:{port}"
+        origin["url"] = f"{origin['transport']}, {origin['host']}, {origin['port']}"
+    else:
+        return None
+    if options:  # the URL's own query wins over options given separately
+        parts = urlsplit(url)
+        merged = {**options, **dict(parse_qsl(parts.query, keep_blank_values=True))}
+        url = urlunsplit(parts._replace(query=urlencode(merged)))
+    parsed = parse_url(url)
+    transport_class(parsed.scheme)  # unknown scheme or missing library: ConfigError listing the known ones
+    for _, port in parsed.hosts:
+        if port is not None and not 1 <= port <= 65535 and parsed.scheme != "memory":
+            raise ConfigError(f"url {url!r} (from {origin['url']}): port must be 1..65535, got {port}")
+    return url
+
+
+def _validate(c: JobConfig) -> None:
+    def positive(name: str, value: Any) -> None:
+        if value is not None and value < 1:
+            raise ConfigError(f"{c.describe(name)} must be >= 1, got {value}")
+
+    positive("world_size", c.world_size)
+    positive("nprocs", c.nprocs)
+    positive("nodes", c.nodes)
+    if c.timeout <= 0:
+        raise ConfigError(f"{c.describe('timeout')} must be > 0 seconds, got {c.timeout:g}")
+    if c.rank is not None:
+        if c.rank < 0 or (c.world_size is not None and c.rank >= c.world_size):
+            bound = f"0..{c.world_size - 1}" if c.world_size else ">= 0"
+            raise ConfigError(f"{c.describe('rank')} = {c.rank} is out of range ({bound})")
+    if c.local_rank is not None and c.local_rank < 0:
+        raise ConfigError(f"{c.describe('local_rank')} must be >= 0, got {c.local_rank}")
+    if not 0 <= c.node_rank < c.nodes:
+        raise ConfigError(f"{c.describe('node_rank')} = {c.node_rank} is out of range 0..{c.nodes - 1}")
+    if not c.job or "/" in c.job or "\x00" in c.job:
+        raise ConfigError(f"{c.describe('job')} must be a non-empty name without '/', got {c.job!r}")

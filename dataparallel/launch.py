@@ -1,0 +1,273 @@
+"""``dataparallel launch``: start this node's workers and supervise them.
+
+Each worker is the user's script with its place in the job in its environment (``DP_URL``,
+``DP_RANK``, ``DP_LOCAL_RANK``, ``DP_WORLD_SIZE``, ``DP_JOB``, ``DP_TIMEOUT``, ``DP_TOKEN``,
+and torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), so that
+``dataparallel.connect()`` needs no arguments. Output lines are prefixed with the rank.
+The first worker to fail ends the node's group (the others get SIGTERM, then SIGKILL after
+a grace period) and its exit code is returned; SIGINT/SIGTERM/SIGHUP to the launcher are
+forwarded to every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from .config import JobConfig
+from .errors import ConfigError
+
+#: Seconds a worker gets to exit after SIGTERM before it is killed.
+DEFAULT_GRACE = 5.0
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+
+
+def default_nprocs() -> int:
+    """One worker per visible GPU, else one."""
+    try:
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    except Exception:
+        return 1
+
+
+def local_url() -> str:
+    """A ZeroMQ URL on a free loopback port: the single-node default (rank 0 hosts it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"zmq://127.0.0.1:{s.getsockname()[1]}"
+
+
+def plan(config: JobConfig) -> tuple[str, int, int]:
+    """(url, nprocs, world_size) of this node's part of the job, validated."""
+    nprocs = config.nprocs or default_nprocs()
+    world = config.nodes * nprocs
+    if config.world_size is not None and config.world_size != world:
+        raise ConfigError(
+            f"{config.describe('world_size')} = {config.world_size} does not match nodes x nprocs = "
+            f"{config.nodes} x {nprocs} = {world}; set one or the other"
+        )
+    url = config.url
+    if url is None:
+        if config.nodes > 1:
+            raise ConfigError(
+                "a job on several nodes needs a transport every node can reach: set url (or transport, "
+                "host and port), e.g. --url zmq://DRIVER_HOST:29500 (the driver node's address)"
+            )
+        url = local_url()
+    return url, nprocs, world
+
+
+def worker_command(target: Sequence[str], module: bool = False, no_python: bool = False) -> list[str]:
+    if not target:
+        raise ConfigError("nothing to launch: give a script (or -m MODULE) and its arguments")
+    if no_python:
+        return list(target)
+    return [sys.executable, "-u", *(["-m"] if module else []), *target]
+
+
+def launch(
+    command: Sequence[str],
+    config: JobConfig,
+    *,
+    grace: float = DEFAULT_GRACE,
+    prefix: bool = True,
+    log: IO[str] | None = None,
+) -> int:
+    """Run this node's workers of ``command`` (a full argv) until they all exit.
+
+    Returns 0, the exit code of the first worker that failed (128 + N for a signal N), or
+    128 + N when the launcher itself was sent signal N.
+    """
+    url, nprocs, world = plan(config)
+    log = log or sys.stderr
+    base = config.node_rank * nprocs
+    env = dict(os.environ)
+    for stale in ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(stale, None)  # the URL says it all
+    env.update(
+        DP_URL=url,
+        DP_WORLD_SIZE=str(world),
+        DP_JOB=config.job,
+        DP_TIMEOUT=f"{config.timeout:g}",
+        DP_NODES=str(config.nodes),
+        DP_NODE_RANK=str(config.node_rank),
+        DP_NPROCS=str(nprocs),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        GROUP_RANK=str(config.node_rank),
+        PYTHONUNBUFFERED="1",
+    )
+    if config.token:
+        env["DP_TOKEN"] = config.token
+    print(
+        f"[launch] node {config.node_rank}/{config.nodes}: ranks {base}..{base + nprocs - 1} of {world} "
+        f"on {url} (job {config.job!r})",
+        file=log,
+        flush=True,
+    )
+    supervisor = _Supervisor(grace, log)
+    with supervisor.forwarding_signals():
+        for local in range(nprocs):
+            rank = base + local
+            worker_env = {
+                **env,
+                "DP_RANK": str(rank),
+                "DP_LOCAL_RANK": str(local),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local),
+            }
+            supervisor.start(rank, local, list(command), worker_env, prefix)
+        return supervisor.wait()
+
+
+class _Supervisor:
+    def __init__(self, grace: float, log: IO[str]) -> None:
+        self.grace = grace
+        self.log = log
+        self.workers: list[Worker] = []
+        self.pumps: list[threading.Thread] = []
+        self.signalled: int | None = None
+        self._out_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def forwarding_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in _FORWARDED}
+        try:
+            yield
+        finally:
+            self.stop(signal.SIGKILL, quiet=True)  # nothing outlives the launcher
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signalled is None:
+            self.signalled = signum
+            self._send(signum)
+
+    def start(self, rank: int, local: int, command: list[str], env: dict[str, str], prefix: bool) -> None:
+        pipe = subprocess.PIPE if prefix else None
+        try:
+            proc = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, start_new_session=True)
+        except OSError as err:
+            raise ConfigError(f"cannot start {command[0]!r}: {err.strerror}") from None
+        self.workers.append(Worker(rank, local, proc))
+        if prefix:
+            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                pump = threading.Thread(target=self._pump, args=(stream, sink, f"[rank {rank}] "), daemon=True)
+                pump.start()
+                self.pumps.append(pump)
+
+    def _pump(self, stream: IO[bytes], sink: IO[str], tag: str) -> None:
+        out = getattr(sink, "buffer", None)
+        for line in iter(stream.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self._out_lock:
+                if out is not None:
+                    out.write(tag.encode() + line)
+                else:
+                    sink.write(tag + line.decode(errors="replace"))
+                sink.flush()
+        stream.close()
+
+    def wait(self) -> int:
+        failed: Worker | None = None
+        while True:
+            running = [w for w in self.workers if w.proc.poll() is None]
+            if self.signalled is not None:
+                break
+            failed = next((w for w in self.workers if w.proc.returncode not in (None, 0)), None)
+            if failed is not None or not running:
+                break
+            time.sleep(0.05)
+        if failed is not None:
+            others = [w for w in self.workers if w.proc.poll() is None]
+            print(
+                f"[launch] rank {failed.rank} exited with {_describe(failed.proc.returncode)}"
+                + (f"; stopping ranks {', '.join(str(w.rank) for w in others)}" if others else ""),
+                file=self.log,
+                flush=True,
+            )
+        self.stop(signal.SIGTERM)
+        for pump in self.pumps:
+            pump.join(timeout=2)
+        if self.signalled is not None:
+            return 128 + self.signalled
+        if failed is not None:
+            return _exit_code(failed.proc.returncode)
+        return 0
+
+    def _send(self, signum: int) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.proc.pid, signum)
+
+    def stop(self, signum: int, quiet: bool = False) -> None:
+        """Send ``signum`` to every live worker's process group; SIGKILL what is left after the grace."""
+        if signum != signal.SIGKILL and any(w.proc.poll() is None for w in self.workers):
+            if self.signalled is None:
+                self._send(signum)
+            deadline = time.monotonic() + self.grace
+            while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
+                time.sleep(0.05)
+        stubborn = [w for w in self.workers if w.proc.poll() is None]
+        if stubborn and not quiet:
+            print(
+                f"[launch] killing ranks {', '.join(str(w.rank) for w in stubborn)} (no exit within {self.grace:g}s)",
+                file=self.log,
+                flush=True,
+            )
+        self._send(signal.SIGKILL)
+        for w in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=5)
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def in_worker(env: Mapping[str, str] | None = None) -> bool:
+    """True in a process started by ``dataparallel launch`` or torchrun."""
+    env = os.environ if env is None else env
+    return bool(env.get("DP_RANK") or env.get("RANK"))
+
+
+def relaunch(script: str, args: Sequence[str], **settings: object) -> int:
+    """Run ``script args`` as this node's workers, as ``dataparallel launch`` would, with
+    ``settings`` (``nprocs=``, ``url=``...) above the environment and the file: how a script
+    started by hand starts its own job."""
+    from .config import load_config
+
+    return launch(worker_command([script, *args]), load_config(settings))

@@ -1,0 +1,114 @@
+"""Configuration: TOML file, DP_* environment, flags, torchrun's variables; precedence and
+a clear message for every bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+import dataparallel as dp
+from dataparallel.config import load_config
+
+
+def _file(tmp_path, text: str):
+    path = tmp_path / "dataparallel.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_flags_over_env_over_file(tmp_path):
+    path = _file(
+        tmp_path,
+        'transport = "zmq"\nhost = "10.0.0.1"\nport = 29500\njob = "file-job"\nworld_size = 4\ntimeout = 30\n'
+        "[options]\ncurve = 1\n",
+    )
+    only_file = load_config(env={}, file=path)
+    assert only_file.url == "zmq://10.0.0.1:29500?curve=1"
+    assert (only_file.job, only_file.world_size, only_file.timeout) == ("file-job", 4, 30.0)
+    env = {"DP_HOST": "10.0.0.2", "DP_JOB": "env-job", "DP_WORLD_SIZE": "6"}
+    with_env = load_config(env=env, file=path)
+    assert with_env.url == "zmq://10.0.0.2:29500?curve=1" and with_env.job == "env-job" and with_env.world_size == 6
+    with_flags = load_config({"host": "10.0.0.3", "world_size": 8, "options": ["curve=0"]}, env=env, file=path)
+    assert with_flags.url == "zmq://10.0.0.3:29500?curve=0"
+    assert with_flags.world_size == 8 and with_flags.job == "env-job"
+    assert with_flags.origin["world_size"] == "--world-size" and with_flags.origin["job"] == "DP_JOB"
+    # A whole URL beats the pieces; its own query wins over separate options.
+    url = load_config({"url": "grpc://h:1?tls=1"}, env={"DP_OPTIONS": "tls=0&ca=x.pem"}, file=path)
+    assert url.url == "grpc://h:1?curve=1&tls=1&ca=x.pem"
+
+
+def test_file_found_by_env_and_in_the_working_directory(tmp_path, monkeypatch):
+    path = _file(tmp_path, 'url = "tcpstore://127.0.0.1:29999"\nworld_size = 2\n')
+    assert load_config(env={"DP_CONFIG": str(path)}).url == "tcpstore://127.0.0.1:29999"
+    monkeypatch.chdir(tmp_path)
+    assert load_config(env={}).world_size == 2
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert load_config(env={}).url is None
+
+
+def test_token_from_env_or_file_relative_to_the_config(tmp_path):
+    (tmp_path / "secret").write_text("s3cret\n")
+    path = _file(tmp_path, 'url = "zmq://h:1"\ntoken_file = "secret"\n')
+    assert load_config(env={}, file=path).token == "s3cret"
+    assert load_config(env={"DP_TOKEN": "other"}, file=path).token == "other"
+    assert "s3cret" not in repr(load_config(env={}, file=path))
+
+
+def test_torchrun_environment(tmp_path):
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29400"}
+    plain = load_config(env=torchrun)
+    assert (plain.rank, plain.world_size, plain.local_rank) == (3, 4, 1)
+    assert plain.url == "tcpstore://10.1.1.1:29400"  # torchrun's own store
+    zmq = load_config({"transport": "zmq"}, env=torchrun)
+    assert zmq.url == "zmq://10.1.1.1:29401"  # MASTER_PORT is torchrun's store
+    assert load_config(env={**torchrun, "DP_RANK": "0"}).rank == 0  # DP_* above torchrun's
+    restarted = load_config(env={**torchrun, "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert restarted.job == "default.restart2"  # a restarted group never meets the dead one's keys
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        ({"transport": "nosuch", "host": "h", "port": 1}, {}, "unknown transport scheme 'nosuch'; known schemes:"),
+        ({"url": "zmq://h:70000"}, {}, "bad port '70000'"),
+        ({"transport": "zmq", "host": "h", "port": 0}, {}, "port must be 1..65535, got 0"),
+        ({"transport": "zmq", "host": "h", "port": "x"}, {}, "port (from --port) must be an integer, got 'x'"),
+        ({}, {"DP_WORLD_SIZE": "0"}, "world_size (from DP_WORLD_SIZE) must be >= 1, got 0"),
+        ({}, {"DP_WORLD_SIZE": "two"}, "world_size (from DP_WORLD_SIZE) must be an integer, got 'two'"),
+        ({"world_size": 2, "rank": 2}, {}, "rank (from --rank) = 2 is out of range (0..1)"),
+        ({"rank": -1}, {}, "rank (from --rank) = -1 is out of range"),
+        ({"nodes": 2, "node_rank": 2}, {}, "node_rank (from --node-rank) = 2 is out of range 0..1"),
+        ({"timeout": -1}, {}, "timeout (from --timeout) must be > 0 seconds"),
+        ({"transport": "zmq"}, {}, "transport 'zmq' (from --transport) needs host and port as well"),
+        ({"config": "/nonexistent/dp.toml"}, {}, "cannot read the configuration file '/nonexistent/dp.toml'"),
+        ({"token_file": "/nonexistent/token"}, {}, "cannot read --token-file = '/nonexistent/token'"),
+        ({"job": "a/b"}, {}, "job (from --job) must be a non-empty name without '/'"),
+    ],
+)
+def test_bad_values_are_named_with_their_source(flags, env, message):
+    with pytest.raises(dp.ConfigError) as err:
+        load_config(flags, env=env)
+    assert message in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(dp.ConfigError, match="is not valid TOML"):
+        load_config(env={}, file=_file(tmp_path, "world_size = = 2"))
+    with pytest.raises(dp.ConfigError, match=r"unknown key in .*: wrold_size; known settings: url, transport"):
+        load_config(env={}, file=_file(tmp_path, "wrold_size = 2"))
+    with pytest.raises(dp.ConfigError, match=r"world_size \(from file .*: world_size\) must be an integer"):
+        load_config(env={}, file=_file(tmp_path, 'world_size = "many"'))
+
+
+def test_connect_with_no_arguments_reads_the_configuration(monkeypatch):
+    monkeypatch.setenv("DP_URL", "memory://config-test")
+    monkeypatch.setenv("DP_WORLD_SIZE", "1")
+    monkeypatch.setenv("DP_RANK", "0")
+    monkeypatch.setenv("DP_JOB", "from-env")
+    with dp.connect() as ch:
+        assert (ch.rank, ch.world_size, ch.job, ch.url.raw) == (0, 1, "from-env", "memory://config-test")
+    monkeypatch.delenv("DP_URL")
+    monkeypatch.chdir("/")
+    with pytest.raises(dp.ConfigError, match="no transport configured: set url"):
+        dp.connect()

@@ -1,0 +1,146 @@
+"""`dataparallel launch`: workers get their place in the job, output is prefixed with the
+rank, the first failure stops the group and is the exit code, signals are forwarded."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = r"""
+import os, signal, sys, time
+from pathlib import Path
+import dataparallel as dp
+rank = int(os.environ["DP_RANK"])
+mode = sys.argv[1]
+out = Path(sys.argv[2])
+if mode == "job":
+    ch = dp.connect()  # everything from the launcher's environment
+    ch.rendezvous()
+    got = ch.all_gather("hello", f"{ch.rank}:{os.environ['LOCAL_RANK']}:{os.environ['WORLD_SIZE']}".encode())
+    print("gathered", sorted(v.decode() for v in got), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    ch.close()
+elif mode == "fail":
+    if rank == 1:
+        time.sleep(0.5)
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, lambda *a: (out.with_name(f"term{rank}").write_text("x"), sys.exit(0)))
+    time.sleep(60)
+elif mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out.with_name(f"ready{rank}").write_text("x")
+    if rank == 0:
+        while not out.with_name("ready1").exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+elif mode == "wait":
+    signal.signal(signal.SIGTERM, lambda *a: (out.with_name(f"term{rank}").write_text("x"), sys.exit(0)))
+    out.with_name(f"ready{rank}").write_text("x")
+    time.sleep(60)
+"""
+
+
+def _launch(tmp_path: Path, mode: str, *flags: str, **popen) -> subprocess.Popen:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    argv = [sys.executable, "-m", "dataparallel", "launch", *flags, str(script), mode, str(tmp_path / "out")]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, **popen)
+
+
+@pytest.mark.timeout(120)
+def test_workers_get_their_ranks_and_prefixed_output(tmp_path):
+    proc = _launch(tmp_path, "job", "--nprocs", "3", "--job", "launch-test")
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err
+    lines = [line for line in out.splitlines() if "gathered" in line]
+    assert len(lines) == 3
+    for rank in range(3):
+        assert f"[rank {rank}] gathered ['0:0:3', '1:1:3', '2:2:3']" in lines
+        assert f"[rank {rank}] to stderr" in err
+    assert "node 0/1: ranks 0..2 of 3 on zmq://127.0.0.1:" in err and "(job 'launch-test')" in err
+
+
+@pytest.mark.timeout(120)
+def test_second_node_gets_the_next_ranks(tmp_path):
+    # Node 1 of 2 (2 workers each): ranks 2 and 3 of 4. A job across nodes runs in test_multihost.py.
+    script = tmp_path / "show.py"
+    script.write_text("import os; print(os.environ['DP_RANK'], os.environ['LOCAL_RANK'], os.environ['DP_WORLD_SIZE'])")
+    run = subprocess.run(
+        [sys.executable, "-m", "dataparallel", "launch", "--url", "zmq://127.0.0.1:1", "--nodes", "2",
+         "--node-rank", "1", "--nprocs", "2", str(script)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.splitlines()) == ["[rank 2] 2 0 4", "[rank 3] 3 1 4"]
+
+
+@pytest.mark.timeout(120)
+def test_first_failure_stops_the_group_and_is_the_exit_code(tmp_path):
+    start = time.monotonic()
+    proc = _launch(tmp_path, "fail", "--nprocs", "3")
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 3, err
+    assert time.monotonic() - start < 30
+    assert "[launch] rank 1 exited with exit code 3; stopping ranks 0, 2" in err
+    assert (tmp_path / "term0").exists() and (tmp_path / "term2").exists()  # SIGTERM first: a clean exit
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_and_stubborn_ones(tmp_path):
+    # Rank 0 dies of SIGKILL; the others ignore SIGTERM and are killed after the grace period.
+    proc = _launch(tmp_path, "stubborn", "--nprocs", "2", "--grace", "1")
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert "rank 0 exited with signal SIGKILL" in err
+    assert "killing ranks 1 (no exit within 1s)" in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_are_forwarded(tmp_path, sig):
+    proc = _launch(tmp_path, "wait", "--nprocs", "2")
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    if sig == signal.SIGTERM:
+        assert all((tmp_path / f"term{r}").exists() for r in range(2))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nodes", "2", "--nprocs", "1"], "a job on several nodes needs a transport every node can reach"),
+        (["--nprocs", "2", "--world-size", "3"], "does not match nodes x nprocs = 1 x 2 = 2"),
+        (["--nprocs", "0"], "nprocs (from --nprocs) must be >= 1"),
+        (["--url", "bogus://h:1"], "unknown transport scheme 'bogus'"),
+    ],
+)
+def test_bad_launch_settings(tmp_path, flags, message):
+    run = subprocess.run(
+        [sys.executable, "-m", "dataparallel", "launch", *flags, "x.py"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert message in run.stderr
+
+
+def test_help_and_version():
+    run = subprocess.run([sys.executable, "-m", "dataparallel", "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "dataparallel launch --url zmq://10.0.0.1:29500 --nodes 3" in run.stdout
+    for command in ("launch", "serve", "check"):
+        sub = subprocess.run(
+            [sys.executable, "-m", "dataparallel", command, "--help"], capture_output=True, text=True, timeout=60
+        )
+        assert sub.returncode == 0 and "--config" in sub.stdout
+    version = subprocess.run([sys.executable, "-m", "dataparallel", "--version"], capture_output=True, text=True)
+    assert version.stdout.startswith("dataparallel ")

@@ -1,0 +1,138 @@
+"""Several hosts on a private network (network namespaces + veth + a bridge, 10.77.0.0/24):
+the driver on one host, followers on two others, etcd on a fourth; each node started with
+``dataparallel launch --config FILE --node-rank K``, exactly as README's "Run on several
+machines" says. Training must end with the same model as the same job on one host, and
+``dataparallel check`` must say what is wrong when nothing listens or a host is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from etcdserver import EtcdServer, require_etcd
+from netns import PrivateNetwork, require_netns
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "train_digits.py")
+EPOCHS = "2"
+DRIVER, FOLLOWERS, ETCD_HOST = 1, (2, 3), 4
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def net():
+    require_netns()
+    with PrivateNetwork(hosts=4) as network:
+        yield network
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory) -> dict:
+    """The same job with all three ranks on one host (loopback), for comparison."""
+    out = tmp_path_factory.mktemp("onehost") / "result.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "dataparallel", "launch", "--nprocs", "3", SCRIPT, "--epochs", EPOCHS, "--result", out],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _config(path: Path, url: str) -> Path:
+    path.write_text(f'url = "{url}"\njob = "digits"\nnodes = 3\nnprocs = 1\ntimeout = 120\n')
+    return path
+
+
+def _run_job(net: PrivateNetwork, config: Path, result: Path) -> list[subprocess.CompletedProcess]:
+    """One `dataparallel launch` per host, as an operator would type them."""
+    procs = []
+    for node, host in enumerate((DRIVER, *FOLLOWERS)):
+        argv = [sys.executable, "-m", "dataparallel", "launch", "--config", str(config), "--node-rank", str(node)]
+        argv += [SCRIPT, "--epochs", EPOCHS, "--result", str(result)]
+        procs.append(net.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def _assert_same_model(result: dict, reference: dict) -> None:
+    assert result["world_size"] == reference["world_size"] == 3
+    assert result["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6, abs=1e-9)
+    assert result["val_accuracy"] == reference["val_accuracy"]
+    assert result["weights"] == pytest.approx(reference["weights"], rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc", "etcd"])
+def test_training_across_hosts_matches_one_host(net, one_host, transport, tmp_path):
+    if transport == "etcd":
+        require_etcd()
+        server = EtcdServer(tmp_path / "etcd", host=net.address(ETCD_HOST), wrap=net.command(ETCD_HOST, [])).start()
+        net.procs.append(server.proc)
+        net.wait_listening(DRIVER, net.address(ETCD_HOST), 2379)
+        url = f"etcd://{net.address(ETCD_HOST)}:2379"
+    else:
+        url = f"{transport}://{net.address(DRIVER)}:{29500 if transport == 'zmq' else 29501}"
+    result = tmp_path / "result.json"
+    runs = _run_job(net, _config(tmp_path / "dataparallel.toml", url), result)
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, f"node {node}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    # Each node ran its own rank; the driver's output (prefixed with its rank) has the report.
+    assert f"[rank 0] driver: 2 epochs on 3 processes over {transport}, final validation accuracy" in runs[0].stdout
+    for node, run in enumerate(runs):
+        assert f"node {node}/3: ranks {node}..{node} of 3 on {url}" in run.stderr
+    _assert_same_model(json.loads(result.read_text()), one_host)
+    if transport == "etcd":
+        # `check` from a follower host: reachable, then "etcd down" once it is stopped.
+        ok = _check(net, FOLLOWERS[0], url)
+        assert ok.returncode == 0 and "round trip" in ok.stdout, ok.stdout + ok.stderr
+        server.stop()
+        down = _check(net, FOLLOWERS[0], url)
+        assert down.returncode == 1
+        assert "nothing listening on 10.77.0.4:2379 (connection refused): is etcd running there?" in down.stdout
+
+
+def _check(net: PrivateNetwork, host: int, url: str, *extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "dataparallel", "check", url, "--timeout", "3", *extra]
+    return net.run(host, argv, timeout=60, capture_output=True, text=True, cwd=ROOT)
+
+
+def test_check_across_hosts(net):
+    served = net.popen(
+        DRIVER,
+        [sys.executable, "-m", "dataparallel", "serve", f"zmq://{net.address(DRIVER)}:29600"],
+        env={**__import__("os").environ, "DP_TOKEN": "right"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        net.wait_listening(FOLLOWERS[0], net.address(DRIVER), 29600)
+        url = f"zmq://{net.address(DRIVER)}:29600"
+        good = _check(net, FOLLOWERS[0], url, "--token-file", str(_token_file("right")))
+        assert good.returncode == 0, good.stdout
+        assert "token accepted" in good.stdout and "median" in good.stdout
+        wrong = _check(net, FOLLOWERS[0], url, "--token-file", str(_token_file("wrong")))
+        assert wrong.returncode == 1 and "wrong token" in wrong.stdout, wrong.stdout
+        nobody = _check(net, FOLLOWERS[0], f"zmq://{net.address(DRIVER)}:29601")
+        assert "nothing listening on 10.77.0.1:29601 (connection refused)" in nobody.stdout
+        # A host that is not there: no ARP answer.
+        absent = _check(net, FOLLOWERS[0], f"zmq://{net.address(9)}:29600")
+        assert absent.returncode == 1
+        assert "no route to 10.77.0.9:29600" in absent.stdout or "no answer from 10.77.0.9" in absent.stdout
+    finally:
+        served.kill()
+
+
+def _token_file(token: str) -> Path:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "token"
+    path.write_text(token)
+    return path

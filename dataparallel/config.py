@@ -152,7 +152,7 @@ def load_config(
     token, origin["token"] = _token(values, origin, env)
     url = _url(values, origin, options)
     if "__restart" in values:  # torchrun restarted the workers: a fresh job, not the dead one's keys
-        values["job"] = f"{values.get('job', DEFAULT_JOB)}.restart{values['__restart']}"
+        values["job"] = f"{values.get('job', DEFAULT_JOB)}.{values['__restart']}"
     config = JobConfig(
         url=url,
         job=values.get("job", DEFAULT_JOB),
@@ -224,9 +224,14 @@ def _torchrun(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         out["host"] = (env["MASTER_ADDR"], "MASTER_ADDR")
         out["port"] = (env["MASTER_PORT"], "MASTER_PORT")
         out["__torchrun_store"] = (True, "torchrun")
-    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restarts not in ("", "0"):
-        out["__restart"] = (restarts, "TORCHELASTIC_RESTART_COUNT")
+    # A restarted worker group must not meet the last group's keys in torchrun's store (it
+    # outlives restarts): the job is named after the rendezvous round, which our rendezvous
+    # handlers (dataparallel.torchrun) publish. Failing that, the restart count, which is
+    # the same on every node only when every node's workers failed (single-node jobs).
+    if env.get("DP_RDZV_ROUND", "") != "":
+        out["__restart"] = (f"round{env['DP_RDZV_ROUND']}", "DP_RDZV_ROUND")
+    elif env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        out["__restart"] = (f"restart{env['TORCHELASTIC_RESTART_COUNT']}", "TORCHELASTIC_RESTART_COUNT")
     return out
 
 

@@ -65,6 +65,9 @@ def test_torchrun_environment(tmp_path):
     assert load_config(env={**torchrun, "DP_RANK": "0"}).rank == 0  # DP_* above torchrun's
     restarted = load_config(env={**torchrun, "TORCHELASTIC_RESTART_COUNT": "2"})
     assert restarted.job == "default.restart2"  # a restarted group never meets the dead one's keys
+    # Our torchrun rendezvous handlers publish the round: the same on every node.
+    round5 = load_config(env={**torchrun, "TORCHELASTIC_RESTART_COUNT": "2", "DP_RDZV_ROUND": "5"})
+    assert round5.job == "default.round5"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Control-plane latency: our transports side by side with torch's TCPStore and a raw socket floor.
 
-    python -m benchmarks.control_plane                 # N = 2, 4, 8, 16, 32
+    python -m benchmarks.control_plane                 # N = 2, 4, 8, 16, 32, 64
     python -m benchmarks.control_plane --sizes 2 4 --rounds 50
 
 Measures, in one run, on one machine:
@@ -150,6 +150,9 @@ def round_trips(repeats: int) -> dict[str, float]:
             out["raw socket"] = time_ops(lambda: (s.sendall(PAYLOAD), s.recv(65536)), repeats)
     finally:
         proc.kill()
+    with dp.connect("memory://rtt", rank=0, world_size=1, job="rtt") as ch:  # in-process: no network
+        ch.set("k", PAYLOAD)
+        out["memory"] = time_ops(lambda ch=ch: ch.get("k"), repeats)
     for kind in ("zmq", "grpc", "etcd", "tcpstore"):
         port = free_port()
         proc = start_server(kind, port)
@@ -247,9 +250,9 @@ def barrier_latency(kind: str, n: int, rounds: int) -> float:
 BARRIER_KINDS = ["zmq", "grpc", "etcd", "tcpstore", "TCPStore add+wait", "TCPStore native"]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     parser.add_argument("--rounds", type=int, default=100, help="barriers timed per size")
     parser.add_argument("--repeats", type=int, default=3000, help="round trips timed per transport")
     parser.add_argument("--out", type=Path, default=RESULTS / "control_plane.json")
@@ -258,7 +261,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.serve:
         {"echo": serve_echo, "tcpstore": serve_tcpstore, "etcd": serve_etcd}[args.serve](args.port)
         return 0

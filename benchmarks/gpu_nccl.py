@@ -1,6 +1,6 @@
 """NCCL through our control channel, on whatever GPUs this machine has (not runnable in CI).
 
-    python -m benchmarks.gpu_nccl [--transports zmq tcpstore] [--steps 200] [--out DIR]
+    python -m benchmarks.gpu_nccl [--transports zmq grpc tcpstore] [--steps 200] [--out DIR]
 
 For each transport, in separate processes (one per GPU; with one GPU, one process):
 
@@ -142,9 +142,7 @@ def worker(args: argparse.Namespace) -> None:
             f"{args.transport}://127.0.0.1:{args.port}", rank=rank, world_size=world, job="gpu", timeout=120
         )
         ch.rendezvous()
-        dist.init_process_group(
-            "nccl", store=ch.as_store(), rank=rank, world_size=world, device_id=device, timeout=timedelta(seconds=120)
-        )
+        dp.init_process_group(ch, "nccl", device=device, timeout=120)
         value = torch.full((4,), float(rank + 1), device=device)
         dist.all_reduce(value)
         torch.cuda.synchronize()
@@ -154,8 +152,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         result["all_reduce_ok"] = value.tolist() == [float(sum(range(1, world + 1)))] * 4
         result["broadcast_ok"] = shared.tolist() == [float(world - 1)] * 2
-    if world > 1:
-        result["allreduce_busbw_GBps"] = allreduce_bandwidth(world, device)
+    result["allreduce_busbw_GBps"] = allreduce_bandwidth(world, device)
     result["train_samples_per_s"] = train(args.steps, device)
     if args.transport != "plain":
         time.sleep(2.5)  # let NCCL's watchdog poll the store a few times
@@ -190,9 +187,9 @@ def run(transport: str, world: int, steps: int) -> list[dict]:
     return results
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transports", nargs="+", default=["zmq", "tcpstore"])
+    parser.add_argument("--transports", nargs="+", default=["zmq", "grpc", "tcpstore"])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per transport")
     parser.add_argument("--world", type=int, default=None, help="processes (default: one per GPU)")
@@ -201,7 +198,7 @@ def main() -> int:
     parser.add_argument("--transport", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
@@ -234,10 +231,10 @@ def main() -> int:
         calls = runs[-1][0].get("store_calls", "-")
         print(f"{transport:10s} {init:8.3f} {tput:16.0f} {tput / base:12.3f}x  {calls} {'' if ok else 'WRONG RESULT'}")
     report["summary"] = {k: {"samples_per_s": throughput(k), "ratio_to_plain": throughput(k) / base} for k in kinds}
-    if world > 1:
-        print("all-reduce bus bandwidth GB/s by bytes (rank 0, last run):")
-        for transport in kinds:
-            print(f"  {transport:10s} {report['runs'][transport][-1][0]['allreduce_busbw_GBps']}")
+    what = "bus bandwidth" if world > 1 else "algorithm bandwidth (one rank: a local reduction)"
+    print(f"all-reduce {what} GB/s by bytes (rank 0, last run):")
+    for transport in kinds:
+        print(f"  {transport:10s} {report['runs'][transport][-1][0]['allreduce_busbw_GBps']}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_nccl.json").write_text(json.dumps(report, indent=2))
     return 0

@@ -117,7 +117,7 @@ def run(kind: str, world: int, epochs: int, device: str) -> list[float]:
     return json.loads(outs[0].strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=5)
@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
         fn = plain if args.worker == "plain" else ours

@@ -79,7 +79,8 @@ class ZmqChannel(RemoteChannel):
                     raise ChannelClosed(f"{self!r} is closed")
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.RECONNECT_IVL, 100)
+                # Starts low and backs off to the max: a coordinator just starting is found fast.
+                sock.setsockopt(zmq.RECONNECT_IVL, 10)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
                 if self._curve:
                     sock.curve_serverkey = curve_server_keys(self.token)[0]
@@ -95,7 +96,7 @@ class ZmqChannel(RemoteChannel):
             sock = self._socket()
             start = time.monotonic()
             deadline = start + timeout
-            resend_at = start + (self._resend_after if _try_send(sock, frame) else 0.1)
+            resend_at = start + (self._resend_after if _try_send(sock, frame) else 0.01)
             while True:
                 if self._broken is not None and not control:
                     raise self._broken
@@ -107,7 +108,7 @@ class ZmqChannel(RemoteChannel):
                     )
                 if now >= resend_at:
                     # The coordinator answers a resent id only once.
-                    resend_at = now + (self._resend_after if _try_send(sock, frame) else 0.1)
+                    resend_at = now + (self._resend_after if _try_send(sock, frame) else 0.01)
                 if not sock.poll(int(1000 * min(_POLL_SLICE, deadline - now, resend_at - now)) + 1):
                     continue
                 reply = self._open(sock.recv())

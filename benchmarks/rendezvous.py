@@ -1,0 +1,161 @@
+"""Rendezvous + ``init_process_group("gloo")`` time for N processes, per transport, against
+torch's own ``init_process_group(init_method="tcp://...")`` (a TCPStore) in the same run.
+
+    python -m benchmarks.rendezvous --sizes 2 4 8 16 --repeats 3
+
+All N processes import torch first and wait for a common start signal; the time is from
+the signal until the last rank has its process group (and passed one gloo barrier), so
+interpreter start-up is not counted. Median over repeats. Writes
+``benchmarks/results/rendezvous.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KINDS = ["zmq", "grpc", "etcd", "tcpstore", "torch tcp://"]
+WORKER = [sys.executable, "-m", "benchmarks.rendezvous", "--worker"]
+
+
+def worker(kind: str, port: int, rank: int, n: int) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import dataparallel as dp
+    from dataparallel.registry import transport_class
+
+    if kind != "torch tcp://":
+        transport_class(kind)  # imported before the clock starts, as torch's store is
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    start = float(sys.stdin.readline())  # the common start time
+    while time.time() < start:
+        time.sleep(0.0005)
+    if kind == "torch tcp://":
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=120)
+        )
+        ch = None
+    else:
+        ch = dp.connect(f"{kind}://127.0.0.1:{port}", rank=rank, world_size=n, job="rdzv", timeout=120)
+        ch.rendezvous()
+        dp.init_process_group(ch, timeout=120)
+    dist.barrier()
+    done = time.time()
+    print(json.dumps({"seconds": done - start}), flush=True)
+    dist.destroy_process_group()
+    if ch is not None:
+        ch.close()
+
+
+def measure(kind: str, n: int) -> float:
+    from benchmarks.control_plane import free_port, start_server
+
+    port = free_port()
+    server = start_server("etcd", port) if kind == "etcd" else None
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [*WORKER, kind, "--port", str(port), "--rank", str(r), "--n", str(n)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(n)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        start = time.time() + 0.2
+        for p in procs:
+            p.stdin.write(f"{start}\n")
+            p.stdin.flush()
+        times = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])["seconds"] for p in procs]
+    finally:
+        for p in [*procs, *([server] if server else [])]:
+            p.kill()
+    return max(times)
+
+
+def run(sizes: list[int], repeats: int) -> dict:
+    from tqdm import tqdm
+
+    out: dict[str, dict[int, float]] = {k: {} for k in KINDS}
+    with tqdm(total=len(sizes) * len(KINDS) * repeats, desc="rendezvous+init", unit="run") as bar:
+        for n in sizes:
+            samples: dict[str, list[float]] = {k: [] for k in KINDS}
+            for _ in range(repeats):  # interleaved, so drift hits every kind alike
+                for kind in KINDS:
+                    bar.set_postfix_str(f"{kind} N={n}")
+                    samples[kind].append(measure(kind, n))
+                    bar.update()
+            for kind in KINDS:
+                out[kind][n] = statistics.median(samples[kind]) * 1e3
+    return out
+
+
+def report(result: dict[str, dict[int, float]]) -> None:
+    print("\nrendezvous + init_process_group('gloo') + one barrier, ms (median; ratio to torch tcp://):")
+    print("  N    " + "".join(f"{k:>22s}" for k in KINDS))
+    for n in result[KINDS[0]]:
+        base = result["torch tcp://"][n]
+        print(f"  {n:<4d} " + "".join(f"{result[k][n]:>12.1f} ({result[k][n] / base:4.2f}x)" for k in KINDS))
+
+
+def plot(result: dict[str, dict[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, values in result.items():
+        sizes = sorted(int(n) for n in values)
+        ax.plot(sizes, [values[n] for n in sizes], marker="o", label=kind)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("processes N")
+    ax.set_ylabel("rendezvous + gloo init, ms")
+    ax.set_title("time to a ready gloo process group")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "rendezvous.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.port, args.rank, args.n)
+        return 0
+    result = run(args.sizes, args.repeats)
+    report(result)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "ms": result, "repeats": args.repeats}, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Many lightweight ranks: rendezvous + barriers for N = 256 and 1024 ranks, run as threads
+in a few processes, each thread a real channel (its own connection, session, heartbeats)
+against one standalone coordinator (``dataparallel serve``), one etcd, or one TCPStore.
+
+    python -m benchmarks.swarm --sizes 256 1024 --procs 4
+
+Times, from a common start signal: connect + ``rendezvous()`` of all N ranks (the last
+rank's finish), then the median of ``--barriers`` barriers. The baseline is torch's TCPStore
+with its clients in threads the same way (connect, then add+wait barriers). Writes
+``benchmarks/results/swarm.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KINDS = ["zmq", "grpc", "etcd", "TCPStore add+wait"]
+WORKER = [sys.executable, "-m", "benchmarks.swarm", "--worker"]
+
+
+def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int) -> None:
+    import dataparallel as dp
+
+    if kind.startswith("TCPStore"):
+        import torch.distributed as dist
+    results: dict[int, dict] = {}
+    errors: list[str] = []
+    go = threading.Event()
+
+    def rank_main(rank: int) -> None:
+        try:
+            go.wait()
+            t0 = time.time()
+            if kind.startswith("TCPStore"):
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+
+                def barrier(i: int) -> None:
+                    if store.add(f"b{i}", 1) == n:
+                        store.set(f"done{i}", b"1")
+                    else:
+                        store.wait([f"done{i}"])
+
+                barrier(-1)  # the rendezvous: everyone is connected
+                ch = None
+            else:
+                url = f"{kind}://127.0.0.1:{port}?liveness_timeout=60&heartbeat=5"
+                ch = dp.connect(url, rank=rank, world_size=n, job="swarm", timeout=300)
+                ch.rendezvous()
+
+                def barrier(i: int) -> None:
+                    ch.barrier("b")
+
+            ready = time.time()
+            samples = []
+            for i in range(barriers):
+                t = time.perf_counter()
+                barrier(i)
+                samples.append(time.perf_counter() - t)
+            barrier(barriers)  # nobody leaves while others measure
+            results[rank] = {"start": t0, "ready": ready, "barriers": samples}
+            if ch is not None:
+                ch.close()
+        except Exception as err:  # reported to the parent, which fails the run
+            errors.append(f"rank {rank}: {type(err).__name__}: {err}")
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    while time.time() < start:
+        time.sleep(0.0005)
+    go.set()
+    for t in threads:
+        t.join(timeout=600)
+    print(json.dumps({"results": results, "errors": errors}), flush=True)
+
+
+def _ranks(share: list[int]) -> str:
+    return ",".join(map(str, share))
+
+
+def start_coordinator(kind: str, port: int) -> subprocess.Popen | None:
+    from benchmarks.control_plane import start_server
+
+    if kind.startswith("TCPStore"):
+        return start_server("tcpstore", port)
+    return start_server(kind, port)
+
+
+def measure(kind: str, n: int, procs: int, barriers: int) -> dict:
+    from benchmarks.control_plane import free_port
+
+    port = free_port()
+    server = start_coordinator(kind, port)
+    shares = [list(range(p, n, procs)) for p in range(procs)]
+    workers = [
+        subprocess.Popen(
+            [*WORKER, kind, "--port", str(port), "--n", str(n), "--barriers", str(barriers), "--ranks", _ranks(share)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for share in shares
+    ]
+    try:
+        for w in workers:
+            assert w.stdout.readline().strip() == "ready"
+        start = time.time() + 0.3
+        for w in workers:
+            w.stdin.write(f"{start}\n")
+            w.stdin.flush()
+        merged: dict[str, dict] = {}
+        errors: list[str] = []
+        for w in workers:
+            out = json.loads(w.communicate(timeout=900)[0].strip().splitlines()[-1])
+            merged.update(out["results"])
+            errors += out["errors"]
+    finally:
+        for p in [*workers, *([server] if server else [])]:
+            p.kill()
+    if errors or len(merged) != n:
+        return {"error": (errors or [f"only {len(merged)} of {n} ranks finished"])[0], "errors": len(errors)}
+    rendezvous = max(r["ready"] for r in merged.values()) - start
+    # A barrier completes for everyone at once: its time is the slowest rank's, per round.
+    rounds = [max(r["barriers"][i] for r in merged.values()) for i in range(barriers)]
+    return {"rendezvous_s": rendezvous, "barrier_ms": statistics.median(rounds) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--procs", type=int, default=4, help="processes the ranks are spread over")
+    parser.add_argument("--barriers", type=int, default=10)
+    parser.add_argument("--kinds", nargs="+", default=KINDS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "swarm.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.port, [int(r) for r in args.ranks.split(",")], args.n, args.barriers)
+        return 0
+    from tqdm import tqdm
+
+    result: dict[str, dict[int, dict]] = {k: {} for k in args.kinds}
+    with tqdm(total=len(args.sizes) * len(args.kinds), desc="swarm", unit="run") as bar:
+        for n in args.sizes:
+            for kind in args.kinds:
+                bar.set_postfix_str(f"{kind} N={n}")
+                result[kind][n] = measure(kind, n, args.procs, args.barriers)
+                bar.update()
+    report(result)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "procs": args.procs, "result": result}, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def report(result: dict[str, dict[int, dict]]) -> None:
+    print("\nlightweight ranks: rendezvous of all N (s) and barrier (median ms):")
+    for kind, by_n in result.items():
+        for n, r in by_n.items():
+            if "error" in r:
+                print(f"  {kind:20s} N={n:<5d} FAILED: {r['error']}")
+            else:
+                rdzv, barrier = r["rendezvous_s"], r["barrier_ms"]
+                print(f"  {kind:20s} N={n:<5d} rendezvous {rdzv:7.2f} s   barrier {barrier:8.1f} ms")
+
+
+def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, by_n in result.items():
+        ok = {int(n): r for n, r in by_n.items() if "error" not in r}
+        sizes = sorted(ok)
+        axes[0].plot(sizes, [ok[n]["rendezvous_s"] for n in sizes], marker="o", label=kind)
+        axes[1].plot(sizes, [ok[n]["barrier_ms"] for n in sizes], marker="o", label=kind)
+    for ax, label in zip(axes, ["rendezvous of all ranks, s", "barrier, ms"], strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks N (threads)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("many lightweight ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
   train       epoch time of dp.fit vs a plain DDP loop (gloo)               -> train_loop.py
   gpu         NCCL through each channel, all-reduce bandwidth, training throughput vs plain
               DDP (only where CUDA is present)                              -> gpu_nccl.py
+  faults      detection times of the fault-injection tests, as a table     -> faults.py
 
 Results (JSON and PNG) go to ``benchmarks/results/``; ``summary.json`` holds the targets and
 how each came out.
@@ -29,7 +30,7 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu"]
+SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         out = RESULTS / "quick"  # a smoke run never overwrites the published results
     out.mkdir(parents=True, exist_ok=True)
 
-    from benchmarks import control_plane, gpu_nccl, rendezvous, swarm, train_loop
+    from benchmarks import control_plane, faults, gpu_nccl, rendezvous, swarm, train_loop
 
     if "control" in args.only:
         sizes = ["2", "4"] if quick else ["2", "4", "8", "16", "32", "64"]
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu_nccl.main(["--steps", steps, "--repeats", repeats, "--out", str(out)])
         else:
             print("gpu: no CUDA device here, skipped (results from a GPU machine: benchmarks/results/gpu_nccl_*.json)")
+    if "faults" in args.only and not quick:
+        faults.main(["--out", str(out / "faults.json")])
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\ntargets (ratios measured in the same run):")

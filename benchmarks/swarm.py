@@ -99,7 +99,7 @@ def start_coordinator(kind: str, port: int) -> subprocess.Popen | None:
     return start_server(kind, port)
 
 
-def measure(kind: str, n: int, procs: int, barriers: int) -> dict:
+def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0) -> dict:
     from benchmarks.control_plane import free_port
 
     port = free_port()
@@ -124,8 +124,15 @@ def measure(kind: str, n: int, procs: int, barriers: int) -> dict:
             w.stdin.flush()
         merged: dict[str, dict] = {}
         errors: list[str] = []
+        deadline = time.monotonic() + cap
         for w in workers:
-            out = json.loads(w.communicate(timeout=900)[0].strip().splitlines()[-1])
+            try:
+                lines = w.communicate(timeout=max(deadline - time.monotonic(), 1))[0].strip().splitlines()
+            except subprocess.TimeoutExpired:
+                return {"error": f"not finished within {cap:g} s (stopped)", "errors": 1}
+            if not lines:
+                return {"error": f"a worker process died (exit code {w.returncode})", "errors": 1}
+            out = json.loads(lines[-1])
             merged.update(out["results"])
             errors += out["errors"]
     finally:
@@ -145,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=4, help="processes the ranks are spread over")
     parser.add_argument("--barriers", type=int, default=10)
     parser.add_argument("--kinds", nargs="+", default=KINDS)
+    parser.add_argument("--cap", type=float, default=300, help="seconds a run may take before it is stopped")
     parser.add_argument("--out", type=Path, default=RESULTS / "swarm.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.sizes:
             for kind in args.kinds:
                 bar.set_postfix_str(f"{kind} N={n}")
-                result[kind][n] = measure(kind, n, args.procs, args.barriers)
+                result[kind][n] = measure(kind, n, args.procs, args.barriers, args.cap)
                 bar.update()
     report(result)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"

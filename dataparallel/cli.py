@@ -44,6 +44,9 @@ def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
         group.add_argument("--nprocs", help="workers on this node (default: one per GPU, else 1)")
         group.add_argument("--nodes", help="number of nodes (default 1)")
         group.add_argument("--node-rank", help="this node's index, 0..nodes-1 (default 0)")
+        group.add_argument(
+            "--max-restarts", help="restart a failed worker group up to N times (resume from a checkpoint)"
+        )
 
 
 def _load(args: argparse.Namespace):

@@ -17,6 +17,7 @@ exists. Every setting has the same name in all three places::
     nprocs = 4                   # DP_NPROCS             --nprocs      (launch: workers per node)
     nodes = 2                    # DP_NODES              --nodes
     node_rank = 0                # DP_NODE_RANK          --node-rank
+    max_restarts = 0             # DP_MAX_RESTARTS       --max-restarts (launch: restart a failed group)
     [options]                    # DP_OPTIONS="a=1&b=2"  --option a=1  (URL query options)
     curve = 1
 
@@ -66,6 +67,7 @@ SETTINGS: dict[str, tuple[type, str | None]] = {
     "nprocs": (int, "DP_NPROCS"),
     "nodes": (int, "DP_NODES"),
     "node_rank": (int, "DP_NODE_RANK"),
+    "max_restarts": (int, "DP_MAX_RESTARTS"),
 }
 #: torchrun's variables, read below the ``DP_*`` ones.
 TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
@@ -85,6 +87,7 @@ class JobConfig:
     nprocs: int | None = None
     nodes: int = 1
     node_rank: int = 0
+    max_restarts: int = 0
     origin: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def describe(self, name: str) -> str:
@@ -164,6 +167,7 @@ def load_config(
         nprocs=values.get("nprocs"),
         nodes=values.get("nodes", 1),
         node_rank=values.get("node_rank", 0),
+        max_restarts=values.get("max_restarts", 0),
         origin={k: v for k, v in origin.items() if not k.startswith("__")},
     )
     _validate(config)
@@ -345,6 +349,8 @@ def _validate(c: JobConfig) -> None:
         if c.rank < 0 or (c.world_size is not None and c.rank >= c.world_size):
             bound = f"0..{c.world_size - 1}" if c.world_size else ">= 0"
             raise ConfigError(f"{c.describe('rank')} = {c.rank} is out of range ({bound})")
+    if c.max_restarts < 0:
+        raise ConfigError(f"{c.describe('max_restarts')} must be >= 0, got {c.max_restarts}")
     if c.local_rank is not None and c.local_rank < 0:
         raise ConfigError(f"{c.describe('local_rank')} must be >= 0, got {c.local_rank}")
     if not 0 <= c.node_rank < c.nodes:

@@ -38,6 +38,12 @@ REPLY_CACHE = 256
 SWEEP_INTERVAL = 0.1
 #: A session that never claimed a rank is dropped after this many seconds of silence.
 IDLE_SESSION_TIMEOUT = 60.0
+#: Bounds that keep a coordinator's memory bounded whatever its clients send: a write that
+#: would pass them fails (``FAILED``, saying which), the job and everyone else carry on.
+MAX_JOB_KEYS = 1_000_000
+MAX_JOB_BYTES = 256 << 20
+MAX_SESSIONS = 65_536
+MAX_PARKED_PER_SESSION = 4_096
 
 
 @dataclass(eq=False)
@@ -176,6 +182,10 @@ class Coordinator:
             job = self._jobs[hello.job] = Job(hello.job, hello.world_size, hello.liveness_timeout)
         elif job.world_size != hello.world_size:
             raise BadMessage(f"job {hello.job!r} has world size {job.world_size}, this process said {hello.world_size}")
+        if len(self._sessions) >= MAX_SESSIONS:
+            if not job.sessions:
+                del self._jobs[hello.job]
+            return _reply(request.id, pb.FAILED, f"coordinator full: {MAX_SESSIONS} sessions open")
         session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock())
         self._sessions[session.id] = session
         job.sessions.add(session)
@@ -185,6 +195,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------ key/value
     def _set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        full = _over_budget(s.job, r.set.key, len(r.set.value))
+        if full:
+            return _reply(r.id, pb.FAILED, full)
         s.job.space.set(r.set.key, r.set.value)
         return _reply(r.id)
 
@@ -195,6 +208,8 @@ class Coordinator:
             return _reply(r.id, value=value)
         if job.lost:
             return self._lost_reply(r.id, job)
+        if len(s.parked) >= MAX_PARKED_PER_SESSION:
+            return _reply(r.id, pb.FAILED, f"{MAX_PARKED_PER_SESSION} requests of this session are waiting already")
         parked = Parked(s, route, r.id, self._clock() + _timeout(r.get.timeout), lambda: _reply(r.id, pb.TIMEOUT))
 
         def release(value: bytes) -> None:
@@ -208,10 +223,16 @@ class Coordinator:
         return None
 
     def _add(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        full = _over_budget(s.job, r.add.key, 20)  # an int64 in decimal
+        if full:
+            return _reply(r.id, pb.FAILED, full)
         return _reply(r.id, number=s.job.space.add(r.add.key, r.add.amount))
 
     def _compare_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
         cs = r.compare_set
+        full = _over_budget(s.job, cs.key, len(cs.desired))
+        if full:
+            return _reply(r.id, pb.FAILED, full)
         return _reply(r.id, value=s.job.space.compare_set(cs.key, cs.expected, cs.desired))
 
     def _delete(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
@@ -267,6 +288,9 @@ class Coordinator:
         if not sources or max(sources) >= job.world_size:
             raise BadMessage(f"collective {c.name!r}: source ranks {sorted(sources)} out of range")
         state = job.collectives.get(c.name)
+        crowded = state is None and len(job.collectives) >= MAX_PARKED_PER_SESSION
+        if crowded or len(s.parked) >= MAX_PARKED_PER_SESSION:
+            return _reply(r.id, pb.FAILED, f"job {job.name!r}: too many collectives open at once")
         if state is None:
             state = job.collectives[c.name] = Collective(sources)
         elif state.sources != sources:
@@ -380,6 +404,16 @@ class Coordinator:
         "heartbeat": _heartbeat,
         "leave": _leave,
     }
+
+
+def _over_budget(job: Job, key: str, size: int) -> str | None:
+    """Why writing ``size`` bytes at ``key`` would take ``job`` past its bounds, or None."""
+    space = job.space
+    if key not in space and space.num_keys() >= MAX_JOB_KEYS:
+        return f"job {job.name!r} holds {MAX_JOB_KEYS} keys, the most a job may hold"
+    if space.nbytes() + len(key) + size > MAX_JOB_BYTES:
+        return f"job {job.name!r} would hold more than {MAX_JOB_BYTES} bytes of keys and values"
+    return None
 
 
 def _reply(request_id: int, status: int = pb.OK, error: str = "", **fields) -> pb.Reply:

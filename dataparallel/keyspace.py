@@ -28,10 +28,16 @@ class KeySpace:
         self._lock = threading.Lock()
         self._data: dict[str, bytes] = {}
         self._parked: dict[str, list[Waiter]] = {}
+        self._bytes = 0  # keys' and values' lengths, summed
+
+    def _store(self, key: str, value: bytes) -> None:
+        old = self._data.get(key)
+        self._bytes += len(value) - (len(old) if old is not None else -len(key))
+        self._data[key] = value
 
     def set(self, key: str, value: bytes) -> None:
         with self._lock:
-            self._data[key] = value
+            self._store(key, value)
             waiters = self._parked.pop(key, None)
         _release(waiters, value)
 
@@ -67,7 +73,7 @@ class KeySpace:
             except ValueError:
                 raise BadMessage(f"add({key!r}): current value {old[:32]!r} is not a decimal integer") from None
             encoded = str(value).encode()
-            self._data[key] = encoded
+            self._store(key, encoded)
             waiters = self._parked.pop(key, None)
         _release(waiters, encoded)
         return value
@@ -83,14 +89,17 @@ class KeySpace:
                     return expected
             elif current != expected:
                 return current
-            self._data[key] = desired
+            self._store(key, desired)
             waiters = self._parked.pop(key, None)
         _release(waiters, desired)
         return desired
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            return self._data.pop(key, None) is not None
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._bytes -= len(key) + len(old)
+            return old is not None
 
     def check(self, keys: Iterable[str]) -> bool:
         with self._lock:
@@ -99,6 +108,15 @@ class KeySpace:
     def num_keys(self) -> int:
         with self._lock:
             return len(self._data)
+
+    def nbytes(self) -> int:
+        """Total length of keys and values held."""
+        with self._lock:
+            return self._bytes
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._data
 
     def parked_count(self) -> int:
         with self._lock:

@@ -94,7 +94,11 @@ def launch(
     """Run this node's workers of ``command`` (a full argv) until they all exit.
 
     Returns 0, the exit code of the first worker that failed (128 + N for a signal N), or
-    128 + N when the launcher itself was sent signal N.
+    128 + N when the launcher itself was sent signal N. With ``config.max_restarts`` a failed
+    group is restarted (all of it, as job ``JOB.attemptK``) that many times: a script that
+    checkpoints and resumes (``TrainOptions(checkpoint=..., resume=True)``) carries on from
+    its last epoch. On several nodes a lost peer fails every node's group, so the nodes'
+    attempts stay in step.
     """
     url, nprocs, world = plan(config)
     log = log or sys.stderr
@@ -123,19 +127,33 @@ def launch(
         file=log,
         flush=True,
     )
-    supervisor = _Supervisor(grace, log)
-    with supervisor.forwarding_signals():
-        for local in range(nprocs):
-            rank = base + local
-            worker_env = {
-                **env,
-                "DP_RANK": str(rank),
-                "DP_LOCAL_RANK": str(local),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local),
-            }
-            supervisor.start(rank, local, list(command), worker_env, prefix)
-        return supervisor.wait()
+    restarts = config.max_restarts
+    for attempt in range(restarts + 1):
+        if attempt:
+            # A new job name: the restarted group never meets the failed group's keys.
+            env["DP_JOB"] = f"{config.job}.attempt{attempt}"
+            env["DP_RESTART_COUNT"] = str(attempt)
+        supervisor = _Supervisor(grace, log)
+        with supervisor.forwarding_signals():
+            for local in range(nprocs):
+                rank = base + local
+                worker_env = {
+                    **env,
+                    "DP_RANK": str(rank),
+                    "DP_LOCAL_RANK": str(local),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(local),
+                }
+                supervisor.start(rank, local, list(command), worker_env, prefix)
+            code = supervisor.wait()
+        if code == 0 or supervisor.signalled is not None or attempt == restarts:
+            return code
+        print(
+            f"[launch] worker group failed (exit code {code}); restarting it, attempt {attempt + 1} of {restarts}",
+            file=log,
+            flush=True,
+        )
+    return code
 
 
 class _Supervisor:

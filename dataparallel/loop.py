@@ -403,6 +403,8 @@ class _Trainer:
         self.history.epochs = [EpochMetrics(**m) for m in state["history"]]
         self.best = tuple(state["best"])
         self.start_epoch = state["epoch"] + 1
+        if self.rank == 0:
+            log.warning("resuming from %s after epoch %d", self.opts.checkpoint, state["epoch"])
 
 
 def save_atomically(obj: Any, path: Path) -> None:

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import dataparallel as dp
-from dataparallel.testing import free_port, with_options
+from dataparallel.testing import free_port
 
 WORKER = Path(__file__).with_name("loop_worker.py")
 TRANSPORTS = ["zmq", "grpc", "tcpstore"]
@@ -93,28 +91,6 @@ def test_bf16_autocast_trains(tmp_path):
     result = run_job(tmp_path, "zmq", 2, "bf16", amp="bf16", epochs=3, clip=1.0)
     losses = [e["train_loss"] for e in result["epochs"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-
-
-@pytest.mark.timeout(120)
-def test_killed_follower_makes_the_driver_raise_peer_lost(tmp_path):
-    url = with_options(f"zmq://127.0.0.1:{free_port()}", heartbeat=0.2, liveness_timeout=2)
-    cfg = {"url": url, "world": 2, "out": str(tmp_path / "x.pt"), "slow": True, "epochs": 50}
-    follower = spawn({**cfg, "rank": 1})
-    driver = spawn({**cfg, "rank": 0})
-    try:
-        time.sleep(6)  # both ranks are inside an epoch (0.2 s per batch)
-        assert driver.poll() is None and follower.poll() is None
-        follower.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        _, err = driver.communicate(timeout=60)
-        elapsed = time.monotonic() - killed
-        assert driver.returncode != 0
-        assert "PeerLost" in err and "peer rank 1 lost" in err and "epoch" in err, err[-2000:]
-        assert elapsed < 2 + 8, f"driver took {elapsed:.1f}s to give up"
-    finally:
-        for p in (driver, follower):
-            p.kill()
-            p.communicate(timeout=10)
 
 
 def test_options_are_validated():

@@ -8,13 +8,16 @@ machines" says. Training must end with the same model as the same job on one hos
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from etcdserver import EtcdServer, require_etcd
 from netns import PrivateNetwork, require_netns
+from test_faults import record as record_fault
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_digits.py")
@@ -42,6 +45,18 @@ def one_host(tmp_path_factory) -> dict:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def _serve(net: PrivateNetwork, transport: str, tmp_path: Path) -> tuple[str, EtcdServer | None]:
+    """The job's URL: etcd started on its own host, or the driver's address for zmq/grpc
+    (whose coordinator rank 0 hosts)."""
+    if transport != "etcd":
+        return f"{transport}://{net.address(DRIVER)}:{29500 if transport == 'zmq' else 29501}", None
+    require_etcd()
+    server = EtcdServer(tmp_path / "etcd", host=net.address(ETCD_HOST), wrap=net.command(ETCD_HOST, [])).start()
+    net.procs.append(server.proc)
+    net.wait_listening(DRIVER, net.address(ETCD_HOST), 2379)
+    return f"etcd://{net.address(ETCD_HOST)}:2379", server
 
 
 def _config(path: Path, url: str) -> Path:
@@ -72,14 +87,7 @@ def _assert_same_model(result: dict, reference: dict) -> None:
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc", "etcd"])
 def test_training_across_hosts_matches_one_host(net, one_host, transport, tmp_path):
-    if transport == "etcd":
-        require_etcd()
-        server = EtcdServer(tmp_path / "etcd", host=net.address(ETCD_HOST), wrap=net.command(ETCD_HOST, [])).start()
-        net.procs.append(server.proc)
-        net.wait_listening(DRIVER, net.address(ETCD_HOST), 2379)
-        url = f"etcd://{net.address(ETCD_HOST)}:2379"
-    else:
-        url = f"{transport}://{net.address(DRIVER)}:{29500 if transport == 'zmq' else 29501}"
+    url, server = _serve(net, transport, tmp_path)
     result = tmp_path / "result.json"
     runs = _run_job(net, _config(tmp_path / "dataparallel.toml", url), result)
     for node, run in enumerate(runs):
@@ -136,3 +144,61 @@ def _token_file(token: str) -> Path:
     path = Path(tempfile.mkdtemp()) / "token"
     path.write_text(token)
     return path
+
+
+PARTITION = str(Path(__file__).with_name("partition_worker.py"))
+
+
+def _barrier_job(net: PrivateNetwork, url: str, seconds: float) -> list[subprocess.Popen]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DP_")}
+    procs = []
+    for rank, host in enumerate((DRIVER, *FOLLOWERS)):
+        env_r = {**env, "DP_URL": url, "DP_RANK": str(rank), "DP_WORLD_SIZE": "3", "DP_JOB": "partition"}
+        procs.append(
+            net.popen(host, [sys.executable, PARTITION, str(seconds)], stdout=subprocess.PIPE, text=True, env=env_r)
+        )
+    return procs
+
+
+def _reports(procs: list[subprocess.Popen]) -> list[dict]:
+    return [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc", "etcd"])
+def test_partition_of_one_host_and_its_healing(net, transport, tmp_path):
+    """Host 3 loses its link. Shorter than the liveness timeout: the job carries on once it
+    heals. For good: the others raise PeerLost naming rank 2 within the liveness timeout."""
+    liveness = 4.0
+    base, server = _serve(net, transport, tmp_path)
+    url = f"{base}?heartbeat=0.5&liveness_timeout={liveness:g}"
+    try:
+        # A short partition (1.5 s < 4 s) heals: nobody is declared lost, every barrier completes.
+        procs = _barrier_job(net, url, seconds=8)
+        time.sleep(3)
+        net.cut(FOLLOWERS[1])
+        time.sleep(1.5)
+        net.heal(FOLLOWERS[1])
+        healed = _reports(procs)
+        assert all(r["error"] is None for r in healed), healed
+        assert len({r["rounds"] for r in healed}) == 1 and healed[0]["rounds"] > 10
+        # A lasting partition: the connected ranks name rank 2 as lost, in bounded time.
+        procs = _barrier_job(net, url, seconds=60)
+        time.sleep(3)
+        net.cut(FOLLOWERS[1])
+        cut_at = time.time()
+        try:
+            reports = _reports(procs[:2])
+        finally:
+            net.heal(FOLLOWERS[1])
+            for p in procs:
+                p.kill()
+                p.communicate(timeout=30)
+        for r in reports:
+            assert r["error"] is not None and "peer rank 2 lost" in r["error"], reports
+            detection = r["at"] - cut_at
+            assert detection < liveness + 6, f"rank {r['rank']} took {detection:.1f}s"
+        record_fault("host partitioned (link down)", transport, "others raise PeerLost naming rank 2", detection)
+        record_fault("short partition (1.5 s), healed", transport, "job carries on", None)
+    finally:
+        if server is not None:
+            server.stop()

@@ -29,6 +29,11 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second coordinator on a served port must fail to bind
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # A client that starts before the coordinator listens retries within 50 ms, not gRPC's
+    # default first back-off of 1 s (rank 0 usually starts with everyone else).
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 

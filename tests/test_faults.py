@@ -1,0 +1,197 @@
+"""Faults during a real training job (tests/loop_worker.py, two processes, gloo), for zmq,
+grpc and etcd: what the surviving processes see, and how long it takes.
+
+Every outcome is bounded: a typed error naming the lost peer, or the job carrying on. With
+``DP_FAULT_REPORT=FILE`` the measured detection times are written to FILE (JSON) for
+README's table (``python -m benchmarks --only faults``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from etcdserver import EtcdServer, require_etcd, start_cluster
+
+from dataparallel.testing import free_port, with_options
+
+WORKER = Path(__file__).with_name("loop_worker.py")
+LIVENESS = 2.0  # seconds of silence before a peer is declared lost, for these jobs
+BOUND = LIVENESS + 8.0  # detection must come within this (the error path includes torch's abort)
+REPORT = os.environ.get("DP_FAULT_REPORT")
+_measured: list[dict] = []
+
+
+def record(fault: str, transport: str, outcome: str, seconds: float | None) -> None:
+    _measured.append({"fault": fault, "transport": transport, "outcome": outcome, "seconds": seconds})
+    if REPORT:
+        Path(REPORT).write_text(json.dumps(_measured, indent=2))
+
+
+def spawn(cfg: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+class Job:
+    """A two-process training job, slow enough (0.2 s a batch) to be hit mid-epoch."""
+
+    def __init__(self, url: str, tmp_path: Path, epochs: int = 50) -> None:
+        url = with_options(url, heartbeat=0.2, liveness_timeout=LIVENESS)
+        cfg = {"url": url, "world": 2, "out": str(tmp_path / "model.pt"), "slow": True, "epochs": epochs}
+        self.procs = [spawn({**cfg, "rank": 1}), spawn({**cfg, "rank": 0})][::-1]  # [driver, follower]
+
+    def wait_training(self) -> None:
+        time.sleep(7)  # both ranks are inside an epoch
+        for p in self.procs:
+            assert p.poll() is None, p.communicate(timeout=10)[1][-3000:]
+
+    def hit(self, rank: int, sig: int) -> float:
+        os.killpg(self.procs[rank].pid, sig)
+        return time.monotonic()
+
+    def finish(self, rank: int, timeout: float = 60) -> tuple[int, str, float]:
+        _, err = self.procs[rank].communicate(timeout=timeout)
+        return self.procs[rank].returncode, err, time.monotonic()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=10)
+
+
+@pytest.fixture(params=["zmq", "grpc", "etcd"])
+def job_url(request, tmp_path):
+    if request.param == "etcd":
+        require_etcd()
+        server = EtcdServer(tmp_path / "etcd").start().wait_ready()
+        yield server.url
+        server.stop()
+    else:
+        yield f"{request.param}://127.0.0.1:{free_port()}"
+
+
+def _transport(url: str) -> str:
+    return url.split(":", 1)[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_follower_killed_or_frozen_mid_epoch(job_url, tmp_path, sig):
+    job = Job(job_url, tmp_path)
+    try:
+        job.wait_training()
+        hit = job.hit(1, sig)
+        code, err, done = job.finish(0)
+        seconds = done - hit
+        assert code != 0
+        assert "PeerLost" in err and "peer rank 1 lost" in err and "epoch" in err, err[-3000:]
+        assert seconds < BOUND, f"driver took {seconds:.1f}s"
+        what = "killed (SIGKILL)" if sig == signal.SIGKILL else "frozen (SIGSTOP)"
+        record(f"follower {what} mid-epoch", _transport(job_url), "driver raises PeerLost naming rank 1", seconds)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
+def test_driver_killed_mid_epoch(job_url, tmp_path):
+    job = Job(job_url, tmp_path)
+    try:
+        job.wait_training()
+        hit = job.hit(0, signal.SIGKILL)
+        code, err, done = job.finish(1)
+        seconds = done - hit
+        assert code != 0
+        # zmq/grpc: rank 0 hosted the coordinator, so it is gone with it; etcd: a lost peer.
+        assert "peer rank 0 lost" in err or "ChannelClosed" in err, err[-3000:]
+        assert seconds < BOUND, f"follower took {seconds:.1f}s"
+        outcome = "follower raises PeerLost (rank 0)" if "peer rank 0 lost" in err else "follower raises ChannelClosed"
+        record("driver killed mid-epoch", _transport(job_url), outcome, seconds)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scheme", ["zmq", "grpc"])
+def test_standalone_coordinator_killed_mid_epoch(scheme, tmp_path):
+    port = free_port()
+    url = f"{scheme}://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "dataparallel", "serve", url], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert "serving" in server.stdout.readline()
+    job = Job(url, tmp_path)
+    try:
+        job.wait_training()
+        os.killpg(server.pid, signal.SIGKILL)
+        hit = time.monotonic()
+        for rank in (0, 1):
+            code, err, done = job.finish(rank)
+            assert code != 0 and "ChannelClosed" in err and "coordinator" in err, err[-3000:]
+            assert done - hit < BOUND
+        record("coordinator process killed", scheme, "every rank raises ChannelClosed", done - hit)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+        job.close()
+
+
+@pytest.mark.timeout(180)
+def test_etcd_leader_killed_in_a_three_member_cluster(tmp_path):
+    require_etcd()
+    members = start_cluster(tmp_path, 3)
+    try:
+        url = "etcd://" + ",".join(f"127.0.0.1:{m.client_port}" for m in members)
+        job = Job(url, tmp_path, epochs=4)
+        try:
+            job.wait_training()
+            leader = _leader(members)
+            leader.stop()
+            hit = time.monotonic()
+            for rank in (0, 1):
+                code, err, done = job.finish(rank, timeout=120)
+                assert code == 0, err[-3000:]
+            record("etcd leader killed (3 members)", "etcd", "job carries on, completes", None)
+            assert done - hit < 120
+        finally:
+            job.close()
+    finally:
+        for m in members:
+            m.stop()
+
+
+def _leader(members: list[EtcdServer]) -> EtcdServer:
+    """The member that is leader, asked over etcd's HTTP status endpoint of each member."""
+    import urllib.request
+
+    for m in members:
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.client_port}/v3/maintenance/status", data=b"{}") as r:
+            status = json.loads(r.read())
+        if status["leader"] == status["header"]["member_id"]:
+            return m
+    raise AssertionError("no leader")
+
+
+@pytest.mark.timeout(120)
+def test_slow_peer_is_not_lost(tmp_path):
+    """A follower that takes 0.2 s a batch (and longer than the liveness timeout an epoch)
+    is slow, not lost: heartbeats run on their own thread."""
+    url = with_options(f"zmq://127.0.0.1:{free_port()}", heartbeat=0.2, liveness_timeout=1)
+    cfg = {"url": url, "world": 2, "out": str(tmp_path / "model.pt"), "slow": True, "epochs": 2}
+    procs = [spawn({**cfg, "rank": r}) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=100)
+        assert p.returncode == 0, err[-3000:]
+    record("slow peer (epoch of 2.4 s, liveness timeout 1 s)", "zmq", "job carries on, completes", None)

@@ -1,0 +1,333 @@
+"""Hostile input and load against real coordinators (a standalone `dataparallel serve`
+process, so that its liveness and memory can be watched): fuzzed frames and requests
+(hypothesis), replays, limits on what one job may hold, hundreds of clients at once, and two
+jobs with the same key names on one coordinator. The coordinator never crashes, its memory
+stays bounded, and a legitimate job running alongside is not disturbed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jobutil import exercise, open_job
+
+import dataparallel as dp
+import dataparallel.coordinator as coordinator_module
+from dataparallel.testing import close_all, free_port, run_all
+from dataparallel.wire import MAC_SIZE, pb, seal, token_key
+
+TOKEN = "fuzz-token"
+KEY = token_key(TOKEN)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(params=["zmq", "grpc"])
+def served(request):
+    scheme = request.param
+    url = f"{scheme}://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dataparallel", "serve", url],
+        env={**os.environ, "DP_TOKEN": TOKEN},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert "serving" in proc.stdout.readline()
+    yield scheme, url, proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+class Bystander:
+    """A legitimate two-rank job doing barriers and set/get for as long as the attack lasts."""
+
+    def __init__(self, url: str) -> None:
+        self.channels = open_job(url, 2, token=TOKEN, job="bystander")
+        self.rounds = 0
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(c,), daemon=True) for c in self.channels]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, ch: dp.ControlChannel) -> None:
+        i = 0
+        try:
+            while True:
+                ch.set(f"r{ch.rank}/{i}", str(i).encode())
+                assert ch.get(f"r{1 - ch.rank}/{i}", timeout=30) == str(i).encode()
+                stop = ch.broadcast("stop", b"1" if self._stop.is_set() else b"0", src=0, timeout=30) == b"1"
+                ch.barrier("round", timeout=30)
+                i += 1
+                if ch.rank == 0:
+                    self.rounds = i
+                if stop:
+                    return
+        except BaseException as err:
+            self.errors.append(err)
+
+    def finish(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+        assert not self.errors, self.errors
+        assert self.rounds > 0
+        exercise(self.channels, "after-attack")
+        close_all(self.channels)
+
+
+# ---------------------------------------------------------------------- strategies
+keys = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -1.0, 1e-9, 0.05, 1e300]))
+
+
+def requests(session: bytes) -> st.SearchStrategy[pb.Request]:
+    ops = st.one_of(
+        st.builds(lambda k, v: {"set": pb.KeyValue(key=k, value=v)}, keys, st.binary(max_size=2048)),
+        st.builds(lambda k, t: {"get": pb.Get(key=k, timeout=t)}, keys, floats),
+        st.builds(lambda k, a: {"add": pb.Add(key=k, amount=a)}, keys, st.integers(-(2**63), 2**63 - 1)),
+        st.builds(
+            lambda k, e, d: {"compare_set": pb.CompareSet(key=k, expected=e, desired=d)},
+            keys,
+            st.binary(max_size=16),
+            st.binary(max_size=16),
+        ),
+        st.builds(lambda k: {"delete": pb.Key(key=k)}, keys),
+        st.builds(lambda ks: {"check": pb.Keys(keys=ks)}, st.lists(keys, max_size=5)),
+        st.just({"num_keys": pb.Empty()}),
+        st.just({"heartbeat": pb.Empty()}),
+        st.builds(lambda r: {"register": pb.Register(rank=r)}, st.integers(0, 2**32 - 1)),
+        st.builds(
+            lambda n, src, want, v, t: {
+                "collect": pb.Collect(
+                    name=n, sources=src, want=want, has_value=v is not None, value=v or b"", timeout=t
+                )
+            },
+            keys,
+            st.lists(st.integers(0, 2**32 - 1), max_size=4),
+            st.booleans(),
+            st.one_of(st.none(), st.binary(max_size=64)),
+            floats,
+        ),
+        st.builds(
+            lambda p, j, w, lt: {"hello": pb.Hello(protocol=p, job=j, world_size=w, liveness_timeout=lt)},
+            st.integers(0, 3),
+            keys,
+            st.integers(0, 2**32 - 1),
+            floats,
+        ),
+    )
+    sessions = st.sampled_from([session, b"", b"forged-session!!"]) | st.binary(max_size=32)
+    return st.builds(lambda i, s, op: pb.Request(id=i, session=s, **op), st.integers(0, 2**64 - 1), sessions, ops)
+
+
+def mutate(frame: bytes, at: int, junk: bytes, cut: bool) -> bytes:
+    at %= max(len(frame), 1)
+    return frame[:at] + junk + (b"" if cut else frame[at + len(junk) :])
+
+
+# ---------------------------------------------------------------------- transports
+class ZmqAttacker:
+    def __init__(self, url: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect("tcp://" + url.split("://", 1)[1])
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+        self.drain()
+
+    def send(self, request: pb.Request) -> None:
+        self.send_frames([seal(KEY, request)])
+
+    def call(self, request: pb.Request) -> pb.Reply:
+        self.drain()
+        self.sock.send(seal(KEY, request))
+        while self.sock.poll(5000):
+            reply = pb.Reply.FromString(self.sock.recv()[MAC_SIZE:])
+            if reply.id == request.id:
+                return reply
+        raise AssertionError("no reply")
+
+    def drain(self) -> None:
+        while self.sock.poll(0):
+            self.sock.recv()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class GrpcAttacker:
+    def __init__(self, url: str) -> None:
+        from dataparallel.transports.grpc.server import TOKEN_HEADER
+
+        self.channel = grpc.insecure_channel(url.split("://", 1)[1])
+        self.rpc = self.channel.unary_unary(
+            "/dataparallel.control.v1.ControlService/Call",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.Reply.FromString,
+        )
+        self.metadata = ((TOKEN_HEADER, KEY.hex()),)
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            try:
+                self.rpc(frame, metadata=self.metadata, timeout=0.5)
+            except grpc.RpcError as err:  # parked (deadline), refused, malformed: all fine
+                assert err.code() != grpc.StatusCode.UNAVAILABLE, "the coordinator went away"
+
+    def send(self, request: pb.Request) -> None:
+        self.send_frames([request.SerializeToString()])
+
+    def call(self, request: pb.Request) -> pb.Reply:
+        return self.rpc(request.SerializeToString(), metadata=self.metadata, timeout=5)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def attacker_for(scheme: str, url: str):
+    return ZmqAttacker(url) if scheme == "zmq" else GrpcAttacker(url)
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served):
+    scheme, url, proc = served
+    bystander = Bystander(url)
+    attacker = attacker_for(scheme, url)
+    try:
+        hello = pb.Request(id=1, hello=pb.Hello(protocol=1, job="fuzz", world_size=4, liveness_timeout=30))
+        session = attacker.call(hello).session
+        assert session
+        before = rss_mb(proc.pid)
+        fuzz = settings(
+            max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True
+        )
+
+        @fuzz
+        @given(st.lists(st.binary(max_size=4096), min_size=1, max_size=4))
+        def random_frames(frames):
+            attacker.send_frames(frames)
+
+        @fuzz
+        @given(requests(session), st.integers(0, 1 << 16), st.binary(min_size=1, max_size=8), st.booleans())
+        def mutated_frames(request, at, junk, cut):
+            framed = seal(KEY, request) if scheme == "zmq" else request.SerializeToString()
+            attacker.send_frames([mutate(framed, at, junk, cut)])
+
+        @fuzz
+        @given(requests(session))
+        def signed_requests(request):
+            attacker.send(request)
+
+        for run in (random_frames, mutated_frames, signed_requests):
+            run()
+            assert proc.poll() is None, f"the coordinator died during {run.__name__}"
+        # Replays: a signed request sent again is answered from the reply cache, not applied twice.
+        add = pb.Request(id=10**12, session=session, add=pb.Add(key="replayed", amount=5))
+        first, again = attacker.call(add), attacker.call(add)
+        assert first.status == pb.OK and first.number == 5 and again.number == 5
+        check = pb.Request(id=10**12 + 1, session=session, get=pb.Get(key="replayed", timeout=1))
+        assert attacker.call(check).value == b"5"
+        grown = rss_mb(proc.pid) - before
+        assert grown < 100, f"coordinator RSS grew by {grown:.0f} MB under fuzzing"
+    finally:
+        attacker.close()
+    bystander.finish()
+    assert proc.poll() is None
+
+
+@pytest.mark.timeout(120)
+def test_a_job_cannot_exhaust_the_coordinator(monkeypatch):
+    """Limits on keys, bytes and waiting requests per job: the write that would pass one fails
+    with a message that says which, and the job (and the coordinator) carry on."""
+    monkeypatch.setattr(coordinator_module, "MAX_JOB_KEYS", 200)
+    monkeypatch.setattr(coordinator_module, "MAX_JOB_BYTES", 64 << 10)
+    monkeypatch.setattr(coordinator_module, "MAX_PARKED_PER_SESSION", 8)
+    channels = open_job(f"zmq://127.0.0.1:{free_port()}", 2, job="greedy")  # rank 0 hosts, in this process
+    try:
+        ch = channels[1]
+        with pytest.raises(dp.ControlError, match="holds 200 keys, the most a job may hold"):
+            for i in range(1000):
+                ch.set(f"k{i}", b"v")
+        with pytest.raises(dp.ControlError, match="would hold more than 65536 bytes of keys and values"):
+            ch.set("k0", b"x" * (64 << 10))
+        for i in range(150):
+            ch.delete(f"k{i}")
+        waiting = [threading.Thread(target=_expect_timeout, args=(ch, f"never{i}"), daemon=True) for i in range(8)]
+        for t in waiting:
+            t.start()
+        time.sleep(1.0)
+        with pytest.raises(dp.ControlError, match="requests of this session are waiting already"):
+            ch._request(pb.Request(get=pb.Get(key="one-too-many", timeout=5)), 5, "get")
+        for t in waiting:
+            t.join(timeout=30)
+        exercise(channels, "after-limits")
+    finally:
+        close_all(channels)
+
+
+def _expect_timeout(ch: dp.ControlChannel, key: str) -> None:
+    with pytest.raises(dp.ControlTimeout):
+        ch.get(key, timeout=3)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("scheme", "ranks"), [("zmq", 200), ("grpc", 100)])
+def test_hundreds_of_clients_and_two_jobs_with_the_same_keys(scheme, ranks):
+    """Load: ``ranks`` clients (threads, each its own connection and session) in two jobs of
+    the same key names on one coordinator: rendezvous, barriers, adds and set/get for a
+    bounded number of rounds; no error, exact results, nothing seen across jobs."""
+    url = f"{scheme}://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "dataparallel", "serve", url], stdout=subprocess.PIPE, text=True)
+    assert "serving" in proc.stdout.readline()
+    half = ranks // 2
+    rounds = 5
+    try:
+        jobs = {
+            name: [
+                lambda r=r, name=name: dp.connect(
+                    url + "?liveness_timeout=60&heartbeat=5", rank=r, world_size=half, job=name, timeout=120
+                )
+                for r in range(half)
+            ]
+            for name in ("A", "B")
+        }
+        opened = run_all([fn for fns in jobs.values() for fn in fns], timeout=240)
+
+        def work(ch: dp.ControlChannel) -> tuple[int, list[bytes]]:
+            ch.rendezvous()
+            for i in range(rounds):
+                ch.add("counter", ch.rank + 1)
+                ch.set(f"mine/{ch.rank}", f"{ch.job}:{ch.rank}:{i}".encode())
+                ch.barrier("round")
+                got = ch.get(f"mine/{(ch.rank + 1) % ch.world_size}")
+                assert got == f"{ch.job}:{(ch.rank + 1) % ch.world_size}:{i}".encode(), got
+                ch.barrier("read")
+            total = ch.add("counter", 0)
+            return total, ch.all_gather("who", ch.job.encode())
+
+        results = run_all([lambda c=c: work(c) for c in opened], timeout=240)
+        expected = rounds * half * (half + 1) // 2  # each job's own adds, and no one else's
+        for ch, (total, names) in zip(opened, results, strict=True):
+            assert total == expected
+            assert set(names) == {ch.job.encode()}
+        close_all(opened)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

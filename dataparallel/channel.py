@@ -273,6 +273,11 @@ class ControlChannel(Collectives, abc.ABC):
             if lost is not None:
                 raise PeerLost(lost.rank, lost.last_seen, lost.reason, during=what)
 
+    @property
+    def failure(self) -> ControlError | None:
+        """The fatal condition noticed in the background (the coordinator gone), if any."""
+        return self._broken
+
     def _fail(self, error: ControlError) -> None:
         """Record a fatal condition noticed in the background (coordinator gone)."""
         if self._broken is None:

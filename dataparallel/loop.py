@@ -249,12 +249,15 @@ class _Trainer:
             return PeerLost(err.rank, err.last_seen, err.reason, during=f"epoch {epoch}")
         deadline = time.monotonic() + self.ch.liveness_timeout + 2 * self.ch.heartbeat_interval + 1
         while self._lost is None and not self.ch.lost_peers() and time.monotonic() < deadline:
-            if isinstance(err, ChannelClosed):
+            if isinstance(err, ChannelClosed) or self.ch.failure is not None:
                 break
             time.sleep(0.1)
         lost = self._lost or next(iter(self.ch.lost_peers().values()), None)
         if lost is not None:
             return PeerLost(lost.rank, lost.last_seen, lost.reason, during=f"epoch {epoch}")
+        if self.ch.failure is not None and not isinstance(err, ControlError):
+            # The coordinator went away with the rank that hosted it (or on its own).
+            return ChannelClosed(f"{self.ch.failure} (noticed in epoch {epoch} as: {err})")
         return err
 
     # ------------------------------------------------------------------ epochs

@@ -60,7 +60,7 @@ def main(cfg: dict) -> None:
         resume=cfg.get("resume", False),
         clip_grad_norm=cfg.get("clip"),
         progress=False,
-        collective_timeout=60,
+        collective_timeout=cfg.get("collective_timeout", 60),
     )
     net = model(cfg.get("dropout", 0.0))
     result = dp.fit(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -197,17 +198,30 @@ class _Supervisor:
                 self.pumps.append(pump)
 
     def _pump(self, stream: IO[bytes], sink: IO[str], tag: str) -> None:
-        out = getattr(sink, "buffer", None)
-        for line in iter(stream.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with self._out_lock:
-                if out is not None:
-                    out.write(tag.encode() + line)
-                else:
-                    sink.write(tag + line.decode(errors="replace"))
-                sink.flush()
+        """Copy ``stream`` to ``sink`` whole line by whole line (so ranks never interleave
+        within a line), the rank's tag at the start of each; a carriage return ends a line
+        too, so progress bars redraw in place."""
+        prefix = tag.encode()
+        pending = b""
+        while chunk := stream.read1(65536):
+            parts = re.split(rb"(\r\n|\r|\n)", pending + chunk)
+            pending = parts.pop()  # not yet terminated
+            lines = zip(parts[::2], parts[1::2], strict=True)
+            self._write(sink, b"".join((prefix + text if text else b"") + end for text, end in lines))
+        if pending:
+            self._write(sink, prefix + pending + b"\n")
         stream.close()
+
+    def _write(self, sink: IO[str], data: bytes) -> None:
+        if not data:
+            return
+        with self._out_lock:
+            out = getattr(sink, "buffer", None)
+            if out is not None:
+                out.write(data)
+            else:
+                sink.write(data.decode(errors="replace"))
+            sink.flush()
 
     def wait(self) -> int:
         failed: Worker | None = None

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -125,8 +123,9 @@ def summarize(out: Path) -> dict:
         targets.append(
             {"target": "training epoch <= 1.02x plain DDP", "measured": f"{ratio:.3f}x", "met": ratio <= 1.02}
         )
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    return {"machine": machine, "targets": targets}
+    from benchmarks.control_plane import machine
+
+    return {"machine": machine(), "targets": targets}
 
 
 if __name__ == "__main__":

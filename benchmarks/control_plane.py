@@ -36,6 +36,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PAYLOAD = b"x" * 64
 
 
+def machine() -> str:
+    """The machine a result was measured on, for the result files."""
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def release_together(procs: list[subprocess.Popen], delay: float) -> float:
+    """Wait until every worker printed "ready", then send them all one start time ``delay``
+    seconds ahead (they wait for it; it is returned): start-up is not counted, and they
+    start as one."""
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    start = time.time() + delay
+    for p in procs:
+        p.stdin.write(f"{start}\n")
+        p.stdin.flush()
+    return start
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -291,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = "".join(f"{barriers[k][n]:>14.3f} ({barriers[k][n] / base:4.2f}x)" for k in BARRIER_KINDS)
         print(f"  {n:<4d} {cells}")
 
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    result = {"machine": machine, "round_trip_us": rtt, "barrier_ms": barriers, "rounds": args.rounds}
+    result = {"machine": machine(), "round_trip_us": rtt, "barrier_ms": barriers, "rounds": args.rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,7 @@ def worker(kind: str, port: int, rank: int, n: int) -> None:
 
 
 def measure(kind: str, n: int) -> float:
-    from benchmarks.control_plane import free_port, start_server
+    from benchmarks.control_plane import free_port, release_together, start_server
 
     port = free_port()
     server = start_server("etcd", port) if kind == "etcd" else None
@@ -75,12 +74,7 @@ def measure(kind: str, n: int) -> float:
         for r in range(n)
     ]
     try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready"
-        start = time.time() + 0.2
-        for p in procs:
-            p.stdin.write(f"{start}\n")
-            p.stdin.flush()
+        release_together(procs, 0.2)
         times = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])["seconds"] for p in procs]
     finally:
         for p in [*procs, *([server] if server else [])]:
@@ -149,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = run(args.sizes, args.repeats)
     report(result)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    from benchmarks.control_plane import machine
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "ms": result, "repeats": args.repeats}, indent=2))
+    args.out.write_text(json.dumps({"machine": machine(), "ms": result, "repeats": args.repeats}, indent=2))
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -100,7 +99,7 @@ def start_coordinator(kind: str, port: int) -> subprocess.Popen | None:
 
 
 def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0) -> dict:
-    from benchmarks.control_plane import free_port
+    from benchmarks.control_plane import free_port, release_together
 
     port = free_port()
     server = start_coordinator(kind, port)
@@ -116,12 +115,7 @@ def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0) ->
         for share in shares
     ]
     try:
-        for w in workers:
-            assert w.stdout.readline().strip() == "ready"
-        start = time.time() + 0.3
-        for w in workers:
-            w.stdin.write(f"{start}\n")
-            w.stdin.flush()
+        start = release_together(workers, 0.3)
         merged: dict[str, dict] = {}
         errors: list[str] = []
         deadline = time.monotonic() + cap
@@ -172,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                 result[kind][n] = measure(kind, n, args.procs, args.barriers, args.cap)
                 bar.update()
     report(result)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    from benchmarks.control_plane import machine
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "procs": args.procs, "result": result}, indent=2))
+    args.out.write_text(json.dumps({"machine": machine(), "procs": args.procs, "result": result}, indent=2))
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0

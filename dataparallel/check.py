@@ -132,15 +132,21 @@ def speaks_tls(host: str, port: int, timeout: float, alpn: list[str] | None = No
     if alpn:
         context.set_alpn_protocols(alpn)
     try:
-        with (
-            socket.create_connection((host, port), timeout=timeout) as raw,
-            context.wrap_socket(raw, server_hostname=host),
-        ):
-            return True
+        _handshake(host, port, context, host, timeout)
+        return True
     except (ssl.SSLError, ConnectionResetError, BrokenPipeError, EOFError):
         return False
     except OSError:
         return None
+
+
+def _handshake(host: str, port: int, context: ssl.SSLContext, server_name: str, timeout: float) -> None:
+    """One TLS handshake with host:port; raises what it meets."""
+    with (
+        socket.create_connection((host, port), timeout=timeout) as raw,
+        context.wrap_socket(raw, server_hostname=server_name),
+    ):
+        pass
 
 
 def tls_diagnosis(
@@ -180,11 +186,7 @@ def tls_diagnosis(
             if alpn:
                 context.set_alpn_protocols(alpn)
             try:
-                with (
-                    socket.create_connection((host, port), timeout=timeout) as raw,
-                    context.wrap_socket(raw, server_hostname=server_name or host),
-                ):
-                    pass
+                _handshake(host, port, context, server_name or host, timeout)
             except ssl.SSLCertVerificationError as err:
                 problems.append(
                     f"TLS: the certificate of {host}:{port} does not verify against ca={ca}: {err.verify_message}"

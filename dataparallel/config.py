@@ -105,20 +105,6 @@ class JobConfig:
             raise ConfigError(f"no {name.replace('url', 'transport')} configured: set {how}")
         return value
 
-    def connect(self, **overrides: Any):
-        """Open the channel this configuration describes (``dataparallel.connect``)."""
-        from .connect import connect
-
-        kwargs: dict[str, Any] = {
-            "rank": self.rank,
-            "world_size": self.require("world_size") if "world_size" not in overrides else None,
-            "job": self.job,
-            "token": self.token,
-            "timeout": self.timeout,
-        }
-        kwargs.update(overrides)
-        return connect(self.require("url"), **kwargs)
-
 
 def load_config(
     flags: Mapping[str, Any] | None = None,

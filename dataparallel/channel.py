@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .collectives import Collectives
 from .errors import AuthError, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
-from .liveness import Liveness
+from .liveness import Liveness, StoreHeartbeats
 from .registry import ChannelURL
 
 if TYPE_CHECKING:
@@ -48,20 +48,20 @@ class ControlChannel(Collectives, abc.ABC):
 
     Writing a transport: subclass, set ``scheme``, implement ``__init__`` (connect) and the
     ``_set``/``_get``/``_add``/``_compare_set``/``_delete``/``_check``/``_num_keys``/``_close``
-    hooks; run :mod:`dataparallel.testing` against it.
+    hooks; run :mod:`dataparallel.testing` against it. Liveness comes from the core
+    (heartbeats through those hooks) unless the transport has its own: then it overrides
+    :meth:`_new_liveness` (see :mod:`dataparallel.liveness` for the contract).
     """
 
     #: URL scheme this class serves (informational; the registry maps schemes to classes).
     scheme: ClassVar[str] = ""
     #: Extra query-string options this transport accepts: name -> meaning.
     OPTIONS: ClassVar[dict[str, str]] = {}
-    #: True when the transport notices lost peers itself and raises PeerLost from ``_get``;
-    #: otherwise the core runs store-based heartbeats (:class:`dataparallel.liveness.Liveness`).
-    native_liveness: ClassVar[bool] = False
     #: True when the transport authenticates the token itself (so the core need not).
     native_auth: ClassVar[bool] = False
-    #: Longest single ``_get`` the core asks for while liveness is active (how soon a lost peer
-    #: interrupts a blocked call). Transports whose timed-out waits are costly may raise it.
+    #: Longest single ``_get`` the core asks for (how soon a lost peer interrupts a blocked
+    #: call), unless the liveness kind interrupts blocked calls itself. Transports whose
+    #: timed-out waits are costly may raise it.
     liveness_poll: ClassVar[float] = 0.5
     #: Longest a coordinator-hosting rank's ``close`` waits for the other ranks to leave.
     CLOSE_GRACE: ClassVar[float] = 10.0
@@ -254,7 +254,7 @@ class ControlChannel(Collectives, abc.ABC):
                 waited = time.monotonic() - start
                 raise ControlTimeout(f"{what} (job {self.job!r}, rank {self.rank})", waited, hint() if hint else "")
             poll = remaining
-            if self._liveness is not None and not self.native_liveness:
+            if self._liveness is not None and not self._liveness.interrupts_blocked_calls:
                 poll = min(remaining, self.liveness_poll)
             value = self._get(key, poll)
             if value is not None:
@@ -296,16 +296,18 @@ class ControlChannel(Collectives, abc.ABC):
                     f"rank {self.rank} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
                     "give each process its own rank, or rank=None to be assigned one"
                 )
-            self._claimed()
-            return
-        while True:
-            rank = self.add(f"{RESERVED_PREFIX}next_rank", 1) - 1
-            if rank >= self.world_size:
-                raise ControlError(f"job {self.job!r} is full: all {self.world_size} ranks are taken")
-            if self.compare_set(f"{RESERVED_PREFIX}claim/{rank}", b"", me) == me:
-                self.rank = rank
-                self._claimed()
-                return
+        else:
+            while True:
+                rank = self.add(f"{RESERVED_PREFIX}next_rank", 1) - 1
+                if rank >= self.world_size:
+                    raise ControlError(f"job {self.job!r} is full: all {self.world_size} ranks are taken")
+                if self.compare_set(f"{RESERVED_PREFIX}claim/{rank}", b"", me) == me:
+                    self.rank = rank
+                    break
+        self._claimed()
+        self._publish_self()
+        # Joined: from here until close() this rank watches and is watched.
+        self._start_liveness()
 
     def _agree_on_token(self) -> None:
         # Not authentication (the store itself is open): it stops a misconfigured process
@@ -326,13 +328,21 @@ class ControlChannel(Collectives, abc.ABC):
             return None
         return json.loads(raw) if raw else None
 
+    def _new_liveness(self) -> Liveness:
+        """The hook through which a transport picks how lost peers are noticed (see
+        :mod:`dataparallel.liveness`). Default: heartbeats through the channel's own keys,
+        which works on any transport that implements the primitives."""
+        return StoreHeartbeats(self, self.heartbeat_interval, self.liveness_timeout)
+
     def _start_liveness(self) -> None:
-        if self._liveness is None and not self.native_liveness and self.world_size > 1:
-            self._liveness = Liveness(self, self.heartbeat_interval, self.liveness_timeout)
-            self._liveness.start()
+        """Start watching (idempotent): the core calls it once the rank has joined."""
+        if self._liveness is None:
+            liveness = self._new_liveness()
+            liveness.start()
+            self._liveness = liveness
 
     def lost_peers(self) -> dict[int, PeerLost]:
-        """Peers declared lost so far (empty until :meth:`rendezvous` started liveness)."""
+        """Peers declared lost so far (watching starts when this rank has joined)."""
         if self._liveness is None:
             return {}
         return {p.rank: PeerLost(p.rank, p.last_seen, p.reason) for p in self._liveness.lost()}

@@ -24,13 +24,11 @@ class Collectives:
     """Mixin of :class:`~dataparallel.ControlChannel`: rendezvous, barrier, broadcast, gather."""
 
     def rendezvous(self: ControlChannel, timeout: float | None = None) -> None:
-        """Block until all ``world_size`` ranks have connected, then start liveness.
+        """Block until all ``world_size`` ranks have connected.
 
-        Each rank publishes its host and pid (see :meth:`peer_info`) first.
+        Liveness does not wait for it: each rank is watched from the moment it joined.
         """
-        self._publish_self()
         self.barrier("__rendezvous", timeout=timeout)
-        self._start_liveness()
 
     def barrier(self: ControlChannel, name: str = "barrier", timeout: float | None = None) -> None:
         """Block until every rank has entered barrier ``name`` for this round.

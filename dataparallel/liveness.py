@@ -1,24 +1,32 @@
-"""Store-based liveness for transports that have none of their own.
+"""How a channel notices that a peer died, froze or was cut off: one interface, three kinds.
 
-Each rank bumps a heartbeat counter every ``interval`` seconds. Rank 0 watches every
-peer; the others watch rank 0. A watched counter that has not moved for ``timeout``
-seconds (by the watcher's own clock, so hosts need no synchronised clocks) declares the
-peer lost and publishes it under ``__dp/lost`` (first report wins), where every rank reads
-it on its next tick. Blocked calls then raise :class:`PeerLost` (see
-``ControlChannel._await``). A rank that closes its channel writes ``closed`` instead: a
-clean departure, not a loss.
+The contract, the same on every transport: a rank is watched from the moment it has
+joined its job (``dp.connect`` returned) until it closes its channel. A watched rank that
+is killed, frozen or cut off for ``liveness_timeout`` seconds is declared lost, and every
+blocked call on every other rank raises :class:`~dataparallel.PeerLost` within a bounded
+time after that, whether or not ``rendezvous()`` has happened. A rank that closes is a
+clean departure, never a loss. A rank that has not joined yet is not watched: waiting for
+it is bounded by the caller's timeout alone.
 
-Cost per tick: one write per rank, plus two reads per watched peer.
+A transport picks its kind of :class:`Liveness` through one hook,
+:meth:`ControlChannel._new_liveness() <dataparallel.ControlChannel._new_liveness>`:
+
+- :class:`StoreHeartbeats` (the default, here): heartbeats through the channel's own keys,
+  for transports that have nothing better (``memory``, ``tcpstore``, users' own).
+- ``CoordinatorLiveness`` (:mod:`dataparallel.remote`): the coordinator watches the
+  sessions of ``zmq`` and ``grpc`` and reports losses in its replies.
+- ``LeaseLiveness`` (``etcd``): one etcd lease per rank and a watch on lease-bound keys.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from .errors import ChannelClosed
 
@@ -35,43 +43,100 @@ _CLOSED = b"closed"
 @dataclass(frozen=True)
 class LostPeer:
     rank: int
-    last_seen: float | None  # wall clock (time.time()) of the last heartbeat seen
+    last_seen: float | None  # wall clock (time.time()) of the last sign of life seen
     reason: str
 
 
-class Liveness:
-    """Heartbeat publisher and watcher for one rank of one channel (one daemon thread)."""
+class Liveness(abc.ABC):
+    """One channel's view of which peers are lost.
+
+    Made by the channel's ``_new_liveness()`` and started once, when the rank has joined
+    (an implementation may be started earlier by its transport, e.g. with the session).
+    ``first_lost`` and ``lost`` never block: the core calls them between the slices of
+    every blocked call. Implementations record losses with :meth:`_record`.
+    """
+
+    #: True when the transport's own blocked calls raise PeerLost as soon as a peer is lost
+    #: (a coordinator answers parked requests); otherwise the core waits in slices of the
+    #: channel's ``liveness_poll`` seconds and checks :meth:`first_lost` between them.
+    interrupts_blocked_calls: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._lost: dict[int, LostPeer] = {}
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Begin watching (and, where the kind needs it, being watched). Called once."""
+
+    @abc.abstractmethod
+    def stop(self, announce: bool) -> None:
+        """Stop watching. ``announce``: tell the others this is a clean departure."""
+
+    def await_departures(self, grace: float) -> None:
+        """On the rank whose exit ends the job's state (the coordinator's host): wait up to
+        ``grace`` seconds for the other joined ranks to close or be lost. Default: no wait."""
+        del grace  # nothing outlives this rank in the default kind
+
+    def first_lost(self) -> LostPeer | None:
+        lost = self._lost  # read without a lock: _record swaps the dict whole
+        return next(iter(lost.values()), None) if lost else None
+
+    def lost(self) -> list[LostPeer]:
+        return list(self._lost.values())
+
+    def _record(self, peer: LostPeer) -> bool:
+        """Note ``peer`` as lost (first report wins); True if it was news."""
+        if peer.rank in self._lost:
+            return False
+        self._lost = {**self._lost, peer.rank: peer}
+        return True
+
+
+class StoreHeartbeats(Liveness):
+    """Heartbeats through the channel's keys (one daemon thread per rank).
+
+    Each rank bumps ``__dp/hb/RANK`` every ``interval`` seconds from the moment it joins.
+    Rank 0 watches every peer; the others watch rank 0. A rank is watched once its counter
+    exists (it has joined); a counter that has not moved for ``timeout`` seconds, by the
+    watcher's own clock (hosts need no synchronised clocks), declares the peer lost and
+    publishes it under ``__dp/lost`` (first report wins), where every rank reads it on its
+    next tick. A rank that closes writes ``closed`` instead: a clean departure.
+
+    Cost per tick: one write per rank, plus two reads per watched peer.
+    """
 
     def __init__(self, channel: ControlChannel, interval: float, timeout: float) -> None:
+        super().__init__()
         self._ch = channel
         self._interval = interval
         self._timeout = timeout
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dp-liveness-r{channel.rank}", daemon=True)
-        self._lost: dict[int, LostPeer] = {}
         self._left: set[int] = set()
-        # rank -> (last counter value, monotonic time it changed, wall time it changed)
-        self._seen: dict[int, tuple[bytes | None, float, float | None]] = {}
+        # rank -> (last counter value, monotonic time it changed, wall time it changed);
+        # a rank enters once its counter exists, i.e. once it has joined.
+        self._seen: dict[int, tuple[bytes, float, float]] = {}
 
     def start(self) -> None:
+        if self._ch.world_size == 1:
+            return  # no peers: nothing to tell, nobody to watch
         self._beat()
-        now = time.monotonic()
-        for rank in self._watched():
-            self._seen[rank] = (None, now, None)
+        self._watch()
         self._thread.start()
 
     def stop(self, announce: bool) -> None:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self._interval * 4)
-        if announce:
+        if announce and self._ch.world_size > 1:
             try:
                 self._ch._set(f"{_HB}{self._ch.rank}", _CLOSED)
             except Exception as err:  # leaving anyway; the coordinator may be gone
                 log.debug("could not announce departure: %s", err)
 
     def await_departures(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds until every other rank has closed or been lost."""
+        """Wait up to ``grace`` seconds until every other joined rank has closed or been lost
+        (a rank that never joined is not waited for)."""
         deadline = time.monotonic() + grace
         others = [r for r in range(self._ch.world_size) if r != self._ch.rank]
         while time.monotonic() < deadline:
@@ -79,20 +144,13 @@ class Liveness:
             for rank in others:
                 key = f"{_HB}{rank}"
                 try:
-                    if rank not in gone and self._ch._check([key]) and self._ch._get(key, 1.0) == _CLOSED:
+                    if rank not in gone and (not self._ch._check([key]) or self._ch._get(key, 1.0) == _CLOSED):
                         gone.add(rank)
                 except Exception:
                     return
             if gone.issuperset(others):
                 return
             time.sleep(min(0.05, self._interval))
-
-    def first_lost(self) -> LostPeer | None:
-        lost = self._lost  # read without a lock: a dict swap or insert is atomic
-        return next(iter(lost.values()), None) if lost else None
-
-    def lost(self) -> list[LostPeer]:
-        return list(self._lost.values())
 
     def left(self) -> set[int]:
         return set(self._left)
@@ -120,18 +178,19 @@ class Liveness:
 
     def _watch(self) -> None:
         now = time.monotonic()
-        for rank, (last, changed, wall) in list(self._seen.items()):
+        for rank in self._watched():
             if rank in self._lost or rank in self._left:
                 continue
             key = f"{_HB}{rank}"
             value = self._ch._get(key, self._interval) if self._ch._check([key]) else None
+            seen = self._seen.get(rank)
             if value == _CLOSED:
                 self._left.add(rank)
-            elif value is not None and value != last:
+            elif value is not None and (seen is None or value != seen[0]):
                 self._seen[rank] = (value, now, time.time())
-            elif now - changed > self._timeout:
+            elif seen is not None and now - seen[1] > self._timeout:
                 self._declare(
-                    rank, wall, f"no heartbeat for {now - changed:.1f}s (liveness timeout {self._timeout:g}s)"
+                    rank, seen[2], f"no heartbeat for {now - seen[1]:.1f}s (liveness timeout {self._timeout:g}s)"
                 )
 
     def _declare(self, rank: int, last_seen: float | None, reason: str) -> None:
@@ -150,9 +209,8 @@ class Liveness:
             return
         report = json.loads(raw)
         rank = int(report["rank"])
-        if rank not in self._lost:
-            reason = report["reason"]
-            if report.get("by") != self._ch.rank:
-                reason = f"{reason} (noticed by rank {report.get('by')})"
-            self._lost = {**self._lost, rank: LostPeer(rank, report.get("last_seen"), reason)}
+        reason = report["reason"]
+        if report.get("by") != self._ch.rank:
+            reason = f"{reason} (noticed by rank {report.get('by')})"
+        if self._record(LostPeer(rank, report.get("last_seen"), reason)):
             log.warning("job %r: peer rank %d lost: %s", self._ch.job, rank, reason)

@@ -22,22 +22,83 @@ from typing import Any, ClassVar
 from .channel import ControlChannel
 from .coordinator import Coordinator
 from .errors import AuthError, BadMessage, ChannelClosed, ControlError, ControlTimeout, PeerLost
+from .liveness import Liveness, LostPeer
 from .wire import PROTOCOL_VERSION, pb
 
 #: Extra seconds a client waits beyond the coordinator's own deadline before giving up on it.
 REPLY_GRACE = 5.0
 
 
+class CoordinatorLiveness(Liveness):
+    """Liveness of the coordinator-based transports.
+
+    The coordinator watches the session of every registered rank (any message is a sign of
+    life), answers every parked request of the job with ``PEER_LOST`` as soon as one goes
+    silent for ``liveness_timeout``, and reports the loss in its heartbeat replies. This
+    side keeps its session alive with a heartbeat every ``heartbeat`` seconds from the
+    moment the session opens, and notices a coordinator that has gone silent.
+    """
+
+    interrupts_blocked_calls: ClassVar[bool] = True
+
+    def __init__(self, channel: RemoteChannel) -> None:
+        super().__init__()
+        self._ch = channel
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="dp-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, announce: bool) -> None:
+        # The departure itself is the session's ``leave`` (sent by the channel's _close).
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._ch.heartbeat_interval + 2.0)
+
+    def await_departures(self, grace: float) -> None:
+        coordinator = self._ch._hosted
+        deadline = time.monotonic() + grace
+        while coordinator is not None and time.monotonic() < deadline:
+            if coordinator.job_members(self._ch.job) <= {self._ch.rank}:
+                return
+            time.sleep(0.02)
+
+    def note(self, lost: pb.LostPeer) -> None:
+        """Record a loss the coordinator reported."""
+        self._record(LostPeer(lost.rank, lost.last_seen or None, lost.reason))
+
+    def _heartbeat_loop(self) -> None:
+        ch = self._ch
+        last_answer = time.monotonic()
+        while not self._stopping.wait(ch.heartbeat_interval):
+            try:
+                reply = ch._call(
+                    pb.Request(id=next(ch._ids), session=ch._session, heartbeat=pb.Empty()), ch.heartbeat_interval
+                )
+            except ControlError as err:
+                if self._stopping.is_set():
+                    return
+                silent = time.monotonic() - last_answer
+                if isinstance(err, AuthError) or silent > ch.liveness_timeout:
+                    ch._fail(ChannelClosed(f"coordinator at {ch.url.raw} silent for {silent:.1f}s: {err}"))
+                    return
+                continue
+            last_answer = time.monotonic()
+            if reply.status == pb.CLOSED:
+                ch._fail(ChannelClosed(f"coordinator dropped this session: {reply.error}"))
+                return
+            if reply.HasField("lost"):
+                self.note(reply.lost)
+
+
 class RemoteChannel(ControlChannel, abc.ABC):
-    native_liveness: ClassVar[bool] = True
     native_auth: ClassVar[bool] = True
 
     def _init_remote(self) -> None:
         """Call from the transport's ``__init__`` once it can ``_call``: opens the session."""
         self._ids = itertools.count(1)
         self._session = b""
-        self._lost: dict[int, PeerLost] = {}
-        self._stopping = threading.Event()
         hello = pb.Hello(
             protocol=PROTOCOL_VERSION,
             job=self.job,
@@ -49,8 +110,11 @@ class RemoteChannel(ControlChannel, abc.ABC):
         )
         reply = self._request(pb.Request(hello=hello), self.timeout, "hello")
         self._session = reply.session
-        self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="dp-heartbeat", daemon=True)
-        self._heartbeats.start()
+        # The session needs its heartbeats from now on, before the rank has joined.
+        self._start_liveness()
+
+    def _new_liveness(self) -> CoordinatorLiveness:
+        return CoordinatorLiveness(self)
 
     # ------------------------------------------------------------------ transport
     @abc.abstractmethod
@@ -105,9 +169,9 @@ class RemoteChannel(ControlChannel, abc.ABC):
             raise ControlTimeout(what, 0.0, error)
         if status == pb.PEER_LOST:
             lost = reply.lost
-            err = PeerLost(lost.rank, lost.last_seen or None, lost.reason, during=what)
-            self._lost.setdefault(lost.rank, err)
-            raise err
+            if isinstance(self._liveness, CoordinatorLiveness):
+                self._liveness.note(lost)
+            raise PeerLost(lost.rank, lost.last_seen or None, lost.reason, during=what)
         if status == pb.AUTH_FAILED:
             raise AuthError(f"coordinator refused {what}: {error}")
         if status == pb.BAD_MESSAGE:
@@ -150,61 +214,12 @@ class RemoteChannel(ControlChannel, abc.ABC):
         self._short(f"register rank {self.rank}", register=pb.Register(rank=self.rank))
 
     def _close(self) -> None:
-        self._stopping.set()
         if self._session and self._broken is None:
             try:
                 self._call(pb.Request(id=next(self._ids), session=self._session, leave=pb.Empty()), 2.0)
             except ControlError:
                 pass  # leaving anyway
-        heartbeats = getattr(self, "_heartbeats", None)
-        if heartbeats is not None and heartbeats is not threading.current_thread():
-            heartbeats.join(timeout=self.heartbeat_interval + 2.0)
         self._close_transport()
-
-    # ------------------------------------------------------------------ liveness
-    def lost_peers(self) -> dict[int, PeerLost]:
-        return dict(self._lost)
-
-    def _start_liveness(self) -> None:
-        pass  # the coordinator watches every registered rank from the moment it registers
-
-    def _heartbeat_loop(self) -> None:
-        last_answer = time.monotonic()
-        while not self._stopping.wait(self.heartbeat_interval):
-            try:
-                reply = self._call(
-                    pb.Request(id=next(self._ids), session=self._session, heartbeat=pb.Empty()),
-                    self.heartbeat_interval,
-                )
-            except ControlError as err:
-                if self._stopping.is_set():
-                    return
-                silent = time.monotonic() - last_answer
-                if isinstance(err, AuthError) or silent > self.liveness_timeout:
-                    self._fail(ChannelClosed(f"coordinator at {self.url.raw} silent for {silent:.1f}s: {err}"))
-                    return
-                continue
-            last_answer = time.monotonic()
-            if reply.status == pb.CLOSED:
-                self._fail(ChannelClosed(f"coordinator dropped this session: {reply.error}"))
-                return
-            if reply.HasField("lost"):
-                lost = reply.lost
-                self._lost.setdefault(lost.rank, PeerLost(lost.rank, lost.last_seen or None, lost.reason))
-
-    def _raise_if_failed(self, what: str) -> None:
-        super()._raise_if_failed(what)
-        if self._lost:
-            first = next(iter(self._lost.values()))
-            raise PeerLost(first.rank, first.last_seen, first.reason, during=what)
-
-    def _await_departures(self, grace: float) -> None:
-        coordinator = self._hosted
-        deadline = time.monotonic() + grace
-        while coordinator is not None and time.monotonic() < deadline:
-            if coordinator.job_members(self.job) <= {self.rank}:
-                return
-            time.sleep(0.02)
 
     # ------------------------------------------------------------------ collectives
     def _collect(

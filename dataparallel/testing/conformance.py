@@ -458,17 +458,21 @@ class LivenessTests(ChannelHarness):
             assert "barrier 'after-loss'" in str(err)
         assert elapsed < self._detect_bound(waiters[0]), f"PeerLost took {elapsed:.1f}s"
 
-    def _kill_or_freeze(self, channel_url: str, sig: int) -> None:
+    def _kill_or_freeze(self, channel_url: str, sig: int, rendezvous: bool) -> None:
         url = with_options(channel_url, **self.LIVENESS)
         n, victim = 3, 2
-        # Ranks 0..n-2 in this process, the victim in its own.
-        proc = self.spawn_rank("hold", url, victim, n, f"live{sig}", "--hold", "120")
+        job = f"live{sig}{'r' if rendezvous else 'c'}"
+        # Ranks 0..n-2 in this process, the victim in its own. Without ``rendezvous`` the victim
+        # is stopped right after ``connect`` returned: it is watched from that moment on.
+        extra = ["--hold", "120"] if rendezvous else ["--hold", "120", "--no-rendezvous"]
+        proc = self.spawn_rank("hold", url, victim, n, job, *extra)
         try:
             channels = run_all(
-                [lambda r=r: dp.connect(url, rank=r, world_size=n, job=f"live{sig}", timeout=30) for r in range(n - 1)]
+                [lambda r=r: dp.connect(url, rank=r, world_size=n, job=job, timeout=30) for r in range(n - 1)]
             )
             try:
-                self.rendezvous_all(channels)
+                if rendezvous:
+                    self.rendezvous_all(channels)
                 self.read_ready(proc)
                 os.kill(proc.pid, sig)
                 since = time.monotonic()
@@ -482,26 +486,35 @@ class LivenessTests(ChannelHarness):
             proc.kill()
             proc.communicate(timeout=10)
 
+    def _stop_in_process(self, open_ranks, channel_url: str, rendezvous: bool) -> None:
+        # Ranks are threads: the in-process equivalent of SIGKILL or SIGSTOP is a rank whose
+        # liveness stops without announcing a departure.
+        channels = open_ranks(3, job=f"frozen{rendezvous}", url=with_options(channel_url, **self.LIVENESS))
+        if rendezvous:
+            self.rendezvous_all(channels)
+        channels[2]._liveness.stop(announce=False)
+        self._expect_peer_lost(channels[:2], 2, time.monotonic())
+
+    @pytest.mark.timeout(120)
+    def test_peer_killed_before_rendezvous_is_reported_as_peer_lost(self, channel_url, open_ranks):
+        if not self.cross_process:
+            self._stop_in_process(open_ranks, channel_url, rendezvous=False)
+            return
+        self._kill_or_freeze(channel_url, signal.SIGKILL, rendezvous=False)
+
     @pytest.mark.timeout(120)
     def test_killed_peer_is_reported_as_peer_lost(self, channel_url, open_ranks):
         if not self.cross_process:
-            self._freeze_in_process(open_ranks, channel_url)
+            self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return
-        self._kill_or_freeze(channel_url, signal.SIGKILL)
+        self._kill_or_freeze(channel_url, signal.SIGKILL, rendezvous=True)
 
     @pytest.mark.timeout(120)
     def test_frozen_peer_is_reported_as_peer_lost(self, channel_url, open_ranks):
         if not self.cross_process:
-            self._freeze_in_process(open_ranks, channel_url)
+            self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return
-        self._kill_or_freeze(channel_url, signal.SIGSTOP)
-
-    def _freeze_in_process(self, open_ranks, channel_url: str) -> None:
-        # Ranks are threads: the in-process equivalent of SIGSTOP is a heartbeat that stops.
-        channels = open_ranks(3, job="frozen", url=with_options(channel_url, **self.LIVENESS))
-        self.rendezvous_all(channels)
-        channels[2]._liveness.stop(announce=False)
-        self._expect_peer_lost(channels[:2], 2, time.monotonic())
+        self._kill_or_freeze(channel_url, signal.SIGSTOP, rendezvous=True)
 
     @pytest.mark.timeout(60)
     def test_clean_close_is_not_a_loss(self, channel_url, open_ranks):

@@ -68,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--hold", type=float, default=60.0, help="seconds the hold role stays")
+    parser.add_argument("--no-rendezvous", action="store_true", help="start the role right after connect")
     args = parser.parse_args(argv)
     ch = dp.connect(
         args.url, rank=args.rank, world_size=args.world_size, job=args.job, token=args.token, timeout=args.timeout
     )
     try:
-        ch.rendezvous()
+        if not args.no_rendezvous:
+            ch.rendezvous()
         result = ROLES[args.role](ch, args)
         if args.role == "gloo":
             ch.barrier("__worker_done")  # rank 0 may host the coordinator: leave together

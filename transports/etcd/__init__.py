@@ -9,8 +9,9 @@ etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
   revision: no polling, and no write can slip between the read and the watch.
 - ``add`` and ``compare_set`` are transactions guarded by the key's ``mod_revision``
   (retried on conflict); a missing key is ``version == 0``.
-- Liveness: each rank holds a lease (TTL = ``liveness_timeout``) kept alive every TTL/3 and
-  a key ``__dp/alive/RANK`` bound to it. A watch on those keys sees a rank's key vanish when
+- Liveness (:class:`LeaseLiveness`): each rank holds a lease (TTL = ``liveness_timeout``)
+  kept alive every TTL/3, and on joining writes ``__dp/alive/RANK`` (bound to the lease) and
+  ``__dp/joined/RANK`` (not). A watch on the alive keys sees a joined rank's key vanish when
   its lease expires (killed, frozen, or cut off): ``PeerLost`` for everyone waiting. A rank
   that closes writes ``__dp/left/RANK`` first: a clean departure.
 - The last rank to close deletes the job's keys.
@@ -35,7 +36,7 @@ import aetcd.exceptions
 from dataparallel.channel import ControlChannel
 from dataparallel.check import tls_diagnosis
 from dataparallel.errors import ChannelClosed, ControlError
-from dataparallel.liveness import LostPeer
+from dataparallel.liveness import Liveness, LostPeer
 from dataparallel.registry import ChannelURL
 
 T = TypeVar("T")
@@ -43,6 +44,7 @@ T = TypeVar("T")
 _ALIVE = "__dp/alive/"
 _LEFT = "__dp/left/"
 _OPEN = "__dp/open"
+_JOINED = "__dp/joined/"
 
 
 class EtcdChannel(ControlChannel):
@@ -73,9 +75,6 @@ class EtcdChannel(ControlChannel):
         self._lease = None
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
-        self._lost: dict[int, LostPeer] = {}
-        self._left: set[int] = set()
-        self._watch = None
         self._registered = False
         try:
             self._run(self._connect(), self.timeout)
@@ -254,8 +253,21 @@ class EtcdChannel(ControlChannel):
 
     # ------------------------------------------------------------------ liveness
     def _claimed(self) -> None:
+        # The alive key (bound to the lease) and the joined marker (not) in one transaction:
+        # a rank with a joined marker and no alive key has lost its lease.
+        txn = self._client.transactions
+        self._run(
+            self._call(
+                "transaction",
+                compare=[],
+                success=[
+                    txn.put(self._k(f"{_ALIVE}{self.rank}"), b"1", lease=self._lease),
+                    txn.put(self._k(f"{_JOINED}{self.rank}"), b"1"),
+                ],
+                failure=[],
+            )
+        )
         self._registered = True
-        self._run(self._call("put", self._k(f"{_ALIVE}{self.rank}"), b"1", lease=self._lease))
         self._add(_OPEN, 1)
 
     def _keep_alive(self, ttl: int) -> None:
@@ -271,66 +283,8 @@ class EtcdChannel(ControlChannel):
                     self._fail(ChannelClosed(f"lost etcd at {self.url.raw}: no lease refresh for {ttl}s: {err}"))
                     return
 
-    def _start_liveness(self) -> None:
-        if self._watch is None and self.world_size > 1:
-            self._liveness = self  # blocked calls poll first_lost() between slices
-            self._run(self._watch_members())
-
-    async def _watch_members(self) -> None:
-        watch = await self._open_member_watch()
-
-        async def follow(watch) -> None:
-            # A watch dies with its connection (member restart, failover): re-read and re-watch.
-            while not self._stop.is_set():
-                try:
-                    async for event in watch:
-                        if event.kind == aetcd.rtypes.EventKind.DELETE:
-                            await self._judge(int(event.kv.key[len(self._k(_ALIVE)) :]))
-                except Exception:
-                    if self._stop.is_set():
-                        return
-                    await asyncio.sleep(0.2)
-                try:
-                    watch = await self._open_member_watch()
-                except Exception:  # etcd still away, or the channel closing
-                    if self._stop.is_set():
-                        return
-                    await asyncio.sleep(0.5)
-
-        self._follower = asyncio.ensure_future(follow(watch))
-
-    async def _open_member_watch(self):
-        """Judge every rank whose alive key is gone, then watch for more to go."""
-        alive = self._k(_ALIVE)
-        found = await self._call("get_prefix", alive)
-        present = {int(kv.key[len(alive) :]) for kv in found}
-        for rank in set(range(self.world_size)) - present - {self.rank} - self._left - set(self._lost):
-            await self._judge(rank)
-        self._watch = await self._call(
-            "watch", alive, range_end=_prefix_end(alive), start_revision=found.header.revision + 1
-        )
-        return self._watch
-
-    async def _judge(self, rank: int) -> None:
-        if await self._call("get", self._k(f"{_LEFT}{rank}")) is not None:
-            self._left.add(rank)
-            return
-        reason = f"its etcd lease expired (no keep-alive for {self.liveness_timeout:g}s)"
-        self._lost = {**self._lost, rank: LostPeer(rank, time.time() - self.liveness_timeout, reason)}
-
-    # The liveness interface the core polls (see ControlChannel._await).
-    def first_lost(self) -> LostPeer | None:
-        lost = self._lost
-        return next(iter(lost.values()), None) if lost else None
-
-    def lost(self) -> list[LostPeer]:
-        return list(self._lost.values())
-
-    def stop(self, announce: bool) -> None:
-        pass  # departure is announced in _close
-
-    def await_departures(self, grace: float) -> None:
-        pass  # etcd outlives every rank: nobody waits for this one
+    def _new_liveness(self) -> LeaseLiveness:
+        return LeaseLiveness(self)
 
     # ------------------------------------------------------------------ close
     def _close(self) -> None:
@@ -351,11 +305,8 @@ class EtcdChannel(ControlChannel):
             await self._call("revoke_lease", self._lease.id)
         if self._registered and remaining <= 0:
             await self._call("delete_prefix", self._root)  # the last one out cleans up
-        follower = getattr(self, "_follower", None)
-        if follower is not None:
-            follower.cancel()
-        if self._watch is not None:
-            await self._watch.cancel()
+        if isinstance(self._liveness, LeaseLiveness):
+            await self._liveness.cancel()
 
     def _shutdown(self) -> None:
         if self._client is not None:
@@ -369,3 +320,74 @@ class EtcdChannel(ControlChannel):
 
 def _prefix_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class LeaseLiveness(Liveness):
+    """A watch on the job's lease-bound alive keys (see the module docstring)."""
+
+    def __init__(self, channel: EtcdChannel) -> None:
+        super().__init__()
+        self._ch = channel
+        self._left: set[int] = set()
+        self._watch: Any = None
+        self._follower: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        if self._ch.world_size > 1:
+            self._ch._run(self._watch_members())
+
+    def stop(self, announce: bool) -> None:
+        pass  # the departure (left key, lease revoked) is the channel's _leave
+
+    async def cancel(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+        if self._watch is not None:
+            await self._watch.cancel()
+
+    async def _watch_members(self) -> None:
+        ch = self._ch
+        watch = await self._open_member_watch()
+        alive = ch._k(_ALIVE)
+
+        async def follow(watch: Any) -> None:
+            # A watch dies with its connection (member restart, failover): re-read and re-watch.
+            while not ch._stop.is_set():
+                try:
+                    async for event in watch:
+                        if event.kind == aetcd.rtypes.EventKind.DELETE:
+                            await self._judge(int(event.kv.key[len(alive) :]))
+                except Exception:
+                    if ch._stop.is_set():
+                        return
+                    await asyncio.sleep(0.2)
+                try:
+                    watch = await self._open_member_watch()
+                except Exception:  # etcd still away, or the channel closing
+                    if ch._stop.is_set():
+                        return
+                    await asyncio.sleep(0.5)
+
+        self._follower = asyncio.ensure_future(follow(watch))
+
+    async def _open_member_watch(self) -> Any:
+        """Judge every joined rank whose alive key is gone, then watch for more to go."""
+        ch = self._ch
+        alive, joined = ch._k(_ALIVE), ch._k(_JOINED)
+        found = await ch._call("get_prefix", alive)
+        present = {int(kv.key[len(alive) :]) for kv in found}
+        members = {int(kv.key[len(joined) :]) for kv in await ch._call("get_prefix", joined)}
+        for rank in members - present - {ch.rank} - self._left - set(self._lost):
+            await self._judge(rank)
+        self._watch = await ch._call(
+            "watch", alive, range_end=_prefix_end(alive), start_revision=found.header.revision + 1
+        )
+        return self._watch
+
+    async def _judge(self, rank: int) -> None:
+        ch = self._ch
+        if await ch._call("get", ch._k(f"{_LEFT}{rank}")) is not None:
+            self._left.add(rank)
+            return
+        reason = f"its etcd lease expired (no keep-alive for {ch.liveness_timeout:g}s)"
+        self._record(LostPeer(rank, time.time() - ch.liveness_timeout, reason))

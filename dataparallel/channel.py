@@ -16,16 +16,18 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from .collectives import Collectives
+from .collectives import Collectives, _value
 from .errors import AuthError, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import Liveness, StoreHeartbeats
 from .registry import ChannelURL
 
 if TYPE_CHECKING:
     import torch.distributed
+
+T = TypeVar("T")
 
 #: Keys the core uses for its own bookkeeping live under this prefix.
 RESERVED_PREFIX = "__dp/"
@@ -145,11 +147,53 @@ class ControlChannel(Collectives, abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None: ...
 
+    # Optional hooks: the core's defaults build them on the ones above; a transport that
+    # can do better (one round trip, a server-side atomic append) overrides them.
+    def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
+        """Block up to ``timeout`` seconds until every key exists; return their values in
+        order, or None on timeout. Default: one ``_get`` per key under one deadline."""
+        deadline = time.monotonic() + timeout
+        values = []
+        for key in keys:
+            value = self._get(key, max(deadline - time.monotonic(), 1e-3))
+            if value is None:
+                return None
+            values.append(value)
+        return values
+
+    def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Set every ``(key, value)``. Default: one ``_set`` each."""
+        for key, value in items:
+            self._set(key, value)
+
+    def _append(self, key: str, value: bytes) -> None:
+        """Append ``value`` to ``key`` (missing = empty) atomically.
+
+        Default: read and write under a lock key taken with ``_compare_set`` and a unique
+        owner, so a lost race is never taken for a success (comparing the bytes written
+        would be fooled by another rank writing the same bytes)."""
+        lock = f"{RESERVED_PREFIX}lock/{key}"
+        me = uuid.uuid4().hex.encode()
+        start = time.monotonic()
+        pause = 0.001
+        while self._compare_set(lock, b"", me) != me:
+            waited = time.monotonic() - start
+            self._raise_if_failed(f"append to key {key!r}")
+            if waited > self.timeout:
+                raise ControlTimeout(f"the append lock of key {key!r}", waited, "another rank holds it")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        try:
+            current = self._get(key, 1e-3) if self._check([key]) else None
+            self._set(key, (current or b"") + value)
+        finally:
+            self._delete(lock)
+
     # ------------------------------------------------------------------ primitives
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (overwriting), releasing every ``get`` waiting on it."""
         self._usable()
-        self._set(_key(key), _value(value))
+        self._set(_writable(key), _value(value))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """Return the value of ``key``, blocking until some rank sets it."""
@@ -162,19 +206,19 @@ class ControlChannel(Collectives, abc.ABC):
         self._usable()
         if not isinstance(amount, int):
             raise TypeError(f"amount must be an int, got {type(amount).__name__}")
-        return self._add(_key(key), amount)
+        return self._add(_writable(key), amount)
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Atomically set ``desired`` if the current value equals ``expected`` (a missing key
         matches ``b""``). Returns the value stored afterwards; for a missing key and a
         non-empty ``expected``, returns ``expected`` and creates nothing (TCPStore semantics)."""
         self._usable()
-        return self._compare_set(_key(key), _value(expected), _value(desired))
+        return self._compare_set(_writable(key), _value(expected), _value(desired))
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it existed."""
         self._usable()
-        return self._delete(_key(key))
+        return self._delete(_writable(key))
 
     def check(self, keys: Iterable[str]) -> bool:
         """True if every key exists; never blocks."""
@@ -186,12 +230,42 @@ class ControlChannel(Collectives, abc.ABC):
         self._usable()
         return self._num_keys()
 
+    def _held_state(self) -> int:
+        """Entries the job's state holds (keys, and whatever else the transport keeps for the
+        job, such as a coordinator's open collectives): what must not grow as a job runs."""
+        return self._num_keys()
+
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Block until every key exists; one deadline covers them all."""
         self._usable()
         deadline = time.monotonic() + self._budget(timeout)
         for key in keys:
             self._await(_key(key), max(deadline - time.monotonic(), 1e-3), f"key {key!r}")
+
+    def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, in order, blocking until every one exists (one deadline;
+        one round trip when they do, on every built-in transport)."""
+        self._usable()
+        wanted = [_key(k) for k in keys]
+        if not wanted:
+            return []
+        what = f"keys {wanted[:3]!r}{' ...' if len(wanted) > 3 else ''}"
+        return self._await_with(lambda slice_: self._multi_get(wanted, slice_), timeout, what)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        """Set ``keys[i]`` to ``values[i]`` for every i (one round trip on every built-in
+        transport), releasing the ``get``s waiting on them."""
+        self._usable()
+        if isinstance(keys, str) or len(keys) != len(values):
+            raise TypeError(f"multi_set needs equal-length sequences of keys and values, got {keys!r}")
+        items = [(_writable(k), _value(v)) for k, v in zip(keys, values, strict=True)]
+        if items:
+            self._multi_set(items)
+
+    def append(self, key: str, value: bytes) -> None:
+        """Atomically append ``value`` to the bytes at ``key`` (a missing key is created)."""
+        self._usable()
+        self._append(_writable(key), _value(value))
 
     def close(self) -> None:
         """Leave the job: stop heartbeats (peers see a clean departure, not a loss) and
@@ -245,6 +319,11 @@ class ControlChannel(Collectives, abc.ABC):
     def _await(self, key: str, timeout: float | None, what: str, hint: Any = None) -> bytes:
         """Block for ``key``, checking liveness between slices; ``what`` and ``hint()``
         (called only on timeout) make the error message."""
+        return self._await_with(lambda slice_: self._get(key, slice_), timeout, what, hint)
+
+    def _await_with(self, fetch: Callable[[float], T | None], timeout: float | None, what: str, hint: Any = None) -> T:
+        """Call ``fetch(seconds)`` (a blocking read returning None on timeout) until it
+        returns a value, in slices between which a lost peer or a closed channel raises."""
         start = time.monotonic()
         deadline = start + self._budget(timeout)
         while True:
@@ -256,7 +335,7 @@ class ControlChannel(Collectives, abc.ABC):
             poll = remaining
             if self._liveness is not None and not self._liveness.interrupts_blocked_calls:
                 poll = min(remaining, self.liveness_poll)
-            value = self._get(key, poll)
+            value = fetch(poll)
             if value is not None:
                 return value
 
@@ -290,7 +369,7 @@ class ControlChannel(Collectives, abc.ABC):
             self._agree_on_token()
         me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
         if self.rank is not None:
-            owner = self.compare_set(f"{RESERVED_PREFIX}claim/{self.rank}", b"", me)
+            owner = self._compare_set(f"{RESERVED_PREFIX}claim/{self.rank}", b"", me)
             if owner != me:
                 raise ControlError(
                     f"rank {self.rank} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
@@ -298,10 +377,10 @@ class ControlChannel(Collectives, abc.ABC):
                 )
         else:
             while True:
-                rank = self.add(f"{RESERVED_PREFIX}next_rank", 1) - 1
+                rank = self._add(f"{RESERVED_PREFIX}next_rank", 1) - 1
                 if rank >= self.world_size:
                     raise ControlError(f"job {self.job!r} is full: all {self.world_size} ranks are taken")
-                if self.compare_set(f"{RESERVED_PREFIX}claim/{rank}", b"", me) == me:
+                if self._compare_set(f"{RESERVED_PREFIX}claim/{rank}", b"", me) == me:
                     self.rank = rank
                     break
         self._claimed()
@@ -313,7 +392,7 @@ class ControlChannel(Collectives, abc.ABC):
         # Not authentication (the store itself is open): it stops a misconfigured process
         # from joining a job started with another token.
         digest = hashlib.sha256(f"{self.job}\x00{self.token or ''}".encode()).hexdigest().encode()
-        found = self.compare_set(f"{RESERVED_PREFIX}token", b"", digest)
+        found = self._compare_set(f"{RESERVED_PREFIX}token", b"", digest)
         if found != digest:
             raise AuthError(f"job {self.job!r}: this process's token differs from the one the job was started with")
 
@@ -349,7 +428,7 @@ class ControlChannel(Collectives, abc.ABC):
 
     def _publish_self(self) -> None:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-        self.set(f"{RESERVED_PREFIX}peer/{self.rank}", json.dumps(info).encode())
+        self._set(f"{RESERVED_PREFIX}peer/{self.rank}", json.dumps(info).encode())
 
     # ------------------------------------------------------------------ torch
     def as_store(self) -> torch.distributed.Store:
@@ -374,9 +453,11 @@ def _key(key: str) -> str:
     return key
 
 
-def _value(value: bytes) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"value must be bytes, got {type(value).__name__} (encode str values first)")
+def _writable(key: str) -> str:
+    """``key``, if the public primitives may write or delete it."""
+    if _key(key).startswith(RESERVED_PREFIX):
+        raise ConfigError(
+            f"key {key!r} is reserved: keys under {RESERVED_PREFIX!r} hold the channel's own state "
+            "(ranks, liveness, collectives) and cannot be written or deleted through the public calls"
+        )
+    return key

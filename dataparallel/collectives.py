@@ -35,15 +35,16 @@ class Collectives:
 
         Two round trips per rank (add, then get); reusable forever.
         """
+        self._usable()
         base = f"{_C}barrier/{name}"
-        arrived = self.add(f"{base}/count", 1)
+        arrived = self._add(f"{base}/count", 1)
         round_, position = divmod(arrived - 1, self.world_size)
         done = f"{base}/done/{round_}"
         if position == self.world_size - 1:
-            self.set(done, b"1")
+            self._set(done, b"1")
             if round_:
                 # Everyone has left the previous round: they are all in this one.
-                self.delete(f"{base}/done/{round_ - 1}")
+                self._delete(f"{base}/done/{round_ - 1}")
             return
 
         def progress() -> str:
@@ -66,18 +67,19 @@ class Collectives:
 
         ``src`` returns at once; the others block until it has published.
         """
+        self._usable()
         self._check_rank(src, "src")
         base = f"{_C}bcast/{name}/{self._next_seq('bcast', name)}"
         if self.rank == src:
             if value is None:
                 raise TypeError(f"broadcast {name!r}: rank {src} is the source and must pass a value")
             if self.world_size > 1:
-                self.set(f"{base}/value", value)
+                self._set(f"{base}/value", _value(value))
             return bytes(value)
         got = self._await(f"{base}/value", timeout, f"broadcast {name!r} from rank {src}")
-        if self.add(f"{base}/acks", 1) == self.world_size - 1:
-            self.delete(f"{base}/value")
-            self.delete(f"{base}/acks")
+        if self._add(f"{base}/acks", 1) == self.world_size - 1:
+            self._delete(f"{base}/value")
+            self._delete(f"{base}/acks")
         return got
 
     def gather(
@@ -87,34 +89,44 @@ class Collectives:
 
         Only ``dst`` blocks.
         """
+        self._usable()
         self._check_rank(dst, "dst")
         base = f"{_C}gather/{name}/{self._next_seq('gather', name)}"
         if self.rank != dst:
-            self.set(f"{base}/{self.rank}", value)
+            self._set(f"{base}/{self.rank}", _value(value))
             return None
         out = []
         for rank in range(self.world_size):
             if rank == dst:
-                out.append(bytes(value))
+                out.append(_value(value))
                 continue
             out.append(self._await(f"{base}/{rank}", timeout, f"gather {name!r}: value of rank {rank}"))
-            self.delete(f"{base}/{rank}")
+            self._delete(f"{base}/{rank}")
         return out
 
     def all_gather(self: ControlChannel, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
+        self._usable()
         base = f"{_C}allgather/{name}/{self._next_seq('allgather', name)}"
-        self.set(f"{base}/{self.rank}", value)
+        self._set(f"{base}/{self.rank}", _value(value))
         out = [
             self._await(f"{base}/{rank}", timeout, f"all_gather {name!r}: value of rank {rank}")
             for rank in range(self.world_size)
         ]
-        if self.add(f"{base}/read", 1) == self.world_size:
+        if self._add(f"{base}/read", 1) == self.world_size:
             for rank in range(self.world_size):
-                self.delete(f"{base}/{rank}")
-            self.delete(f"{base}/read")
+                self._delete(f"{base}/{rank}")
+            self._delete(f"{base}/read")
         return out
 
     def _check_rank(self: ControlChannel, rank: int, what: str) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"{what} must be a rank in 0..{self.world_size - 1}, got {rank!r}")
+
+
+def _value(value: bytes) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"value must be bytes, got {type(value).__name__} (encode str values first)")

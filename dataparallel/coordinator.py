@@ -134,6 +134,15 @@ class Coordinator:
             state = self._jobs.get(job)
             return set(state.ranks) if state else set()
 
+    def job_state(self, job: str) -> int:
+        """Entries ``job`` holds here: keys, open collectives and parked requests."""
+        with self._lock:
+            state = self._jobs.get(job)
+            if state is None:
+                return 0
+            parked = sum(1 for p in self._parked if p.session.job is state)
+            return state.space.num_keys() + len(state.collectives) + parked
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -237,6 +246,50 @@ class Coordinator:
 
     def _delete(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
         return _reply(r.id, flag=s.job.space.delete(r.delete.key))
+
+    def _multi_get(self, s: Session, r: pb.Request, route: Route) -> pb.Reply | None:
+        keys, job = list(r.multi_get.keys), s.job
+        if not keys:
+            return _reply(r.id)
+        values = job.space.multi_get(keys)
+        if None not in values:
+            return _reply(r.id, values=values)
+        if job.lost:
+            return self._lost_reply(r.id, job)
+        if len(s.parked) >= MAX_PARKED_PER_SESSION:
+            return _reply(r.id, pb.FAILED, f"{MAX_PARKED_PER_SESSION} requests of this session are waiting already")
+        parked = Parked(s, route, r.id, self._clock() + _timeout(r.multi_get.timeout), lambda: _reply(r.id, pb.TIMEOUT))
+
+        def look(_value: bytes = b"") -> bool:
+            # Parked on one missing key at a time; each release looks at all of them again.
+            while True:
+                values = job.space.multi_get(keys)
+                if None not in values:
+                    self._finish(parked, _reply(r.id, values=values))
+                    return True
+                missing = keys[values.index(None)]
+                if job.space.get_or_park(missing, look) is None:
+                    parked.release = lambda key=missing: job.space.unpark(key, look)
+                    return False
+
+        if not look():
+            self._park(parked)
+        return None
+
+    def _multi_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        items = [(kv.key, kv.value) for kv in r.multi_set.items]
+        full = _over_budget(s.job, "", sum(len(k) + len(v) for k, v in items), new_keys=len({k for k, _ in items}))
+        if full:
+            return _reply(r.id, pb.FAILED, full)
+        s.job.space.multi_set(items)
+        return _reply(r.id)
+
+    def _append(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+        full = _over_budget(s.job, r.append.key, len(r.append.value))
+        if full:
+            return _reply(r.id, pb.FAILED, full)
+        s.job.space.append(r.append.key, r.append.value)
+        return _reply(r.id)
 
     def _check(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
         return _reply(r.id, flag=s.job.space.check(r.check.keys))
@@ -397,6 +450,9 @@ class Coordinator:
         "add": _add,
         "compare_set": _compare_set,
         "delete": _delete,
+        "multi_get": _multi_get,
+        "multi_set": _multi_set,
+        "append": _append,
         "check": _check,
         "num_keys": _num_keys,
         "collect": _collect,
@@ -406,10 +462,11 @@ class Coordinator:
     }
 
 
-def _over_budget(job: Job, key: str, size: int) -> str | None:
-    """Why writing ``size`` bytes at ``key`` would take ``job`` past its bounds, or None."""
+def _over_budget(job: Job, key: str, size: int, new_keys: int = 1) -> str | None:
+    """Why writing ``size`` bytes at ``key`` (or, with ``new_keys``, at that many keys) would
+    take ``job`` past its bounds, or None."""
     space = job.space
-    if key not in space and space.num_keys() >= MAX_JOB_KEYS:
+    if (not key or key not in space) and space.num_keys() + new_keys > MAX_JOB_KEYS:
         return f"job {job.name!r} holds {MAX_JOB_KEYS} keys, the most a job may hold"
     if space.nbytes() + len(key) + size > MAX_JOB_BYTES:
         return f"job {job.name!r} would hold more than {MAX_JOB_BYTES} bytes of keys and values"

@@ -94,6 +94,30 @@ class KeySpace:
         _release(waiters, desired)
         return desired
 
+    def append(self, key: str, tail: bytes) -> bytes:
+        """Append ``tail`` to the value at ``key`` (created empty); return the new value."""
+        with self._lock:
+            value = self._data.get(key, b"") + tail
+            self._store(key, value)
+            waiters = self._parked.pop(key, None)
+        _release(waiters, value)
+        return value
+
+    def multi_set(self, items: Iterable[tuple[str, bytes]]) -> None:
+        """Set every ``(key, value)`` at once (no reader sees some and not others)."""
+        released = []
+        with self._lock:
+            for key, value in items:
+                self._store(key, value)
+                released.append((self._parked.pop(key, None), value))
+        for waiters, value in released:
+            _release(waiters, value)
+
+    def multi_get(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The values of ``keys`` at one instant (None for a missing key)."""
+        with self._lock:
+            return [self._data.get(k) for k in keys]
+
     def delete(self, key: str) -> bool:
         with self._lock:
             old = self._data.pop(key, None)

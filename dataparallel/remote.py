@@ -207,6 +207,24 @@ class RemoteChannel(ControlChannel, abc.ABC):
     def _check(self, keys: Sequence[str]) -> bool:
         return self._short("check", check=pb.Keys(keys=keys)).flag
 
+    def _held_state(self) -> int:
+        hosted = self._hosted
+        return hosted.job_state(self.job) if hosted is not None else self._num_keys()
+
+    def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
+        request = pb.Request(multi_get=pb.MultiGet(keys=keys, timeout=timeout))
+        try:
+            return list(self._request(request, timeout, f"keys {list(keys[:3])!r}").values)
+        except ControlTimeout:
+            return None
+
+    def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        op = pb.MultiSet(items=[pb.KeyValue(key=k, value=v) for k, v in items])
+        self._short(f"multi_set of {len(items)} keys", multi_set=op)
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._short(f"append to {key!r}", append=pb.KeyValue(key=key, value=value))
+
     def _num_keys(self) -> int:
         return self._short("num_keys", num_keys=pb.Empty()).number
 

@@ -11,8 +11,9 @@ a lock of its own. Timeouts raise ``torch.distributed.DistStoreError``, as torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
 
@@ -20,6 +21,18 @@ from .errors import ControlTimeout
 
 if TYPE_CHECKING:
     from .channel import ControlChannel
+
+T = TypeVar("T")
+
+
+class StoreTimeout(dist.DistStoreError, ControlTimeout):
+    """A store call timed out: torch's ``DistStoreError`` (its message says "timeout", as
+    TCPStore's, HashStore's and FileStore's do) and our :class:`ControlTimeout` at once."""
+
+    def __init__(self, cause: ControlTimeout) -> None:
+        ControlTimeout.__init__(self, cause.what, cause.waited, cause.hint)
+        text = f"store timeout after {cause.waited:.1f}s waiting for {cause.what}"
+        self.args = (f"{text}; {cause.hint}" if cause.hint else text,)
 
 
 def _seconds(timeout: timedelta | float | None, default: timedelta) -> float:
@@ -36,26 +49,32 @@ def _bytes(value: str | bytes | bytearray | list[int]) -> bytes:
     return bytes(value)
 
 
+def _timed(call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except ControlTimeout as err:
+        raise StoreTimeout(err) from err
+
+
 class ChannelStore(dist.Store):
     """A Store whose every operation is a call on ``channel``; keys keep torch's names.
 
-    Keep a reference for the whole job (:meth:`ControlChannel.as_store` does): torch does
-    not, and later use would find the object gone.
+    torch's C++ keeps only the C++ half of a Python store alive: the channel holds this
+    object (:meth:`ControlChannel.as_store`) and every clone of it for as long as it lives,
+    so that calls from C++ (``PrefixStore.clone()``, NCCL's threads) always find it.
     """
 
-    def __init__(self, channel: ControlChannel) -> None:
+    def __init__(self, channel: ControlChannel, clones: list[ChannelStore] | None = None) -> None:
         super().__init__()
         self.channel = channel
+        self._clones = [] if clones is None else clones
         self.set_timeout(timedelta(seconds=channel.timeout))
 
     def set(self, key: str, value: str | bytes) -> None:
         self.channel.set(key, _bytes(value))
 
     def get(self, key: str) -> bytes:
-        try:
-            return self.channel.get(key, _seconds(None, self.timeout))
-        except ControlTimeout as err:
-            raise dist.DistStoreError(str(err)) from err
+        return _timed(lambda: self.channel.get(key, _seconds(None, self.timeout)))
 
     def add(self, key: str, amount: int) -> int:
         return self.channel.add(key, int(amount))
@@ -64,10 +83,7 @@ class ChannelStore(dist.Store):
         return self.channel.compare_set(key, _bytes(expected), _bytes(desired))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        try:
-            self.channel.wait(keys, _seconds(timeout, self.timeout))
-        except ControlTimeout as err:
-            raise dist.DistStoreError(str(err)) from err
+        _timed(lambda: self.channel.wait(keys, _seconds(timeout, self.timeout)))
 
     def check(self, keys: list[str]) -> bool:
         return self.channel.check(keys)
@@ -82,25 +98,22 @@ class ChannelStore(dist.Store):
     deleteKey = delete_key  # noqa: N815
     getNumKeys = num_keys  # noqa: N815
 
+    def has_extended_api(self) -> bool:
+        return True
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(key) for key in keys]
+        return _timed(lambda: self.channel.multi_get(keys, _seconds(None, self.timeout)))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        for key, value in zip(keys, values, strict=True):
-            self.set(key, value)
+        self.channel.multi_set(list(keys), [_bytes(v) for v in values])
 
     def append(self, key: str, value: str | bytes) -> None:
-        """Append to ``key`` (created if missing) atomically, by compare-and-set retries."""
-        tail = _bytes(value)
-        current = self.channel.get(key, 1.0) if self.channel.check([key]) else b""
-        while True:
-            found = self.channel.compare_set(key, current, current + tail)
-            if found == current + tail:
-                return
-            current = found
+        self.channel.append(key, _bytes(value))
 
     def clone(self) -> ChannelStore:
-        # The channel is thread-safe and shared; a clone is another handle on it.
-        twin = ChannelStore(self.channel)
+        # Another handle on the same (thread-safe) channel, with its own timeout; kept
+        # referenced here, since the C++ caller holds only its C++ half.
+        twin = ChannelStore(self.channel, self._clones)
         twin.set_timeout(self.timeout)
+        self._clones.append(twin)
         return twin

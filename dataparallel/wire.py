@@ -16,7 +16,7 @@ from .control.v1 import control_pb2 as pb
 from .errors import AuthError, BadMessage
 
 #: Bumped on any incompatible change of the schema's meaning.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: multi_get, multi_set, append
 #: Largest frame a coordinator accepts (a value is meant to be small: ids, commands, reports).
 MAX_FRAME = 64 << 20
 MAC_SIZE = 32

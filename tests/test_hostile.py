@@ -22,7 +22,7 @@ from jobutil import exercise, open_job
 import dataparallel as dp
 import dataparallel.coordinator as coordinator_module
 from dataparallel.testing import close_all, free_port, run_all
-from dataparallel.wire import MAC_SIZE, pb, seal, token_key
+from dataparallel.wire import MAC_SIZE, PROTOCOL_VERSION, pb, seal, token_key
 
 TOKEN = "fuzz-token"
 KEY = token_key(TOKEN)
@@ -109,6 +109,12 @@ def requests(session: bytes) -> st.SearchStrategy[pb.Request]:
         st.builds(lambda k: {"delete": pb.Key(key=k)}, keys),
         st.builds(lambda ks: {"check": pb.Keys(keys=ks)}, st.lists(keys, max_size=5)),
         st.just({"num_keys": pb.Empty()}),
+        st.builds(lambda ks, t: {"multi_get": pb.MultiGet(keys=ks, timeout=t)}, st.lists(keys, max_size=5), floats),
+        st.builds(
+            lambda kv: {"multi_set": pb.MultiSet(items=[pb.KeyValue(key=k, value=v) for k, v in kv])},
+            st.lists(st.tuples(keys, st.binary(max_size=256)), max_size=5),
+        ),
+        st.builds(lambda k, v: {"append": pb.KeyValue(key=k, value=v)}, keys, st.binary(max_size=2048)),
         st.just({"heartbeat": pb.Empty()}),
         st.builds(lambda r: {"register": pb.Register(rank=r)}, st.integers(0, 2**32 - 1)),
         st.builds(
@@ -210,7 +216,9 @@ def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served)
     bystander = Bystander(url)
     attacker = attacker_for(scheme, url)
     try:
-        hello = pb.Request(id=1, hello=pb.Hello(protocol=1, job="fuzz", world_size=4, liveness_timeout=30))
+        hello = pb.Request(
+            id=1, hello=pb.Hello(protocol=PROTOCOL_VERSION, job="fuzz", world_size=4, liveness_timeout=30)
+        )
         session = attacker.call(hello).session
         assert session
         before = rss_mb(proc.pid)

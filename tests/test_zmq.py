@@ -14,7 +14,7 @@ from netproxy import TcpProxy
 
 import dataparallel as dp
 from dataparallel.testing import close_all, free_port, run_all, with_options
-from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb, seal, token_key
+from dataparallel.wire import MAC_SIZE, MAX_FRAME, PROTOCOL_VERSION, pb, seal, token_key
 
 
 def raw_dealer(port: int) -> zmq.Socket:
@@ -68,7 +68,7 @@ def test_garbage_frames_get_error_replies_and_the_job_carries_on():
             reply = reply_to(sock, frames, key)
             assert reply is not None and reply.status == status, (frames[0][:40], reply)
         # A session with hostile requests: unknown op, out-of-range timeout, duplicate collective.
-        hello = pb.Request(id=1, hello=pb.Hello(protocol=1, job="j2", world_size=2, liveness_timeout=5))
+        hello = pb.Request(id=1, hello=pb.Hello(protocol=PROTOCOL_VERSION, job="j2", world_size=2, liveness_timeout=5))
         session = reply_to(sock, [seal(key, hello)], key).session
         for request in (
             pb.Request(id=2, session=session),  # no op set

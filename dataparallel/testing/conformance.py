@@ -219,6 +219,73 @@ class PrimitiveTests(ChannelHarness):
             a.compare_set("cas", b"", b"won")
             assert future.result(timeout=10) == b"won"
 
+    def test_multi_set_and_multi_get_keep_the_order_of_keys(self, open_ranks):
+        a, b = open_ranks(2)
+        a.multi_set(["m/2", "m/1", "m/3"], [b"two", b"one", b""])
+        assert b.multi_get(["m/1", "m/2", "m/3", "m/1"], timeout=5) == [b"one", b"two", b"", b"one"]
+        assert b.multi_get([], timeout=5) == []
+        with pytest.raises(TypeError):
+            a.multi_set(["x", "y"], [b"1"])
+        with pytest.raises(TypeError):
+            a.multi_set(["x"], ["text"])
+
+    def test_multi_get_blocks_until_every_key_exists(self, open_ranks):
+        a, b = open_ranks(2)
+        a.set("mg/0", b"0")
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(b.multi_get, ["mg/0", "mg/1", "mg/2"], 20)
+            time.sleep(0.3)
+            a.set("mg/2", b"2")  # not in order: the first missing key is not the last one set
+            time.sleep(0.3)
+            assert not future.done(), "multi_get returned before every key existed"
+            a.set("mg/1", b"1")
+            assert future.result(timeout=10) == [b"0", b"1", b"2"]
+        start = time.monotonic()
+        with pytest.raises(dp.ControlTimeout) as info:
+            b.multi_get(["mg/0", "never"], timeout=0.5)
+        assert 0.45 <= time.monotonic() - start < 3.0
+        assert info.value.waited >= 0.45
+
+    def test_concurrent_appends_lose_nothing(self, open_ranks):
+        # Equal bytes from every rank: an append that took another rank's write for its own
+        # (by comparing bytes) would lose one.
+        channels = open_ranks(3)
+        rounds = 10
+
+        def body(ch: dp.ControlChannel) -> None:
+            for i in range(rounds):
+                ch.append("same", b"x")
+                ch.append("tagged", f"{ch.rank}:{i};".encode())
+
+        run_all([lambda c=c: body(c) for c in channels])
+        assert channels[1].get("same", timeout=5) == b"x" * (rounds * len(channels))
+        parts = channels[2].get("tagged", timeout=5).decode().split(";")[:-1]
+        assert sorted(parts) == sorted(f"{r}:{i}" for r in range(len(channels)) for i in range(rounds))
+        for r in range(len(channels)):  # each rank's appends land in its order
+            assert [p for p in parts if p.startswith(f"{r}:")] == [f"{r}:{i}" for i in range(rounds)]
+        channels[0].delete("same")
+        channels[0].append("same", b"new")  # a deleted key starts again from empty
+        assert channels[1].get("same", timeout=5) == b"new"
+
+    def test_reserved_keys_cannot_be_written(self, open_ranks):
+        a, b = open_ranks(2)
+        forged = json.dumps({"rank": 1, "last_seen": 0, "reason": "forged", "by": 0}).encode()
+        attempts = [
+            lambda: a.set("__dp/lost", forged),
+            lambda: a.add("__dp/next_rank", 1),
+            lambda: a.compare_set("__dp/token", b"", b"x"),
+            lambda: a.delete("__dp/claim/1"),
+            lambda: a.multi_set(["fine", "__dp/lost"], [b"1", forged]),
+            lambda: a.append("__dp/lost", forged),
+        ]
+        for attempt in attempts:
+            with pytest.raises(dp.ConfigError, match="reserved"):
+                attempt()
+        assert not a.check(["fine"]), "a refused multi_set must write nothing"
+        assert a.check(["__dp/claim/1"]), "reading reserved keys stays allowed"
+        run_all([lambda c=c: c.barrier("unforged", timeout=STEP_TIMEOUT) for c in (a, b)])
+        assert a.lost_peers() == {} and b.lost_peers() == {}
+
     def test_delete_reports_whether_the_key_existed(self, open_ranks):
         a, b = open_ranks(2)
         a.set("gone", b"1")
@@ -424,10 +491,12 @@ class CollectiveTests(ChannelHarness):
                 ch.gather("clean", b"z", timeout=20)
             ch.barrier("settle", timeout=20)
 
+        # Counted where the state is held: keys, and a coordinator's open collectives too.
+        holder = next((c for c in channels if c.hosts_coordinator), channels[0])
         run_all([lambda c=c: body(c) for c in channels])
-        start = channels[0].num_keys()
+        start = holder._held_state()
         run_all([lambda c=c: body(c) for c in channels])
-        assert channels[0].num_keys() == start, "repeated collectives must not grow the key space"
+        assert holder._held_state() == start, "repeated collectives must not grow the job's state"
 
     def test_bad_source_rank_is_refused(self, open_ranks):
         (a,) = open_ranks(1)
@@ -557,6 +626,44 @@ class StoreTests(ChannelHarness):
         clone = sa.clone()
         assert clone.get("s") == b"text"
 
+    def test_store_serves_torchs_cpp_callers(self, open_ranks):
+        import gc
+
+        import torch.distributed as dist
+
+        a, b = open_ranks(2)
+        store = a.as_store()
+        assert store.has_extended_api()
+        # clone() called from C++: the Python object behind the clone must outlive the call.
+        clone = dist.PrefixStore("cpp", store).clone()
+        gc.collect()
+        clone.set("k", b"v")
+        assert clone.get("k") == b"v" and b.get("cpp/k", timeout=5) == b"v"
+        clone.multi_set(["x", "y"], [b"1", b"2"])  # PrefixStore (C++) -> our multi_set
+        assert dist.PrefixStore("cpp", b.as_store()).multi_get(["y", "x"]) == [b"2", b"1"]
+        clone.append("log", b"ab")
+        dist.PrefixStore("cpp", b.as_store()).append("log", b"cd")
+        assert a.get("cpp/log", timeout=5) == b"abcd"
+        dist._test_python_store(store)  # torch's own C++ walk through a Python store (it clones)
+
+    def test_store_timeouts_are_dist_store_errors_that_say_timeout(self, open_ranks):
+        import torch.distributed as dist
+
+        (a,) = open_ranks(1)
+        store = a.as_store()
+        store.set_timeout(timedelta(seconds=0.3))
+        prefixed = dist.PrefixStore("p", store)
+        calls = {
+            "get": lambda: store.get("never"),
+            "wait": lambda: store.wait(["never"], timedelta(seconds=0.3)),
+            "multi_get": lambda: store.multi_get(["never"]),
+            "PrefixStore.get": lambda: prefixed.get("never"),
+        }
+        for name, call in calls.items():
+            with pytest.raises(dist.DistStoreError) as info:
+                call()
+            assert "timeout" in str(info.value).lower(), f"{name}: {info.value}"
+
     def test_prefix_store_over_channel_store(self, open_ranks):
         import torch.distributed as dist
 
@@ -570,8 +677,11 @@ class StoreTests(ChannelHarness):
         assert not pa.check(["y"])
 
     @pytest.mark.timeout(180)
-    def test_gloo_process_group_through_the_channel(self, channel_url, open_ranks):
+    def test_gloo_process_group_through_the_channel(self, channel_url, open_ranks, monkeypatch):
         n = 3
+        # gloo fetches its peers' addresses with one multi_get per rank (what
+        # dataparallel.init_process_group asks of it), not one get per peer.
+        monkeypatch.setenv("GLOO_ENABLE_STORE_V2_API", "1")
         if not self.cross_process:
             results = self._gloo_on_threads(open_ranks, n)
         else:
@@ -583,6 +693,7 @@ class StoreTests(ChannelHarness):
             assert res["broadcast"] == [float(n - 1)] * 3
             assert res["gathered"] == list(range(n))
             assert res["group_sum"] == float(n)
+            assert res["multi_gets"] >= 1, "gloo's init did not reach the channel's multi_get"
 
     @staticmethod
     def _gloo_on_threads(open_ranks, n: int) -> list[dict]:
@@ -591,6 +702,7 @@ class StoreTests(ChannelHarness):
         import torch.distributed as dist
 
         channels = open_ranks(n, job="gloo")
+        counted = _count_multi_gets(channels)
 
         def body(ch: dp.ControlChannel) -> dict:
             ch.rendezvous(timeout=STEP_TIMEOUT)
@@ -603,17 +715,35 @@ class StoreTests(ChannelHarness):
             opts.rootRank = n - 1
             pg.broadcast([shared], opts).wait()
             pg.barrier().wait()
+            gathered = [torch.zeros(1) for _ in range(n)]
+            pg.allgather([gathered], [torch.tensor([float(ch.rank)])]).wait()
+            # A second group on its own prefix: the store is used again after init.
+            pg2 = dist.ProcessGroupGloo(dist.PrefixStore("pg1/", ch.as_store()), ch.rank, n, timedelta(seconds=60))
             ones = torch.ones(1)
-            pg.allreduce([ones]).wait()
+            pg2.allreduce([ones]).wait()
             return {
                 "rank": ch.rank,
                 "sum": summed.tolist(),
                 "broadcast": shared.tolist(),
-                "gathered": list(range(n)),
+                "gathered": [int(t.item()) for t in gathered],
                 "group_sum": ones.item(),
+                "multi_gets": counted[ch.rank],
             }
 
         return run_all([lambda c=c: body(c) for c in channels], timeout=120)
+
+
+def _count_multi_gets(channels: Sequence[dp.ControlChannel]) -> dict[int, int]:
+    """Count each channel's multi_get calls (wrapping the bound method, nothing else)."""
+    counted = {ch.rank: 0 for ch in channels}
+    for ch in channels:
+
+        def counting(keys, timeout=None, _ch=ch, _call=ch.multi_get):
+            counted[_ch.rank] += 1
+            return _call(keys, timeout)
+
+        ch.multi_get = counting
+    return counted
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> dict:

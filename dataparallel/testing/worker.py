@@ -21,6 +21,10 @@ def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
+    from .conformance import _count_multi_gets
+
+    counted = _count_multi_gets([ch])
+
     dist.init_process_group(
         "gloo", store=ch.as_store(), rank=ch.rank, world_size=ch.world_size, timeout=timedelta(seconds=60)
     )
@@ -42,6 +46,7 @@ def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
             "broadcast": shared.tolist(),
             "gathered": [g["rank"] for g in gathered],
             "group_sum": again.item(),
+            "multi_gets": counted[ch.rank],
         }
     finally:
         dist.destroy_process_group()

@@ -45,6 +45,8 @@ _ALIVE = "__dp/alive/"
 _LEFT = "__dp/left/"
 _OPEN = "__dp/open"
 _JOINED = "__dp/joined/"
+#: Operations per transaction (etcd's default --max-txn-ops is 128).
+_TXN_OPS = 128
 
 
 class EtcdChannel(ControlChannel):
@@ -239,17 +241,48 @@ class EtcdChannel(ControlChannel):
         result = self._run(self._call("delete", self._k(key)))
         return result is not None and result.deleted > 0  # aetcd returns None when nothing matched
 
-    def _check(self, keys: Sequence[str]) -> bool:
-        async def check() -> bool:
-            for key in keys:
-                if await self._call("get", self._k(key)) is None:
-                    return False
-            return True
+    async def _read(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values of ``keys`` at one revision (None for a missing key): one transaction."""
+        values: list[bytes | None] = []
+        txn = self._client.transactions
+        for start in range(0, len(keys), _TXN_OPS):
+            chunk = keys[start : start + _TXN_OPS]
+            _, found = await self._call("transaction", compare=[], success=[txn.get(k) for k in chunk], failure=[])
+            values += [kvs[0][0] if kvs else None for kvs in found]
+        return values
 
-        return self._run(check())
+    def _check(self, keys: Sequence[str]) -> bool:
+        return None not in self._run(self._read([self._k(k) for k in keys]))
 
     def _num_keys(self) -> int:
         return len(self._run(self._call("get_prefix", self._root)))
+
+    def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
+        return self._run(self._multi_get_async([self._k(k) for k in keys], timeout), timeout)
+
+    async def _multi_get_async(self, keys: list[bytes], timeout: float) -> list[bytes] | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            values = await self._read(keys)
+            if None not in values:
+                return values
+            # Watch the first missing key, then read them all again.
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or await self._get_async(keys[values.index(None)], remaining) is None:
+                return None
+
+    def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        async def put_all() -> None:
+            txn = self._client.transactions
+            for start in range(0, len(items), _TXN_OPS):
+                puts = [txn.put(self._k(k), v) for k, v in items[start : start + _TXN_OPS]]
+                await self._call("transaction", compare=[], success=puts, failure=[])
+
+        self._run(put_all())
+
+    def _append(self, key: str, value: bytes) -> None:
+        # Guarded by the key's revision, not by its bytes: a lost race is retried.
+        self._run(self._cas_loop(self._k(key), lambda current: ((current or b"") + value, True)))
 
     # ------------------------------------------------------------------ liveness
     def _claimed(self) -> None:

@@ -8,6 +8,7 @@ last channel closes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from dataparallel.channel import ControlChannel
@@ -70,6 +71,22 @@ class MemoryChannel(ControlChannel):
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         return self._space.compare_set(key, expected, desired)
+
+    def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self._space.multi_get(keys)
+            if None not in values:
+                return values
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._get(keys[values.index(None)], remaining) is None:
+                return None
+
+    def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        self._space.multi_set(items)
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._space.append(key, value)
 
     def _delete(self, key: str) -> bool:
         return self._space.delete(key)

@@ -82,15 +82,19 @@ class TCPStoreChannel(ControlChannel):
     def _set(self, key: str, value: bytes) -> None:
         self._call(lambda s: s.set(self._prefix + key, value))
 
-    def _get(self, key: str, timeout: float) -> bytes | None:
-        full = self._prefix + key
+    def _wait(self, full: list[str], timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the (prefixed) keys; False on timeout."""
         try:
-            self._call(lambda s: s.wait([full], timedelta(seconds=timeout)))
+            self._call(lambda s: s.wait(full, timedelta(seconds=max(timeout, 1e-3))))
         except dist.DistStoreError as err:
             if "timeout" in str(err).lower():
-                return None
+                return False
             raise ChannelClosed(f"TCPStore at {self._address}: {err}") from err
-        return self._call(lambda s: s.get(full))
+        return True
+
+    def _get(self, key: str, timeout: float) -> bytes | None:
+        full = self._prefix + key
+        return self._call(lambda s: s.get(full)) if self._wait([full], timeout) else None
 
     def _add(self, key: str, amount: int) -> int:
         return self._call(lambda s: s.add(self._prefix + key, amount))
@@ -106,6 +110,16 @@ class TCPStoreChannel(ControlChannel):
 
     def _num_keys(self) -> int:
         return self._call(lambda s: s.num_keys())
+
+    def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
+        full = [self._prefix + k for k in keys]
+        return self._call(lambda s: s.multi_get(full)) if self._wait(full, timeout) else None
+
+    def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        self._call(lambda s: s.multi_set([self._prefix + k for k, _ in items], [v for _, v in items]))
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._call(lambda s: s.append(self._prefix + key, value))
 
     def _close(self) -> None:
         with self._lock:

@@ -86,6 +86,20 @@ class Key(_message.Message):
     key: str
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
+class MultiGet(_message.Message):
+    __slots__ = ("keys", "timeout")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    timeout: float
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class MultiSet(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[KeyValue]
+    def __init__(self, items: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ...) -> None: ...
+
 class Keys(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -115,7 +129,7 @@ class Collect(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[int]] = ..., want: _Optional[bool] = ..., has_value: _Optional[bool] = ..., value: _Optional[bytes] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "session", "hello", "set", "get", "add", "compare_set", "delete", "check", "num_keys", "collect", "register", "heartbeat", "leave")
+    __slots__ = ("id", "session", "hello", "set", "get", "add", "compare_set", "delete", "check", "num_keys", "collect", "register", "heartbeat", "leave", "multi_get", "multi_set", "append")
     ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +144,9 @@ class Request(_message.Message):
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
+    MULTI_GET_FIELD_NUMBER: _ClassVar[int]
+    MULTI_SET_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
     id: int
     session: bytes
     hello: Hello
@@ -144,7 +161,10 @@ class Request(_message.Message):
     register: Register
     heartbeat: Empty
     leave: Empty
-    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ...) -> None: ...
+    multi_get: MultiGet
+    multi_set: MultiSet
+    append: KeyValue
+    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ..., multi_get: _Optional[_Union[MultiGet, _Mapping]] = ..., multi_set: _Optional[_Union[MultiSet, _Mapping]] = ..., append: _Optional[_Union[KeyValue, _Mapping]] = ...) -> None: ...
 
 class LostPeer(_message.Message):
     __slots__ = ("rank", "last_seen", "reason")

@@ -25,7 +25,9 @@ _LAZY = {
     "FitResult": "loop",
     "Replicas": "replicas",
     "init_process_group": "process_group",
-    "launch": "launch",
+    "launch": "launcher",
+    "in_worker": "launcher",
+    "relaunch": "launcher",
     "load_config": "config",
     "JobConfig": "config",
 }
@@ -59,10 +61,12 @@ __all__ = [
     "drive",
     "fit",
     "follow",
+    "in_worker",
     "init_process_group",
     "known_schemes",
     "launch",
     "load_config",
     "parse_url",
     "register_transport",
+    "relaunch",
 ]

@@ -60,7 +60,7 @@ def _load(args: argparse.Namespace):
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .launch import launch, worker_command
+    from .launcher import launch, worker_command
 
     target = list(args.target)
     if target and target[0] == "--":

@@ -226,9 +226,11 @@ def _torchrun(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
 
 
 def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str]) -> tuple[str | None, str]:
-    if env.get("DP_TOKEN"):
-        return env["DP_TOKEN"], "DP_TOKEN"
+    # Flags > environment > file: --token-file beats DP_TOKEN, which beats the file's token_file.
     path = values.get("token_file")
+    from_flag = path is not None and origin.get("token_file") == "--token-file"
+    if env.get("DP_TOKEN") and not from_flag:
+        return env["DP_TOKEN"], "DP_TOKEN"
     if path is None:
         return None, "default"
     try:

@@ -24,7 +24,7 @@ ENTRY_POINT_GROUP = "dataparallel.transports"
 
 # Which distribution to install when a built-in transport's library is missing.
 _INSTALL_HINTS = {
-    "zmq": "pip install 'dataparallel[zmq]'",
+    "zmq": "pip install pyzmq (a dependency of dataparallel itself: reinstall it)",
     "grpc": "pip install 'dataparallel[grpc]'",
     "etcd": "pip install 'dataparallel[etcd]'",
 }
@@ -99,13 +99,27 @@ def _split_host_port(url: str, item: str) -> tuple[str, int | None]:
     return host, int(port_text)
 
 
-def register_transport(scheme: str, cls: type[ControlChannel] | str) -> None:
-    """Register ``cls`` (a class or a ``"module:Class"`` string) for ``scheme``."""
+def register_transport(scheme: str, cls: type[ControlChannel] | str, *, replace: bool = False) -> None:
+    """Register ``cls`` (a class or a ``"module:Class"`` string) for ``scheme``.
+
+    A scheme already registered to something else (a built-in, an installed entry point, an
+    earlier call) is refused with :class:`ConfigError` unless ``replace=True``; registering
+    the same target again is harmless."""
     if not scheme.isidentifier() and not scheme.replace("-", "").replace("+", "").isalnum():
         raise ConfigError(f"bad scheme name {scheme!r}")
     with _lock:
         _load_entry_points_locked()
+        current = _registry.get(scheme.lower())
+        if current is not None and not replace and _target_name(current) != _target_name(cls):
+            raise ConfigError(
+                f"transport scheme {scheme!r} is already registered to {_target_name(current)}; "
+                "pass replace=True to replace it"
+            )
         _registry[scheme.lower()] = cls
+
+
+def _target_name(target: type[ControlChannel] | str) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 def known_schemes() -> list[str]:

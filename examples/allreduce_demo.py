@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import dataparallel as dp
-from dataparallel.launch import in_worker, relaunch
+from dataparallel.launcher import in_worker, relaunch
 
 
 def worker() -> None:

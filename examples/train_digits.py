@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dataparallel as dp
-from dataparallel.launch import in_worker, relaunch
+from dataparallel.launcher import in_worker, relaunch
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:

@@ -55,6 +55,16 @@ def test_token_from_env_or_file_relative_to_the_config(tmp_path):
     assert "s3cret" not in repr(load_config(env={}, file=path))
 
 
+def test_token_file_flag_beats_dp_token(tmp_path):
+    # Flags > environment > file, for the token as for everything else.
+    (tmp_path / "flagged").write_text("from-flag\n")
+    (tmp_path / "secret").write_text("from-file\n")
+    path = _file(tmp_path, 'url = "zmq://h:1"\ntoken_file = "secret"\n')
+    config = load_config({"token_file": str(tmp_path / "flagged")}, env={"DP_TOKEN": "from-env"}, file=path)
+    assert (config.token, config.origin["token"]) == ("from-flag", "--token-file")
+    assert load_config(env={"DP_TOKEN": "from-env"}, file=path).token == "from-env"
+
+
 def test_torchrun_environment(tmp_path):
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29400"}
     plain = load_config(env=torchrun)

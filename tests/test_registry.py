@@ -55,3 +55,49 @@ def test_register_transport_class_at_run_time():
         assert isinstance(ch, Renamed)
         ch.set("k", b"v")
         assert ch.get("k", timeout=1) == b"v"
+
+
+def test_registering_a_taken_scheme_is_refused_unless_replace():
+    class Other(MemoryChannel):
+        scheme = "zmq"
+
+    with pytest.raises(dp.ConfigError, match=r"already registered.*replace=True"):
+        dp.register_transport("zmq", Other)
+    assert dp.registry.transport_class("zmq").__name__ == "ZmqChannel"
+    dp.register_transport("zmq", "dataparallel.transports.zmq:ZmqChannel")  # the same target: harmless
+
+    class First(MemoryChannel):
+        pass
+
+    class Second(MemoryChannel):
+        pass
+
+    dp.register_transport("twice", First)
+    dp.register_transport("twice", First)
+    with pytest.raises(dp.ConfigError, match="already registered"):
+        dp.register_transport("twice", Second)
+    dp.register_transport("twice", Second, replace=True)
+    assert dp.registry.transport_class("twice") is Second
+
+
+def test_install_hints_name_extras_that_exist():
+    import re
+    from importlib.metadata import metadata
+
+    from dataparallel.registry import _INSTALL_HINTS
+
+    extras = set(metadata("dataparallel").get_all("Provides-Extra") or [])
+    named = {m for hint in _INSTALL_HINTS.values() for m in re.findall(r"dataparallel\[([^\]]+)\]", hint)}
+    assert named, "the hints name no extra at all"
+    assert named <= extras, f"hints name extras that do not exist: {sorted(named - extras)}"
+
+
+def test_dp_launch_stays_the_function_after_every_submodule_is_imported():
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(dp.__path__, "dataparallel."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    assert callable(dp.launch) and dp.launch.__module__ == "dataparallel.launcher"
+    assert callable(dp.in_worker) and callable(dp.relaunch)

@@ -36,14 +36,28 @@ Send = Callable[[Route, pb.Reply], None]
 REPLY_CACHE = 256
 #: Longest gap between sweeps: a newly parked request's timeout fires at most this late.
 SWEEP_INTERVAL = 0.1
-#: A session that never claimed a rank is dropped after this many seconds of silence.
-IDLE_SESSION_TIMEOUT = 60.0
-#: Bounds that keep a coordinator's memory bounded whatever its clients send: a write that
-#: would pass them fails (``FAILED``, saying which), the job and everyone else carry on.
-MAX_JOB_KEYS = 1_000_000
-MAX_JOB_BYTES = 256 << 20
-MAX_SESSIONS = 65_536
-MAX_PARKED_PER_SESSION = 4_096
+
+
+@dataclass(frozen=True)
+class CoordinatorLimits:
+    """Bounds that keep a coordinator's memory bounded whatever its clients send: a request
+    that would pass one fails (``FAILED``, saying which); the job and everyone else carry on."""
+
+    #: Keys one job may hold.
+    max_job_keys: int = 1_000_000
+    #: Bytes of keys and values one job may hold.
+    max_job_bytes: int = 256 << 20
+    #: Sessions open at once, over all jobs.
+    max_sessions: int = 65_536
+    #: Requests one session may have waiting (parked gets, open collectives) at once.
+    max_parked_per_session: int = 4_096
+    #: Seconds of silence after which a session that never claimed a rank is dropped.
+    idle_session_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"CoordinatorLimits.{name} must be > 0, got {value!r}")
 
 
 @dataclass(eq=False)
@@ -96,7 +110,10 @@ class Job:
 class Coordinator:
     """Serves any number of jobs; see the module docstring for the contract."""
 
-    def __init__(self, send: Send, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, send: Send, clock: Callable[[], float] = time.monotonic, limits: CoordinatorLimits | None = None
+    ) -> None:
+        self.limits = limits or CoordinatorLimits()
         self._send = send
         self._clock = clock
         self._lock = threading.RLock()
@@ -191,10 +208,10 @@ class Coordinator:
             job = self._jobs[hello.job] = Job(hello.job, hello.world_size, hello.liveness_timeout)
         elif job.world_size != hello.world_size:
             raise BadMessage(f"job {hello.job!r} has world size {job.world_size}, this process said {hello.world_size}")
-        if len(self._sessions) >= MAX_SESSIONS:
+        if len(self._sessions) >= self.limits.max_sessions:
             if not job.sessions:
                 del self._jobs[hello.job]
-            return _reply(request.id, pb.FAILED, f"coordinator full: {MAX_SESSIONS} sessions open")
+            return _reply(request.id, pb.FAILED, f"coordinator full: {self.limits.max_sessions} sessions open")
         session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock())
         self._sessions[session.id] = session
         job.sessions.add(session)
@@ -204,7 +221,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ key/value
     def _set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
-        full = _over_budget(s.job, r.set.key, len(r.set.value))
+        full = self._over_budget(s.job, r.set.key, len(r.set.value))
         if full:
             return _reply(r.id, pb.FAILED, full)
         s.job.space.set(r.set.key, r.set.value)
@@ -217,8 +234,9 @@ class Coordinator:
             return _reply(r.id, value=value)
         if job.lost:
             return self._lost_reply(r.id, job)
-        if len(s.parked) >= MAX_PARKED_PER_SESSION:
-            return _reply(r.id, pb.FAILED, f"{MAX_PARKED_PER_SESSION} requests of this session are waiting already")
+        crowded = self._crowded(s, r.id)
+        if crowded is not None:
+            return crowded
         parked = Parked(s, route, r.id, self._clock() + _timeout(r.get.timeout), lambda: _reply(r.id, pb.TIMEOUT))
 
         def release(value: bytes) -> None:
@@ -232,14 +250,14 @@ class Coordinator:
         return None
 
     def _add(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
-        full = _over_budget(s.job, r.add.key, 20)  # an int64 in decimal
+        full = self._over_budget(s.job, r.add.key, 20)  # an int64 in decimal
         if full:
             return _reply(r.id, pb.FAILED, full)
         return _reply(r.id, number=s.job.space.add(r.add.key, r.add.amount))
 
     def _compare_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
         cs = r.compare_set
-        full = _over_budget(s.job, cs.key, len(cs.desired))
+        full = self._over_budget(s.job, cs.key, len(cs.desired))
         if full:
             return _reply(r.id, pb.FAILED, full)
         return _reply(r.id, value=s.job.space.compare_set(cs.key, cs.expected, cs.desired))
@@ -256,8 +274,9 @@ class Coordinator:
             return _reply(r.id, values=values)
         if job.lost:
             return self._lost_reply(r.id, job)
-        if len(s.parked) >= MAX_PARKED_PER_SESSION:
-            return _reply(r.id, pb.FAILED, f"{MAX_PARKED_PER_SESSION} requests of this session are waiting already")
+        crowded = self._crowded(s, r.id)
+        if crowded is not None:
+            return crowded
         parked = Parked(s, route, r.id, self._clock() + _timeout(r.multi_get.timeout), lambda: _reply(r.id, pb.TIMEOUT))
 
         def look(_value: bytes = b"") -> bool:
@@ -278,14 +297,14 @@ class Coordinator:
 
     def _multi_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
         items = [(kv.key, kv.value) for kv in r.multi_set.items]
-        full = _over_budget(s.job, "", sum(len(k) + len(v) for k, v in items), new_keys=len({k for k, _ in items}))
+        full = self._over_budget(s.job, "", sum(len(k) + len(v) for k, v in items), new_keys=len({k for k, _ in items}))
         if full:
             return _reply(r.id, pb.FAILED, full)
         s.job.space.multi_set(items)
         return _reply(r.id)
 
     def _append(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
-        full = _over_budget(s.job, r.append.key, len(r.append.value))
+        full = self._over_budget(s.job, r.append.key, len(r.append.value))
         if full:
             return _reply(r.id, pb.FAILED, full)
         s.job.space.append(r.append.key, r.append.value)
@@ -341,8 +360,8 @@ class Coordinator:
         if not sources or max(sources) >= job.world_size:
             raise BadMessage(f"collective {c.name!r}: source ranks {sorted(sources)} out of range")
         state = job.collectives.get(c.name)
-        crowded = state is None and len(job.collectives) >= MAX_PARKED_PER_SESSION
-        if crowded or len(s.parked) >= MAX_PARKED_PER_SESSION:
+        crowded = state is None and len(job.collectives) >= self.limits.max_parked_per_session
+        if crowded or len(s.parked) >= self.limits.max_parked_per_session:
             return _reply(r.id, pb.FAILED, f"job {job.name!r}: too many collectives open at once")
         if state is None:
             state = job.collectives[c.name] = Collective(sources)
@@ -430,7 +449,7 @@ class Coordinator:
                 self._drop_session(session)
                 self._fail_parked(job)
         for session in [s for s in job.sessions if s.rank is None]:
-            if now - session.last_seen > max(IDLE_SESSION_TIMEOUT, 3 * job.liveness_timeout):
+            if now - session.last_seen > max(self.limits.idle_session_timeout, 3 * job.liveness_timeout):
                 self._drop_session(session)
 
     def _fail_parked(self, job: Job) -> None:
@@ -443,6 +462,23 @@ class Coordinator:
         reply = _reply(request_id, status, first.reason if status == pb.PEER_LOST else "")
         reply.lost.CopyFrom(first)
         return reply
+
+    def _crowded(self, s: Session, request_id: int) -> pb.Reply | None:
+        """The refusal of one more waiting request of ``s``, or None while it may wait."""
+        if len(s.parked) < self.limits.max_parked_per_session:
+            return None
+        limit = self.limits.max_parked_per_session
+        return _reply(request_id, pb.FAILED, f"{limit} requests of this session are waiting already")
+
+    def _over_budget(self, job: Job, key: str, size: int, new_keys: int = 1) -> str | None:
+        """Why writing ``size`` bytes at ``key`` (or, with ``new_keys``, at that many keys) would
+        take ``job`` past its bounds, or None."""
+        space = job.space
+        if (not key or key not in space) and space.num_keys() + new_keys > self.limits.max_job_keys:
+            return f"job {job.name!r} holds {self.limits.max_job_keys} keys, the most a job may hold"
+        if space.nbytes() + len(key) + size > self.limits.max_job_bytes:
+            return f"job {job.name!r} would hold more than {self.limits.max_job_bytes} bytes of keys and values"
+        return None
 
     _HANDLERS: dict[str, Callable[[Coordinator, Session, pb.Request, Route], pb.Reply | None]] = {
         "set": _set,
@@ -460,17 +496,6 @@ class Coordinator:
         "heartbeat": _heartbeat,
         "leave": _leave,
     }
-
-
-def _over_budget(job: Job, key: str, size: int, new_keys: int = 1) -> str | None:
-    """Why writing ``size`` bytes at ``key`` (or, with ``new_keys``, at that many keys) would
-    take ``job`` past its bounds, or None."""
-    space = job.space
-    if (not key or key not in space) and space.num_keys() + new_keys > MAX_JOB_KEYS:
-        return f"job {job.name!r} holds {MAX_JOB_KEYS} keys, the most a job may hold"
-    if space.nbytes() + len(key) + size > MAX_JOB_BYTES:
-        return f"job {job.name!r} would hold more than {MAX_JOB_BYTES} bytes of keys and values"
-    return None
 
 
 def _reply(request_id: int, status: int = pb.OK, error: str = "", **fields) -> pb.Reply:

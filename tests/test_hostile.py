@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from jobutil import exercise, open_job
 
 import dataparallel as dp
-import dataparallel.coordinator as coordinator_module
+from dataparallel.coordinator import CoordinatorLimits
 from dataparallel.testing import close_all, free_port, run_all
+from dataparallel.transports.zmq.server import ZmqCoordinatorServer
 from dataparallel.wire import MAC_SIZE, PROTOCOL_VERSION, pb, seal, token_key
 
 TOKEN = "fuzz-token"
@@ -260,13 +261,12 @@ def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served)
 
 
 @pytest.mark.timeout(120)
-def test_a_job_cannot_exhaust_the_coordinator(monkeypatch):
+def test_a_job_cannot_exhaust_the_coordinator():
     """Limits on keys, bytes and waiting requests per job: the write that would pass one fails
     with a message that says which, and the job (and the coordinator) carry on."""
-    monkeypatch.setattr(coordinator_module, "MAX_JOB_KEYS", 200)
-    monkeypatch.setattr(coordinator_module, "MAX_JOB_BYTES", 64 << 10)
-    monkeypatch.setattr(coordinator_module, "MAX_PARKED_PER_SESSION", 8)
-    channels = open_job(f"zmq://127.0.0.1:{free_port()}", 2, job="greedy")  # rank 0 hosts, in this process
+    limits = CoordinatorLimits(max_job_keys=200, max_job_bytes=64 << 10, max_parked_per_session=8)
+    server = ZmqCoordinatorServer("127.0.0.1", free_port(), None, limits=limits).start()
+    channels = open_job(f"zmq://127.0.0.1:{server.port}", 2, job="greedy")  # served by the limited coordinator
     try:
         ch = channels[1]
         with pytest.raises(dp.ControlError, match="holds 200 keys, the most a job may hold"):
@@ -287,6 +287,7 @@ def test_a_job_cannot_exhaust_the_coordinator(monkeypatch):
         exercise(channels, "after-limits")
     finally:
         close_all(channels)
+        server.stop()
 
 
 def _expect_timeout(ch: dp.ControlChannel, key: str) -> None:

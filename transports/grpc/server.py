@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 
 from dataparallel.control.v1 import control_pb2_grpc
-from dataparallel.coordinator import Coordinator
+from dataparallel.coordinator import Coordinator, CoordinatorLimits
 from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,15 @@ def _deliver(route: asyncio.Future, reply: pb.Reply) -> None:
 class GrpcCoordinatorServer:
     """Serves ``HOST:PORT`` (TLS when ``credentials`` is given) until :meth:`stop`."""
 
-    def __init__(self, host: str, port: int, digest: str, credentials: grpc.ServerCredentials | None) -> None:
-        self.coordinator = Coordinator(_deliver)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        digest: str,
+        credentials: grpc.ServerCredentials | None,
+        limits: CoordinatorLimits | None = None,
+    ) -> None:
+        self.coordinator = Coordinator(_deliver, limits=limits)
         self._digest = digest
         self._credentials = credentials
         self._address = f"{'[::]' if host in ('0.0.0.0', '*', '') else host}:{port}"

@@ -17,7 +17,7 @@ import uuid
 import zmq
 from zmq.utils import z85
 
-from dataparallel.coordinator import Coordinator
+from dataparallel.coordinator import Coordinator, CoordinatorLimits
 from dataparallel.errors import AuthError, BadMessage
 from dataparallel.wire import MAC_SIZE, MAX_FRAME, open_frame, pb, seal, token_key
 
@@ -34,7 +34,9 @@ def curve_server_keys(token: str) -> tuple[bytes, bytes]:
 class ZmqCoordinatorServer:
     """Binds ``tcp://HOST:PORT`` and serves until :meth:`stop` (or forever in :meth:`serve`)."""
 
-    def __init__(self, host: str, port: int, token: str | None, curve: bool = False) -> None:
+    def __init__(
+        self, host: str, port: int, token: str | None, curve: bool = False, limits: CoordinatorLimits | None = None
+    ) -> None:
         self._key = token_key(token)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -50,7 +52,7 @@ class ZmqCoordinatorServer:
             self._ctx.destroy(linger=0)
             raise
         self.port = int(self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        self.coordinator = Coordinator(self._send)
+        self.coordinator = Coordinator(self._send, limits=limits)
         self._wake_address = f"inproc://dp-wake-{uuid.uuid4().hex}"
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)

@@ -23,6 +23,7 @@ from .collectives import Collectives, _value
 from .errors import AuthError, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import Liveness, StoreHeartbeats
 from .registry import ChannelURL
+from .wire import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     import torch.distributed
@@ -79,8 +80,8 @@ class ControlChannel(Collectives, abc.ABC):
         timeout: float = 300.0,
         serve: bool = True,
     ) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ConfigError(f"world_size must be an integer in 1..{MAX_WORLD_SIZE}, got {world_size!r}")
         if rank is not None and (not isinstance(rank, int) or not 0 <= rank < world_size):
             raise ConfigError(f"rank must be an integer in 0..{world_size - 1} or None, got {rank!r}")
         if not job or not isinstance(job, str) or "/" in job or "\x00" in job:

@@ -25,15 +25,15 @@ from dataclasses import dataclass, field
 
 from .errors import BadMessage
 from .keyspace import KeySpace
-from .wire import PROTOCOL_VERSION, pb
+from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, pb
 
 log = logging.getLogger(__name__)
 
 Route = Hashable
 Send = Callable[[Route, pb.Reply], None]
 
-#: Replies remembered per session, to answer resends; older ids count as replays.
-REPLY_CACHE = 256
+#: Operations that change nothing: a resend is served again instead of from the reply cache.
+READ_ONLY = frozenset({"get", "multi_get", "check", "num_keys"})
 #: Longest gap between sweeps: a newly parked request's timeout fires at most this late.
 SWEEP_INTERVAL = 0.1
 
@@ -53,6 +53,14 @@ class CoordinatorLimits:
     max_parked_per_session: int = 4_096
     #: Seconds of silence after which a session that never claimed a rank is dropped.
     idle_session_timeout: float = 60.0
+    #: Replies of mutations a session's resends are answered from (exactly once), at most
+    #: this many and this many bytes per session, and this many bytes over all sessions.
+    reply_cache_entries: int = 256
+    reply_cache_session_bytes: int = 4 << 20
+    reply_cache_bytes: int = 256 << 20
+    #: Request ids within this distance below a session's highest are checked one by one
+    #: (each applied once); older ids are refused as stale or replayed.
+    replay_window: int = 16_384
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -69,7 +77,22 @@ class Session:
     last_seen: float
     rank: int | None = None
     replies: OrderedDict[int, pb.Reply] = field(default_factory=OrderedDict)
+    reply_bytes: int = 0
     parked: dict[int, Parked] = field(default_factory=dict)
+    #: Highest request id accepted, and the ids accepted within the replay window below it.
+    high: int = -1
+    seen: set[int] = field(default_factory=set)
+
+    def accept(self, request_id: int, window: int) -> bool:
+        """True the first time ``request_id`` is offered; False for a resend or a replay."""
+        if request_id <= self.high - window or request_id in self.seen:
+            return False
+        self.seen.add(request_id)
+        if request_id > self.high:
+            self.high = request_id
+            if len(self.seen) > 2 * window:  # prune, amortised O(1)
+                self.seen = {i for i in self.seen if i > request_id - window}
+        return True
 
 
 @dataclass(eq=False)
@@ -83,6 +106,7 @@ class Parked:
     on_timeout: Callable[[], pb.Reply]
     release: Callable[[], None] = lambda: None  # withdraws it from what it waits on
     done: bool = False
+    remember: bool = True  # False for a read: a resend after the answer reads again
 
 
 @dataclass(eq=False)
@@ -120,6 +144,9 @@ class Coordinator:
         self._jobs: dict[str, Job] = {}
         self._sessions: dict[bytes, Session] = {}
         self._parked: set[Parked] = set()
+        #: Every session's cached replies, oldest first: (session, request id) -> bytes.
+        self._cached: OrderedDict[tuple[bytes, int], int] = OrderedDict()
+        self._cached_bytes = 0
 
     # ------------------------------------------------------------------ entry points
     def handle(self, route: Route, request: pb.Request) -> pb.Reply | None:
@@ -177,21 +204,29 @@ class Coordinator:
         session = self._sessions.get(request.session)
         if session is None:
             return _reply(request.id, pb.CLOSED, "unknown session: say hello first (or the coordinator restarted)")
-        session.last_seen = self._clock()
+        # A resend is answered as the first time, and applied never again. It does not count
+        # as a sign of life: a replayed frame must not keep a dead rank alive.
         cached = session.replies.get(request.id)
         if cached is not None:
             return cached
         parked = session.parked.get(request.id)
         if parked is not None:
-            parked.route = route  # a resend, perhaps over a new connection: answer there
+            parked.route = route  # perhaps over a new connection: answer there
             return None
-        if len(session.replies) >= REPLY_CACHE and request.id < next(iter(session.replies)):
-            return _reply(request.id, pb.BAD_MESSAGE, f"request id {request.id} is stale or replayed")
+        fresh = session.accept(request.id, self.limits.replay_window)
+        if not fresh and op not in READ_ONLY:
+            return _reply(
+                request.id,
+                pb.BAD_MESSAGE,
+                f"request id {request.id} is stale or replayed (applied already; its reply is no longer held)",
+            )
+        if fresh:
+            session.last_seen = self._clock()
         handler = self._HANDLERS.get(op)
         if handler is None:
             return _reply(request.id, pb.BAD_MESSAGE, f"unknown operation {op!r}")
         reply = handler(self, session, request, route)
-        if reply is not None and op != "heartbeat":
+        if reply is not None and op != "heartbeat" and op not in READ_ONLY:
             self._remember(session, reply)
         return reply
 
@@ -201,8 +236,8 @@ class Coordinator:
             raise BadMessage(
                 f"protocol {hello.protocol} is not spoken here (this coordinator speaks {PROTOCOL_VERSION})"
             )
-        if not hello.job or hello.world_size < 1 or not 0 < hello.liveness_timeout < 1e6:
-            raise BadMessage("hello needs a job name, world_size >= 1 and a liveness timeout > 0")
+        if not hello.job or not 1 <= hello.world_size <= MAX_WORLD_SIZE or not 0 < hello.liveness_timeout < 1e6:
+            raise BadMessage(f"hello needs a job name, 1 <= world_size <= {MAX_WORLD_SIZE} and a liveness timeout > 0")
         job = self._jobs.get(hello.job)
         if job is None:
             job = self._jobs[hello.job] = Job(hello.job, hello.world_size, hello.liveness_timeout)
@@ -237,7 +272,8 @@ class Coordinator:
         crowded = self._crowded(s, r.id)
         if crowded is not None:
             return crowded
-        parked = Parked(s, route, r.id, self._clock() + _timeout(r.get.timeout), lambda: _reply(r.id, pb.TIMEOUT))
+        deadline = self._clock() + _timeout(r.get.timeout)
+        parked = Parked(s, route, r.id, deadline, lambda: _reply(r.id, pb.TIMEOUT), remember=False)
 
         def release(value: bytes) -> None:
             self._finish(parked, _reply(r.id, value=value))
@@ -277,7 +313,8 @@ class Coordinator:
         crowded = self._crowded(s, r.id)
         if crowded is not None:
             return crowded
-        parked = Parked(s, route, r.id, self._clock() + _timeout(r.multi_get.timeout), lambda: _reply(r.id, pb.TIMEOUT))
+        deadline = self._clock() + _timeout(r.multi_get.timeout)
+        parked = Parked(s, route, r.id, deadline, lambda: _reply(r.id, pb.TIMEOUT), remember=False)
 
         def look(_value: bytes = b"") -> bool:
             # Parked on one missing key at a time; each release looks at all of them again.
@@ -346,6 +383,8 @@ class Coordinator:
 
     def _drop_session(self, s: Session) -> None:
         self._sessions.pop(s.id, None)
+        for request_id in list(s.replies):
+            self._forget(s, request_id)
         job = s.job
         job.sessions.discard(s)
         if not job.sessions and self._jobs.get(job.name) is job:
@@ -426,14 +465,37 @@ class Coordinator:
         self._parked.discard(parked)
         session = parked.session
         session.parked.pop(parked.request_id, None)
-        self._remember(session, reply)
+        if parked.remember:
+            self._remember(session, reply)
         if send:
             self._send(parked.route, reply)
 
     def _remember(self, session: Session, reply: pb.Reply) -> None:
+        """Cache ``reply`` for resends, evicting the oldest past the limits (the newest reply
+        of a session always stays)."""
+        size = reply.ByteSize()
         session.replies[reply.id] = reply
-        while len(session.replies) > REPLY_CACHE:
-            session.replies.popitem(last=False)
+        session.reply_bytes += size
+        self._cached[(session.id, reply.id)] = size
+        self._cached_bytes += size
+        limits = self.limits
+        while len(session.replies) > 1 and (
+            len(session.replies) > limits.reply_cache_entries or session.reply_bytes > limits.reply_cache_session_bytes
+        ):
+            self._forget(session, next(iter(session.replies)))
+        while self._cached_bytes > limits.reply_cache_bytes and len(self._cached) > 1:
+            session_id, request_id = next(iter(self._cached))
+            owner = self._sessions.get(session_id)
+            if owner is None or (owner is session and len(session.replies) == 1):
+                break  # only this session's newest reply is left
+            self._forget(owner, request_id)
+
+    def _forget(self, session: Session, request_id: int) -> None:
+        reply = session.replies.pop(request_id, None)
+        size = self._cached.pop((session.id, request_id), 0)
+        if reply is not None:
+            session.reply_bytes -= size
+            self._cached_bytes -= size
 
     def _watch(self, job: Job, now: float) -> None:
         for rank, session in list(job.ranks.items()):

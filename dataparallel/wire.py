@@ -17,6 +17,8 @@ from .errors import AuthError, BadMessage
 
 #: Bumped on any incompatible change of the schema's meaning.
 PROTOCOL_VERSION = 2  # 2: multi_get, multi_set, append
+#: The largest job a coordinator (and a channel) accepts: collectives hold per-rank state.
+MAX_WORLD_SIZE = 1 << 20
 #: Largest frame a coordinator accepts (a value is meant to be small: ids, commands, reports).
 MAX_FRAME = 64 << 20
 MAC_SIZE = 32

@@ -21,9 +21,9 @@ from jobutil import exercise, open_job
 
 import dataparallel as dp
 from dataparallel.coordinator import CoordinatorLimits
-from dataparallel.testing import close_all, free_port, run_all
+from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.transports.zmq.server import ZmqCoordinatorServer
-from dataparallel.wire import MAC_SIZE, PROTOCOL_VERSION, pb, seal, token_key
+from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, pb, seal, token_key
 
 TOKEN = "fuzz-token"
 KEY = token_key(TOKEN)
@@ -247,6 +247,9 @@ def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served)
             run()
             assert proc.poll() is None, f"the coordinator died during {run.__name__}"
         # Replays: a signed request sent again is answered from the reply cache, not applied twice.
+        # On a session of its own: the fuzzed ids above reach 2**64 - 1, past which a session
+        # accepts nothing new.
+        session = attacker.call(hello).session
         add = pb.Request(id=10**12, session=session, add=pb.Add(key="replayed", amount=5))
         first, again = attacker.call(add), attacker.call(add)
         assert first.status == pb.OK and first.number == 5 and again.number == 5
@@ -340,3 +343,113 @@ def test_hundreds_of_clients_and_two_jobs_with_the_same_keys(scheme, ranks):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------- a member gone bad
+# The attacker below holds the token: it can sign anything, so only the coordinator's own
+# bookkeeping stands between a replayed frame and a second application.
+
+
+def _hello(attacker, job: str, world_size: int = 1, liveness_timeout: float = 30.0) -> bytes:
+    hello = pb.Hello(protocol=PROTOCOL_VERSION, job=job, world_size=world_size, liveness_timeout=liveness_timeout)
+    reply = attacker.call(pb.Request(id=1, hello=hello))
+    assert reply.status == pb.OK and reply.session, reply
+    return reply.session
+
+
+@pytest.mark.timeout(120)
+def test_a_replayed_request_is_never_applied_twice(served):
+    """A request parked, then answered late, once made evicted ids below it acceptable again:
+    park id 100, apply id 200, roll the reply cache past both, replay id 200."""
+    scheme, url, _proc = served
+    attacker = attacker_for(scheme, url)
+    try:
+        session = _hello(attacker, "replay")
+
+        def add(request_id: int, key: str) -> pb.Reply:
+            return attacker.call(pb.Request(id=request_id, session=session, add=pb.Add(key=key, amount=1)))
+
+        attacker.send(pb.Request(id=100, session=session, get=pb.Get(key="missing", timeout=1.0)))
+        assert add(200, "counter").number == 1
+        for request_id in range(201, 201 + 300):  # the reply of id 200 leaves the cache
+            add(request_id, "filler")
+        time.sleep(1.5)  # id 100 times out: answered (and once cached) late
+        for request_id in range(600, 600 + 255):  # now id 100 is the oldest reply held
+            add(request_id, "filler")
+        replayed = add(200, "counter")
+        assert replayed.status == pb.BAD_MESSAGE and "replayed" in replayed.error, replayed
+        read = attacker.call(pb.Request(id=10_000, session=session, get=pb.Get(key="counter", timeout=1)))
+        assert read.value == b"1", "the replayed add was applied again"
+        assert add(100_000, "filler").status == pb.OK  # far above: id 200 is now below the window
+        assert add(200, "counter").status == pb.BAD_MESSAGE
+    finally:
+        attacker.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_replayed_heartbeat_does_not_keep_a_dead_rank_alive(served):
+    scheme, url, _proc = served
+    live = with_options(url, liveness_timeout=2, heartbeat=0.2)
+    attacker = attacker_for(scheme, url)
+    try:
+        session = _hello(attacker, "zombie", world_size=2, liveness_timeout=2.0)
+        assert attacker.call(pb.Request(id=2, session=session, register=pb.Register(rank=1))).status == pb.OK
+        heartbeat = pb.Request(id=3, session=session, heartbeat=pb.Empty())
+        assert attacker.call(heartbeat).status == pb.OK
+        with dp.connect(live, rank=0, world_size=2, job="zombie", token=TOKEN, timeout=30) as ch:
+            stop = threading.Event()
+
+            def replay() -> None:  # rank 1 is gone; its captured heartbeat frame keeps coming
+                while not stop.wait(0.3):
+                    attacker.send(heartbeat)
+
+            replayer = threading.Thread(target=replay, daemon=True)
+            replayer.start()
+            start = time.monotonic()
+            try:
+                with pytest.raises(dp.PeerLost) as info:
+                    ch.barrier("wait-for-1", timeout=20)
+            finally:
+                stop.set()
+                replayer.join(timeout=10)
+            assert info.value.rank == 1
+            assert time.monotonic() - start < 8, "the replayed heartbeats delayed the loss"
+    finally:
+        attacker.close()
+
+
+@pytest.mark.timeout(180)
+def test_reply_cache_is_bounded_in_bytes(served):
+    """Reads are not cached (a resend reads again); cached replies of writes are bounded in
+    bytes per session: a 1 MiB value read and compared 300 times does not grow the coordinator
+    by 300 MiB."""
+    scheme, url, proc = served
+    attacker = attacker_for(scheme, url)
+    try:
+        session = _hello(attacker, "hoard")
+        big = os.urandom(1 << 20)
+        assert attacker.call(pb.Request(id=2, session=session, set=pb.KeyValue(key="big", value=big))).status == pb.OK
+        before = rss_mb(proc.pid)
+        for i in range(300):
+            got = attacker.call(pb.Request(id=10 + i, session=session, get=pb.Get(key="big", timeout=1)))
+            assert got.value == big
+        for i in range(300):  # a failing compare_set answers with the 1 MiB current value
+            op = pb.CompareSet(key="big", expected=b"nope", desired=b"x")
+            assert attacker.call(pb.Request(id=1000 + i, session=session, compare_set=op)).value == big
+        grown = rss_mb(proc.pid) - before
+        assert grown < 64, f"coordinator RSS grew by {grown:.0f} MB"
+    finally:
+        attacker.close()
+
+
+def test_world_size_is_bounded(served):
+    scheme, url, _proc = served
+    attacker = attacker_for(scheme, url)
+    try:
+        hello = pb.Hello(protocol=PROTOCOL_VERSION, job="huge", world_size=2**32 - 1, liveness_timeout=5)
+        reply = attacker.call(pb.Request(id=1, hello=hello))
+        assert reply.status == pb.BAD_MESSAGE and "world_size" in reply.error
+    finally:
+        attacker.close()
+    with pytest.raises(dp.ConfigError, match="world_size"):
+        dp.connect(url, rank=0, world_size=MAX_WORLD_SIZE + 1, token=TOKEN, timeout=5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -584,6 +585,29 @@ class LivenessTests(ChannelHarness):
             self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return
         self._kill_or_freeze(channel_url, signal.SIGSTOP, rendezvous=True)
+
+    @pytest.mark.timeout(120)
+    def test_ranks_joining_together_are_never_reported_lost(self, channel_url):
+        """Ranks that connect at the same moment watch each other from the start: none may
+        take another's half-finished join for a loss."""
+        url = with_options(channel_url, **self.LIVENESS)
+        n = 4
+        rng = random.Random(0)
+
+        def join(rank: int, job: str, delay: float) -> dp.ControlChannel:
+            time.sleep(delay)  # staggered, so that joins overlap the others' first looks
+            return dp.connect(url, rank=rank, world_size=n, job=job, timeout=30)
+
+        for attempt in range(8):
+            job = f"together{attempt}"
+            delays = [rng.uniform(0, 0.1) for _ in range(n)]
+            channels = run_all([lambda r=r, j=job, d=delays[r]: join(r, j, d) for r in range(n)])
+            try:
+                run_all([lambda c=c: c.barrier("joined", timeout=STEP_TIMEOUT) for c in channels])
+                lost = {c.rank: c.lost_peers() for c in channels if c.lost_peers()}
+                assert not lost, f"attempt {attempt}: live ranks reported lost: {lost}"
+            finally:
+                close_all(channels)
 
     @pytest.mark.timeout(60)
     def test_clean_close_is_not_a_loss(self, channel_url, open_ranks):

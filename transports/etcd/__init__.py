@@ -10,10 +10,10 @@ etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
 - ``add`` and ``compare_set`` are transactions guarded by the key's ``mod_revision``
   (retried on conflict); a missing key is ``version == 0``.
 - Liveness (:class:`LeaseLiveness`): each rank holds a lease (TTL = ``liveness_timeout``)
-  kept alive every TTL/3, and on joining writes ``__dp/alive/RANK`` (bound to the lease) and
-  ``__dp/joined/RANK`` (not). A watch on the alive keys sees a joined rank's key vanish when
-  its lease expires (killed, frozen, or cut off): ``PeerLost`` for everyone waiting. A rank
-  that closes writes ``__dp/left/RANK`` first: a clean departure.
+  kept alive every ``heartbeat`` seconds (at most TTL/3), and on joining writes
+  ``__dp/alive/RANK`` (bound to the lease) and ``__dp/joined/RANK`` (not). A watch on the
+  alive keys sees a joined rank's key vanish when its lease expires (killed, frozen, or cut
+  off): ``PeerLost`` for everyone waiting. A rank that closes writes ``__dp/left/RANK`` first: a clean departure.
 - The last rank to close deletes the job's keys.
 - Several endpoints: a call that cannot reach one member is retried on the next.
 
@@ -304,8 +304,10 @@ class EtcdChannel(ControlChannel):
         self._add(_OPEN, 1)
 
     def _keep_alive(self, ttl: int) -> None:
+        # As often as the heartbeat option asks (at least three times a TTL): a stall of the
+        # client or of etcd costs the lease only if it outlasts nearly all of it.
         last_ok = time.monotonic()
-        while not self._stop.wait(ttl / 3):
+        while not self._stop.wait(min(self.heartbeat_interval, ttl / 3)):
             try:
                 self._run(self._call("refresh_lease", self._lease.id), ttl)
                 last_ok = time.monotonic()
@@ -407,9 +409,12 @@ class LeaseLiveness(Liveness):
         """Judge every joined rank whose alive key is gone, then watch for more to go."""
         ch = self._ch
         alive, joined = ch._k(_ALIVE), ch._k(_JOINED)
+        # Joined markers first: a rank's marker and alive key are written together, so one
+        # whose marker was seen and whose alive key is gone a moment later has lost its
+        # lease. (Read the other way round, a rank joining in between looked lost.)
+        members = {int(kv.key[len(joined) :]) for kv in await ch._call("get_prefix", joined)}
         found = await ch._call("get_prefix", alive)
         present = {int(kv.key[len(alive) :]) for kv in found}
-        members = {int(kv.key[len(joined) :]) for kv in await ch._call("get_prefix", joined)}
         for rank in members - present - {ch.rank} - self._left - set(self._lost):
             await self._judge(rank)
         self._watch = await ch._call(

@@ -59,7 +59,7 @@ def check(url: str, *, token: str | None = None, timeout: float = 5.0, rounds: i
     if endpoints and not reachable:
         report.problem = report.lines[-1] if len(endpoints) == 1 else f"no endpoint of {url} is reachable"
         return report
-    problems = cls.diagnose(parsed, timeout, token)
+    problems = [str(problem) for problem in cls.diagnose(parsed, timeout, token)]
     if problems:
         report.lines.extend(problems)
         report.problem = problems[0]
@@ -140,13 +140,25 @@ def speaks_tls(host: str, port: int, timeout: float, alpn: list[str] | None = No
         return None
 
 
-def _handshake(host: str, port: int, context: ssl.SSLContext, server_name: str, timeout: float) -> None:
-    """One TLS handshake with host:port; raises what it meets."""
+def _handshake(
+    host: str, port: int, context: ssl.SSLContext, server_name: str, timeout: float, settle: bool = False
+) -> None:
+    """One TLS handshake with host:port; raises what it meets. ``settle``: then wait a
+    moment for the server's verdict on the client's certificate, which TLS 1.3 sends after
+    the handshake (an alert, raised as :class:`ssl.SSLError`)."""
     with (
         socket.create_connection((host, port), timeout=timeout) as raw,
-        context.wrap_socket(raw, server_hostname=server_name),
+        context.wrap_socket(raw, server_hostname=server_name) as tls,
     ):
-        pass
+        if settle:
+            tls.settimeout(min(timeout, 0.5))
+            try:
+                # A server that accepted us speaks first (HTTP/2 settings) or waits; one that
+                # did not sends an alert or hangs up.
+                if tls.recv(1) == b"":
+                    raise ssl.SSLError("the server closed the connection after the handshake")
+            except TimeoutError:
+                pass
 
 
 def tls_diagnosis(
@@ -154,13 +166,16 @@ def tls_diagnosis(
     *,
     want_tls: bool,
     ca: str | None,
+    cert: str | None = None,
+    key: str | None = None,
     server_name: str | None = None,
     alpn: list[str] | None = None,
     timeout: float = 5.0,
     how_to_enable: str = "tls=1&ca=CA.pem",
     how_to_disable: str = "tls=1",
-) -> list[str]:
-    """TLS mismatches between ``url`` and the server at each of its endpoints."""
+) -> list[ControlError]:
+    """TLS mismatches between ``url`` and the server at each of its endpoints: a
+    :class:`ConfigError` for each, an :class:`AuthError` for a certificate that does not verify."""
     problems = []
     for host, port in url.hosts:
         if port is None:
@@ -170,27 +185,45 @@ def tls_diagnosis(
             continue
         if tls and not want_tls:
             problems.append(
-                f"TLS mismatch: the server at {host}:{port} speaks TLS, the URL does not: add {how_to_enable}"
+                ConfigError(
+                    f"TLS mismatch: the server at {host}:{port} speaks TLS, the URL does not: add {how_to_enable}"
+                )
             )
         elif not tls and want_tls:
             problems.append(
-                f"TLS mismatch: the server at {host}:{port} speaks plaintext, the URL asks for TLS: "
-                f"drop {how_to_disable}"
+                ConfigError(
+                    f"TLS mismatch: the server at {host}:{port} speaks plaintext, the URL asks for TLS: "
+                    f"drop {how_to_disable}"
+                )
             )
         elif tls and ca:
             try:
                 context = ssl.create_default_context(cafile=ca)
             except (OSError, ssl.SSLError) as err:
-                problems.append(f"TLS: cannot load ca={ca}: {getattr(err, 'strerror', None) or err}")
+                problems.append(ConfigError(f"TLS: cannot load ca={ca}: {getattr(err, 'strerror', None) or err}"))
                 continue
             if alpn:
                 context.set_alpn_protocols(alpn)
             try:
-                _handshake(host, port, context, server_name or host, timeout)
+                if cert and key:
+                    context.load_cert_chain(cert, key)
+                _handshake(host, port, context, server_name or host, timeout, settle=True)
             except ssl.SSLCertVerificationError as err:
                 problems.append(
-                    f"TLS: the certificate of {host}:{port} does not verify against ca={ca}: {err.verify_message}"
+                    AuthError(
+                        f"TLS: the certificate of {host}:{port} does not verify against ca={ca}: {err.verify_message}"
+                    )
                 )
-            except (ssl.SSLError, OSError):
-                pass  # e.g. a client certificate demanded: the session attempt reports it
+            except ssl.SSLError as err:
+                # After the handshake: the server refused the client certificate (or its absence).
+                mine = f"this client's certificate (cert={cert})" if cert else "a client without a certificate"
+                why = getattr(err, "reason", None) or err.args[0]
+                problems.append(
+                    AuthError(
+                        f"TLS: the server at {host}:{port} refuses {mine}: {why}; "
+                        "use cert=/key= signed by a CA the server trusts"
+                    )
+                )
+            except OSError:
+                pass  # the session attempt reports it
     return problems

@@ -2,16 +2,19 @@
 
 :class:`RemoteChannel` implements all channel hooks, the native collectives (one round
 trip per rank through the coordinator's ``Collect``), liveness and departures in terms of
-one abstract call, :meth:`RemoteChannel._call` (send a request, return its reply), and
-turns reply statuses into the error family. A transport (ZeroMQ, gRPC) supplies the
-connection: ``_call``, ``_open_session`` plumbing and ``_close_transport``; and, when it
-hosts the coordinator in-process, ``_hosted`` (the :class:`Coordinator`).
+one request loop, :meth:`RemoteChannel._call` (deadline, resends with the same id, a
+channel broken in the background, the message when no reply comes, and a diagnosis of
+misconfiguration while the session opens), and turns reply statuses into the error
+family. A transport (ZeroMQ, gRPC) supplies one request in flight, an :class:`Exchange`
+(``_exchange``), its ``_close_transport``, and, when it hosts the coordinator in-process,
+the server (``_coordinator_address``).
 """
 
 from __future__ import annotations
 
 import abc
 import itertools
+import math
 import os
 import socket
 import threading
@@ -21,12 +24,39 @@ from typing import Any, ClassVar
 
 from .channel import ControlChannel
 from .coordinator import Coordinator
-from .errors import AuthError, BadMessage, ChannelClosed, ControlError, ControlTimeout, PeerLost
+from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import Liveness, LostPeer
 from .wire import PROTOCOL_VERSION, pb
 
 #: Extra seconds a client waits beyond the coordinator's own deadline before giving up on it.
 REPLY_GRACE = 5.0
+#: Longest a waiting caller goes without looking at the channel's state.
+POLL_SLICE = 0.25
+#: While a session opens: unanswered for this long, look at the server for a
+#: misconfiguration (TLS, encryption, token), and again this often.
+PROBE_AFTER = 1.0
+PROBE_EVERY = 2.0
+
+
+class Exchange(abc.ABC):
+    """One request in flight on a transport's connection.
+
+    The transport sends it when made and resends it (always with the same id: the
+    coordinator applies a request once and answers resends from its cache) whenever it
+    sees fit, e.g. after a reconnect. ``reason`` keeps why the last attempt failed, for the
+    message the request loop gives when no reply comes.
+    """
+
+    reason: str = ""
+
+    @abc.abstractmethod
+    def poll(self, wait: float) -> pb.Reply | None:
+        """Wait up to ``wait`` seconds for the reply; None if none came. Raises
+        :class:`AuthError` when the coordinator refuses the token, another
+        :class:`ControlError` for a failure that resending cannot mend."""
+
+    def cancel(self) -> None:  # noqa: B027 - most exchanges hold nothing to release
+        """Give up on the request (called once, whatever happened)."""
 
 
 class CoordinatorLiveness(Liveness):
@@ -94,6 +124,7 @@ class CoordinatorLiveness(Liveness):
 
 class RemoteChannel(ControlChannel, abc.ABC):
     native_auth: ClassVar[bool] = True
+    fences_lost_members: ClassVar[bool] = True  # the coordinator drops a lost rank's session
 
     def _init_remote(self) -> None:
         """Call from the transport's ``__init__`` once it can ``_call``: opens the session."""
@@ -117,29 +148,92 @@ class RemoteChannel(ControlChannel, abc.ABC):
         return CoordinatorLiveness(self)
 
     # ------------------------------------------------------------------ transport
+    #: Said when no reply comes: which settings must agree between client and coordinator.
+    MISMATCH_HINT: ClassVar[str] = "does the token match?"
+
     @abc.abstractmethod
-    def _call(self, request: pb.Request, timeout: float) -> pb.Reply:
-        """Send ``request`` and return its reply within ``timeout`` seconds; raise
-        :class:`ChannelClosed` if the coordinator cannot be reached, :class:`AuthError`
-        if it rejects the token. Thread-safe; concurrent calls must not wait on each other."""
+    def _exchange(self, request: pb.Request) -> Exchange:
+        """Send ``request``: the :class:`Exchange` that waits for its reply. Thread-safe;
+        concurrent requests must not wait on each other."""
 
     @abc.abstractmethod
     def _close_transport(self) -> None: ...
 
     #: The coordinator server this process hosts, if any (``.coordinator``, ``.port``, ``.stop()``).
     _server: Any = None
+    #: (host, port) this client connects to.
+    _address: tuple[str, int] = ("", 0)
 
-    def _host_unless_served(self, start: Callable[[], Any], port: int, busy: tuple[type[BaseException], ...]) -> int:
-        """Rank 0 (or, with ``rank=None``, the first process to bind) hosts the coordinator
-        in-process; if the port is already served (``dataparallel serve``, or another job's
-        rank 0) it stays a client. Returns the port to connect to."""
+    def _coordinator_address(self, start: Callable[[], Any], busy: tuple[type[BaseException], ...]) -> tuple[str, int]:
+        """Where to send requests, after hosting the coordinator here if this process should.
+
+        Rank 0 (or, with ``rank=None``, the first process to bind) hosts the coordinator
+        in-process by calling ``start()``; if the port is already served (``dataparallel
+        serve``, or another job's rank 0: ``start`` raised one of ``busy``) it stays a client.
+        A wildcard host (``0.0.0.0``) is reached over loopback."""
+        url = self.url
+        if len(url.hosts) != 1 or url.path:
+            raise ConfigError(f"{url.raw!r}: expected {self.scheme}://HOST:PORT")
+        port = url.require_port()
         if self.rank in (None, 0) and self.serve:
             try:
                 self._server = start()
-                return self._server.port
+                port = self._server.port
             except busy:
                 self._server = None
-        return port
+        host = "127.0.0.1" if url.host in ("0.0.0.0", "*") else url.host
+        self._address = (host, port)
+        return self._address
+
+    @property
+    def port(self) -> int:
+        """The coordinator's port (the one bound, when this process hosts it on port 0)."""
+        return self._address[1]
+
+    def _call(self, request: pb.Request, timeout: float) -> pb.Reply:
+        """Send ``request`` and return its reply within ``timeout`` seconds.
+
+        Raises :class:`ChannelClosed` if no reply comes in time (or the channel broke in the
+        background, except for heartbeats and the leave), :class:`AuthError` if the
+        coordinator refuses the token, and while the session opens, a :class:`ConfigError`
+        or :class:`AuthError` naming the fix as soon as the server shows a misconfiguration
+        (TLS, encryption, token), whatever ``timeout`` is."""
+        control = request.WhichOneof("op") in ("heartbeat", "leave")
+        start = time.monotonic()
+        deadline = start + timeout
+        probe_at = start + PROBE_AFTER if request.WhichOneof("op") == "hello" else math.inf
+        exchange = self._exchange(request)
+        try:
+            while True:
+                if self._broken is not None and not control:
+                    raise self._broken
+                now = time.monotonic()
+                if now >= deadline:
+                    raise ChannelClosed(self._no_reply(timeout, exchange.reason))
+                if now >= probe_at:
+                    self._raise_misconfiguration()
+                    probe_at = time.monotonic() + PROBE_EVERY
+                reply = exchange.poll(max(min(POLL_SLICE, deadline - now, probe_at - now), 0.0))
+                if reply is not None:
+                    return reply
+        finally:
+            exchange.cancel()
+
+    def _no_reply(self, timeout: float, reason: str) -> str:
+        host, port = self._address
+        last = f"; last error: {reason}" if reason else ""
+        return (
+            f"no reply from the coordinator at {host}:{port} within {timeout:.1f}s "
+            f"(is rank 0 / `dataparallel serve` running? {self.MISMATCH_HINT}){last}"
+        )
+
+    def _raise_misconfiguration(self) -> None:
+        problems = type(self).diagnose(self.url, PROBE_EVERY, self.token)
+        if problems:
+            problem = problems[0]
+            if isinstance(problem, ControlError):
+                raise problem
+            raise ConfigError(f"cannot open a session with the coordinator at {self.url.raw}: {problem}")
 
     def _stop_hosting(self) -> None:
         if self._server is not None:
@@ -158,15 +252,16 @@ class RemoteChannel(ControlChannel, abc.ABC):
     def _request(self, request: pb.Request, wait: float, what: str) -> pb.Reply:
         request.id = next(self._ids)
         request.session = self._session
+        start = time.monotonic()
         reply = self._call(request, wait + REPLY_GRACE)
         if reply.status == pb.OK:
             return reply
-        return self._raise(reply, what)
+        return self._raise(reply, what, time.monotonic() - start)
 
-    def _raise(self, reply: pb.Reply, what: str) -> pb.Reply:
+    def _raise(self, reply: pb.Reply, what: str, waited: float) -> pb.Reply:
         status, error = reply.status, reply.error
         if status == pb.TIMEOUT:
-            raise ControlTimeout(what, 0.0, error)
+            raise ControlTimeout(what, waited, error)
         if status == pb.PEER_LOST:
             lost = reply.lost
             if isinstance(self._liveness, CoordinatorLiveness):
@@ -177,7 +272,15 @@ class RemoteChannel(ControlChannel, abc.ABC):
         if status == pb.BAD_MESSAGE:
             raise BadMessage(f"coordinator refused {what}: {error}")
         if status == pb.CLOSED:
-            raise ChannelClosed(f"coordinator closed the session during {what}: {error}")
+            # The session is gone for good: this rank was declared lost (frozen or cut off past
+            # the liveness timeout) and fenced, or the coordinator restarted. Every later call
+            # says so at once.
+            broken = ChannelClosed(
+                f"coordinator closed the session during {what}: {error} (rank {self.rank} was declared lost "
+                "and cut off, or the coordinator restarted)"
+            )
+            self._fail(broken)
+            raise broken
         raise ControlError(f"{what} failed: {error}")
 
     def _short(self, what: str, **op) -> pb.Reply:

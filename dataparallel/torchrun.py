@@ -12,16 +12,23 @@ channel with ``compare_set``, the same way torch's ``c10d`` backend does with a 
 
 - ``dp-zmq``/``dp-grpc``: the agent that can bind the endpoint hosts the coordinator (as
   torch's ``c10d`` backend hosts its TCPStore); the others connect to it.
+- ``--rdzv-endpoint``: ``HOST[:PORT]``; for ``dp-etcd`` a comma-separated list of members.
 - ``--rdzv-conf``: transport options (``curve=1``, ``tls=1``, ``ca=...``, ``liveness_timeout``...)
-  go into the channel URL; ``read_timeout`` (seconds, default 60) bounds each call.
-- The token comes from ``DP_TOKEN``.
+  go into the channel URL; ``read_timeout`` (seconds > 0, default 60) bounds each call.
+- The token comes from ``DP_TOKEN`` and is checked as ``dataparallel.connect`` checks it: an
+  agent with another token is refused. The state is framed (magic, version, length) and
+  signed with a key derived from the token: a value the backend did not write, or one
+  written without the token, is a ``RendezvousStateError``.
 - Workers find the rendezvous round in ``DP_RDZV_ROUND``; ``dataparallel.connect()`` in a
   worker names its job after it, so a restarted group never meets the keys of the last one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -29,18 +36,46 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
+    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from .channel import COMMON_OPTIONS, ControlChannel
-from .errors import ControlError
+from .errors import AuthError, ControlError
 from .registry import parse_url, transport_class
-from .wire import MAX_FRAME
+from .wire import MAX_FRAME, token_key
 
 DEFAULT_PORTS = {"etcd": 2379, "zmq": 29400, "grpc": 29400}
 #: Set in the agent (and so in its workers) to the rendezvous round: see ``dataparallel.config``.
 ROUND_ENV = "DP_RDZV_ROUND"
+
+#: The stored state: magic, format version, state length, the state, HMAC-SHA256 of all before.
+STATE_MAGIC = b"DPRZ"
+STATE_VERSION = 1
+_HEADER = struct.Struct(">4sBI")
+_MAC = 32
+
+
+def frame_state(state: bytes, key: bytes) -> bytes:
+    body = _HEADER.pack(STATE_MAGIC, STATE_VERSION, len(state)) + state
+    return body + hmac.digest(key, body, "sha256")
+
+
+def unframe_state(stored: bytes, key: bytes) -> bytes:
+    """The state inside ``stored``; :class:`RendezvousStateError` if this backend (with this
+    token) did not write it."""
+    if len(stored) < _HEADER.size + _MAC:
+        raise RendezvousStateError(f"the stored rendezvous state ({len(stored)} bytes) is not one this backend wrote")
+    magic, version, length = _HEADER.unpack_from(stored)
+    if magic != STATE_MAGIC or version != STATE_VERSION or length != len(stored) - _HEADER.size - _MAC:
+        raise RendezvousStateError(
+            f"the stored rendezvous state is not one this backend wrote (magic {magic!r}, version {version}, "
+            f"length {length} of {len(stored)} bytes)"
+        )
+    if not hmac.compare_digest(stored[-_MAC:], hmac.digest(key, stored[:-_MAC], "sha256")):
+        raise RendezvousStateError("the stored rendezvous state is not signed with this job's token")
+    return stored[_HEADER.size : -_MAC]
 
 
 class ChannelRendezvousBackend(RendezvousBackend):
@@ -56,6 +91,7 @@ class ChannelRendezvousBackend(RendezvousBackend):
         self._channel = channel
         self._name = name
         self._key = f"torch.rendezvous.{run_id}.state"
+        self._mac_key = hashlib.sha256(b"dataparallel/rendezvous-state\x00" + token_key(channel.token)).digest()
 
     @property
     def name(self) -> str:
@@ -67,8 +103,8 @@ class ChannelRendezvousBackend(RendezvousBackend):
                 return None
             return self._channel.get(self._key)
 
-        state = self._call(read)
-        return None if state is None else (state, state)
+        stored = self._call(read)
+        return None if stored is None else (unframe_state(stored, self._mac_key), stored)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if len(state) > MAX_FRAME // 2:
@@ -76,9 +112,10 @@ class ChannelRendezvousBackend(RendezvousBackend):
         if token is not None and not isinstance(token, bytes):
             current = self.get_state()  # a token from elsewhere: report the state, change nothing
             return None if current is None else (*current, False)
+        framed = frame_state(state, self._mac_key)
         expected = token if token else b""  # b"": only if no state exists yet
-        current = self._call(lambda: self._channel.compare_set(self._key, expected, state))
-        return current, current, current == state
+        stored = self._call(lambda: self._channel.compare_set(self._key, expected, framed))
+        return unframe_state(stored, self._mac_key), stored, stored == framed
 
     def _call(self, op: Callable[[], Any]) -> Any:
         try:
@@ -90,13 +127,18 @@ class ChannelRendezvousBackend(RendezvousBackend):
 def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> RendezvousHandler:
     """A dynamic rendezvous handler over a ``scheme`` channel at ``params.endpoint``."""
     cls = transport_class(scheme)
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORTS.get(scheme, 29400))
+    endpoints = [e.strip() for e in params.endpoint.split(",") if e.strip()] or [""]
+    if len(endpoints) > 1 and scheme != "etcd":
+        raise ValueError(f"dp-{scheme}: --rdzv-endpoint names one coordinator HOST:PORT, got {params.endpoint!r}")
+    hosts = []
+    for endpoint in endpoints:
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORTS.get(scheme, 29400))
+        hosts.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     allowed = {**COMMON_OPTIONS, **cls.OPTIONS}
     options = {key: str(value) for key, value in params.config.items() if key in allowed}
     query = "&".join(f"{key}={value}" for key, value in sorted(options.items()))
-    host = f"[{host}]" if ":" in host else host
-    url = parse_url(f"{scheme}://{host}:{port}" + (f"?{query}" if query else ""))
-    read_timeout = params.get_as_int("read_timeout", 60) or 60
+    url = parse_url(f"{scheme}://{','.join(hosts)}" + (f"?{query}" if query else ""))
+    read_timeout = _read_timeout(params)
     try:
         channel = cls(
             url,
@@ -104,10 +146,20 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
             world_size=max(1, params.max_nodes),
             job=f"torchrun.{params.run_id}",
             token=os.environ.get("DP_TOKEN") or None,
-            timeout=float(read_timeout),
+            timeout=read_timeout,
         )
+    except AuthError as err:
+        raise RendezvousConnectionError(f"dp-{scheme}: {url.raw} refused this agent's token (DP_TOKEN): {err}") from err
     except ControlError as err:
         raise RendezvousConnectionError(f"dp-{scheme}: cannot reach {url.raw}: {err}") from err
+    try:
+        if not channel.native_auth:
+            channel._agree_on_token()  # as dp.connect does; the coordinators check it themselves
+    except ControlError as err:
+        channel.close()
+        raise RendezvousConnectionError(
+            f"dp-{scheme}: {url.raw}: this agent's token (DP_TOKEN) differs from the job's: {err}"
+        ) from err
     backend = ChannelRendezvousBackend(channel, params.run_id, f"dp-{scheme}")
     handler = create_handler(channel.as_store(), backend, params)
     handler._dp_channel = channel  # kept alive (and hosting, if it does) as long as the handler
@@ -126,6 +178,19 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
 
     handler.next_rendezvous = next_rendezvous
     return handler
+
+
+def _read_timeout(params: RendezvousParameters) -> float:
+    raw = params.config.get("read_timeout")
+    if raw is None:
+        return 60.0
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"read_timeout (from --rdzv-conf) must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 def _creator(scheme: str) -> Callable[[RendezvousParameters], RendezvousHandler]:

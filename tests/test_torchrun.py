@@ -13,9 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from etcdserver import EtcdServer, require_etcd
+from etcdserver import EtcdServer, require_etcd, start_cluster
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
 
+import dataparallel as dp
 from dataparallel.testing import free_port
+from dataparallel.torchrun import ChannelRendezvousBackend, create_rdzv_handler
 
 WORKER = r"""
 import json, os, sys
@@ -61,11 +68,11 @@ def _torchrun(backend: str, endpoint: str, run_id: str, out: Path, script: Path,
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["dp-zmq", "dp-grpc", "dp-etcd"])
 def test_two_torchrun_nodes_rendezvous_and_restart(backend, tmp_path):
-    server = None
-    if backend == "dp-etcd":
+    members = []
+    if backend == "dp-etcd":  # a 3-member cluster, named as README shows: every member, comma-separated
         require_etcd()
-        server = EtcdServer(tmp_path / "etcd").start().wait_ready()
-        endpoint = f"127.0.0.1:{server.client_port}"
+        members = start_cluster(tmp_path / "etcd", 3)
+        endpoint = ",".join(f"127.0.0.1:{m.client_port}" for m in members)
     else:
         endpoint = f"127.0.0.1:{free_port()}"
     script = tmp_path / "worker.py"
@@ -78,8 +85,8 @@ def test_two_torchrun_nodes_rendezvous_and_restart(backend, tmp_path):
         agents = _torchrun(backend, endpoint, f"job-{backend}", out, script, env)
         logs = [agent.communicate(timeout=240)[0] for agent in agents]
     finally:
-        if server is not None:
-            server.stop()
+        for member in members:
+            member.stop()
     for agent, log in zip(agents, logs, strict=True):
         assert agent.returncode == 0, log[-4000:]
     assert any("exitcode: 7" in log or "exitcode  : 7" in log or "exit code 7" in log.lower() for log in logs), (
@@ -101,3 +108,63 @@ def test_handlers_are_registered_with_torch():
 
     for name in ("dp-etcd", "dp-zmq", "dp-grpc"):
         assert rendezvous_handler_registry._registry.get(name) is not None, name
+
+
+def _params(backend: str, endpoint: str, **config) -> RendezvousParameters:
+    return RendezvousParameters(backend, endpoint, "contract", 1, 2, **config)
+
+
+@pytest.mark.parametrize("value", ["0", "-10", "x", "nan"])
+def test_an_invalid_read_timeout_is_a_value_error_naming_it(value):
+    with pytest.raises(ValueError, match="read_timeout"):
+        create_rdzv_handler("zmq", _params("dp-zmq", f"127.0.0.1:{free_port()}", read_timeout=value))
+
+
+def test_several_endpoints_are_refused_for_a_single_coordinator():
+    with pytest.raises(ValueError, match="one coordinator"):
+        create_rdzv_handler("zmq", _params("dp-zmq", "127.0.0.1:1,127.0.0.1:2"))
+
+
+def test_the_state_is_framed_and_signed_with_the_token():
+    url = f"zmq://127.0.0.1:{free_port()}"
+    with (
+        dp.connect(url, rank=0, world_size=3, job="rdzv", token="right", timeout=10) as ch,
+        dp.connect(url, rank=1, world_size=3, job="rdzv", token="right", timeout=10) as raw,
+    ):
+        backend = ChannelRendezvousBackend(ch, "r1", "dp-zmq")
+        assert backend.get_state() is None
+        state, token, ok = backend.set_state(b"first")
+        assert (state, ok) == (b"first", True)
+        assert backend.get_state() == (b"first", token)
+        assert backend.set_state(b"second", b"stale token") == (b"first", token, False), "a stale token changes nothing"
+        key = "torch.rendezvous.r1.state"
+        for stored in (b"not a state", b"first", b"DPRZ\x01" + bytes(40)):
+            raw.set(key, stored)  # a value this backend never wrote
+            with pytest.raises(RendezvousStateError, match=r"not one this backend wrote|not signed"):
+                backend.get_state()
+        # A state framed correctly but signed without the job's token (a process that can
+        # reach the coordinator but does not hold the token) is refused too.
+        forger = ChannelRendezvousBackend(raw, "r1", "dp-zmq")
+        forger._mac_key = bytes(32)
+        raw.delete(key)
+        forger.set_state(b"forged")
+        with pytest.raises(RendezvousStateError, match="not signed with this job's token"):
+            backend.get_state()
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_with_another_token_is_refused(tmp_path, monkeypatch):
+    require_etcd()
+    server = EtcdServer(tmp_path / "etcd").start().wait_ready()
+    handlers = []
+    try:
+        endpoint = f"127.0.0.1:{server.client_port}"
+        monkeypatch.setenv("DP_TOKEN", "right")
+        handlers.append(create_rdzv_handler("etcd", _params("dp-etcd", endpoint, read_timeout="10")))
+        monkeypatch.setenv("DP_TOKEN", "wrong")
+        with pytest.raises(RendezvousConnectionError, match="token"):
+            create_rdzv_handler("etcd", _params("dp-etcd", endpoint, read_timeout="10"))
+    finally:
+        for handler in handlers:
+            handler._dp_channel.close()
+        server.stop()

@@ -10,10 +10,10 @@ import time
 import pytest
 import zmq
 from jobutil import exercise, open_job
-from netproxy import TcpProxy
 
 import dataparallel as dp
 from dataparallel.testing import close_all, free_port, run_all, with_options
+from dataparallel.testing.netproxy import TcpProxy
 from dataparallel.wire import MAC_SIZE, MAX_FRAME, PROTOCOL_VERSION, pb, seal, token_key
 
 
@@ -122,11 +122,16 @@ def test_curve_encrypts_traffic_and_needs_the_same_token():
             follower.set("k", secret)
             assert host.get("k", timeout=5) == secret
             assert (secret in proxy.captured) is (not curve), "CURVE must hide the payload; plain must not"
-            if curve:
-                for bad in (f"zmq://127.0.0.1:{port}", f"zmq://127.0.0.1:{port}?curve=1"):
-                    token = "tok" if "curve" not in bad else "other"
-                    with pytest.raises((dp.ChannelClosed, dp.AuthError), match="coordinator"):
-                        dp.connect(bad, rank=1, world_size=2, job="intruder", token=token, timeout=1.5)
+            if curve:  # with the default timeout (300 s): typed errors naming the fix, in seconds
+                misconfigured = [
+                    (f"zmq://127.0.0.1:{port}", "tok", dp.ConfigError, "encryption mismatch.*add \\?curve=1"),
+                    (f"zmq://127.0.0.1:{port}?curve=1", "other", dp.AuthError, "wrong token"),
+                ]
+                for bad, token, error, message in misconfigured:
+                    start = time.monotonic()
+                    with pytest.raises(error, match=message):
+                        dp.connect(bad, rank=1, world_size=2, job="intruder", token=token)
+                    assert time.monotonic() - start < 8, f"{bad}: took {time.monotonic() - start:.1f}s"
             close_all([follower, host])
         finally:
             proxy.close()

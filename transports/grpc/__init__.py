@@ -25,14 +25,12 @@ import grpc
 
 from dataparallel.check import tls_diagnosis
 from dataparallel.control.v1 import control_pb2_grpc
-from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError
+from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
-from dataparallel.remote import RemoteChannel
+from dataparallel.remote import Exchange, RemoteChannel
 from dataparallel.wire import pb, token_key
 
 from .server import GRPC_OPTIONS, TOKEN_HEADER, GrpcCoordinatorServer
-
-_POLL_SLICE = 0.25
 
 
 def _flag(url: ChannelURL, name: str) -> bool:
@@ -76,20 +74,18 @@ class GrpcChannel(RemoteChannel):
         "server_name": "name expected in the server certificate (default: the URL's host)",
     }
 
+    MISMATCH_HINT = "do tls= and the certificates match?"
+
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        if len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.raw!r}: expected grpc://HOST:PORT")
         self._tls = _flag(url, "tls")
         self._metadata = ((TOKEN_HEADER, token_key(self.token).hex()),)
-        port = self._host_unless_served(
+        host, port = self._coordinator_address(
             lambda: GrpcCoordinatorServer(
                 url.host, url.require_port(), token_key(self.token).hex(), server_credentials(url)
             ).start(),
-            url.require_port(),
             busy=(OSError, RuntimeError),
         )
-        host = "127.0.0.1" if url.host in ("0.0.0.0", "*") else url.host
         self._target = f"{host}:{port}"
         self._channel = self._open_channel(url)
         self._stub = control_pb2_grpc.ControlServiceStub(self._channel)
@@ -110,60 +106,21 @@ class GrpcChannel(RemoteChannel):
         )
         return grpc.secure_channel(self._target, credentials, options=options)
 
-    @property
-    def port(self) -> int:
-        return int(self._target.rsplit(":", 1)[1])
-
-    def _call(self, request: pb.Request, timeout: float) -> pb.Reply:
-        control = request.WhichOneof("op") in ("heartbeat", "leave")
-        deadline = time.monotonic() + timeout
-        last_error = ""
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ChannelClosed(self._no_reply(timeout, last_error))
-            # An unreachable server fails the call at once; it is retried (same id: the
-            # coordinator answers it once) until the deadline, keeping the last reason
-            # (connection refused, TLS handshake failure...) for the error message.
-            future = self._stub.Call.future(request, timeout=remaining, metadata=self._metadata)
-            try:
-                while True:
-                    if self._broken is not None and not control:
-                        future.cancel()
-                        raise self._broken
-                    try:
-                        return future.result(timeout=_POLL_SLICE)
-                    except grpc.FutureTimeoutError:
-                        continue
-            except grpc.RpcError as err:
-                code, details = err.code(), err.details() or ""
-                if code == grpc.StatusCode.UNAUTHENTICATED:
-                    raise AuthError(f"the coordinator at {self._target} refused this job's token ({details})") from None
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise BadMessage(f"coordinator at {self._target}: {details}") from None
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise ChannelClosed(self._no_reply(timeout, last_error)) from None
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not control:
-                    last_error = details
-                    time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
-                    continue
-                raise ChannelClosed(f"coordinator at {self._target}: {code.name}: {details}") from None
-
-    def _no_reply(self, timeout: float, details: str) -> str:
-        hint = "is rank 0 / `dataparallel serve` running? do tls= and the certificates match?"
-        reason = f"; last error: {details}" if details else ""
-        return f"no reply from the coordinator at {self._target} within {timeout:.1f}s ({hint}){reason}"
+    def _exchange(self, request: pb.Request) -> GrpcExchange:
+        return GrpcExchange(self, request)
 
     def _close_transport(self) -> None:
         self._channel.close()
         self._stop_hosting()
 
     @classmethod
-    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError]:
         return tls_diagnosis(
             url,
             want_tls=_flag(url, "tls"),
             ca=url.options.get("ca"),
+            cert=url.options.get("cert"),
+            key=url.options.get("key"),
             server_name=url.options.get("server_name"),
             alpn=["h2"],
             timeout=timeout,
@@ -174,3 +131,53 @@ class GrpcChannel(RemoteChannel):
         """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
         server = GrpcCoordinatorServer(url.host, url.require_port(), token_key(token).hex(), server_credentials(url))
         server.serve(ready)
+
+
+class GrpcExchange(Exchange):
+    """A request as unary ``Call``s: an unreachable server fails a call at once, and it is
+    made again (same id) after a short pause, keeping the reason (connection refused, TLS
+    handshake failure...) for the message when no reply comes."""
+
+    def __init__(self, channel: GrpcChannel, request: pb.Request) -> None:
+        self._ch, self._request = channel, request
+        self._retry = request.WhichOneof("op") not in ("heartbeat", "leave")
+        self._future: grpc.Future | None = None
+        self._again_at = 0.0
+
+    def poll(self, wait: float) -> pb.Reply | None:
+        end = time.monotonic() + wait
+        while True:
+            if self._future is None:
+                pause = self._again_at - time.monotonic()
+                if pause > 0:
+                    time.sleep(min(pause, max(end - time.monotonic(), 0)))
+                    if time.monotonic() < self._again_at:
+                        return None
+                # The whole remaining wait is the loop's to bound: a deadline far enough out.
+                self._future = self._ch._stub.Call.future(self._request, timeout=3600, metadata=self._ch._metadata)
+            try:
+                return self._future.result(timeout=max(end - time.monotonic(), 0))
+            except grpc.FutureTimeoutError:
+                return None
+            except grpc.RpcError as err:
+                self._future = None
+                self._failed(err)
+                if time.monotonic() >= end:
+                    return None
+
+    def _failed(self, err: grpc.RpcError) -> None:
+        code, details = err.code(), err.details() or ""
+        target = self._ch._target
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            raise AuthError(f"the coordinator at {target} refused this job's token ({details})") from None
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise BadMessage(f"coordinator at {target}: {details}") from None
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self._retry:
+            self.reason = details
+            self._again_at = time.monotonic() + 0.1
+            return
+        raise ChannelClosed(f"coordinator at {target}: {code.name}: {details}") from None
+
+    def cancel(self) -> None:
+        if self._future is not None:
+            self._future.cancel()

@@ -21,25 +21,21 @@ from collections.abc import Callable
 import zmq
 import zmq.utils.monitor
 
-from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError
+from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
-from dataparallel.remote import RemoteChannel
+from dataparallel.remote import Exchange, RemoteChannel
 from dataparallel.wire import open_frame, pb, seal, token_key
 
 from .server import ZmqCoordinatorServer, curve_server_keys
-
-#: Longest a waiting caller goes without checking for a broken channel.
-_POLL_SLICE = 0.25
 
 
 class ZmqChannel(RemoteChannel):
     scheme = "zmq"
     OPTIONS = {"curve": "1 to encrypt traffic with CURVE keys derived from the token (a token is required)"}
+    MISMATCH_HINT = "do token and curve match?"
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        if len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.raw!r}: expected zmq://HOST:PORT")
         curve = url.options.get("curve", "0").lower()
         if curve not in ("0", "1", "false", "true", "no", "yes"):
             raise ConfigError(f"{url.raw!r}: curve must be 1 or 0, got {curve!r}")
@@ -49,12 +45,10 @@ class ZmqChannel(RemoteChannel):
         if self._curve and not zmq.has("curve"):
             raise ConfigError("this libzmq was built without CURVE support")
         self._key = token_key(self.token)
-        port = self._host_unless_served(
+        host, port = self._coordinator_address(
             lambda: ZmqCoordinatorServer(url.host, url.require_port(), self.token, self._curve).start(),
-            url.require_port(),
             busy=(zmq.ZMQError,),
         )
-        host = "127.0.0.1" if url.host in ("0.0.0.0", "*") else url.host
         self._endpoint = f"tcp://{host}:{port}"
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
@@ -65,10 +59,6 @@ class ZmqChannel(RemoteChannel):
         except BaseException:
             self._close_transport()
             raise
-
-    @property
-    def port(self) -> int:
-        return int(self._endpoint.rsplit(":", 1)[1])
 
     def _socket(self) -> zmq.Socket:
         ident = threading.get_ident()
@@ -89,32 +79,9 @@ class ZmqChannel(RemoteChannel):
                 self._sockets[ident] = sock
         return sock
 
-    def _call(self, request: pb.Request, timeout: float) -> pb.Reply:
-        frame = seal(self._key, request)
-        control = request.WhichOneof("op") in ("heartbeat", "leave")
+    def _exchange(self, request: pb.Request) -> ZmqExchange:
         try:
-            sock = self._socket()
-            start = time.monotonic()
-            deadline = start + timeout
-            resend_at = start + (self._resend_after if _try_send(sock, frame) else 0.01)
-            while True:
-                if self._broken is not None and not control:
-                    raise self._broken
-                now = time.monotonic()
-                if now >= deadline:
-                    raise ChannelClosed(
-                        f"no reply from the coordinator at {self._endpoint} within {timeout:.1f}s "
-                        "(is rank 0 / `dataparallel serve` running? do token and curve match?)"
-                    )
-                if now >= resend_at:
-                    # The coordinator answers a resent id only once.
-                    resend_at = now + (self._resend_after if _try_send(sock, frame) else 0.01)
-                if not sock.poll(int(1000 * min(_POLL_SLICE, deadline - now, resend_at - now)) + 1):
-                    continue
-                reply = self._open(sock.recv())
-                if reply.id == request.id:
-                    return reply
-                # else: a late answer to a request this thread gave up on; drop it
+            return ZmqExchange(self, self._socket(), request)
         except zmq.ZMQError as err:
             raise ChannelClosed(f"{self!r}: socket closed ({err})") from err
 
@@ -136,7 +103,7 @@ class ZmqChannel(RemoteChannel):
         self._stop_hosting()
 
     @classmethod
-    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError]:
         """Read the server's ZMTP greeting: is it ZeroMQ at all, does it use CURVE, and
         does a CURVE handshake with this token's key succeed?"""
         curve = url.options.get("curve", "0").lower() in ("1", "true", "yes")
@@ -145,13 +112,25 @@ class ZmqChannel(RemoteChannel):
         except OSError:
             return []  # the session attempt will say what is wrong
         if mechanism is None:
-            return [f"{url.host}:{url.port} does not speak ZeroMQ: is it the job's zmq coordinator's port?"]
+            return [
+                ConfigError(f"{url.host}:{url.port} does not speak ZeroMQ: is it the job's zmq coordinator's port?")
+            ]
         if mechanism == b"CURVE" and not curve:
-            return ["encryption mismatch: the coordinator uses CURVE, the URL does not: add ?curve=1 (and the token)"]
+            return [
+                ConfigError(
+                    "encryption mismatch: the coordinator uses CURVE, the URL does not: add ?curve=1 (and the token)"
+                )
+            ]
         if mechanism == b"NULL" and curve:
-            return ["encryption mismatch: the URL asks for CURVE, the coordinator is unencrypted: drop curve=1"]
+            return [
+                ConfigError("encryption mismatch: the URL asks for CURVE, the coordinator is unencrypted: drop curve=1")
+            ]
         if curve and token and not curve_handshake(url.host, url.require_port(), token, timeout):
-            return ["wrong token: the CURVE handshake fails (the coordinator's key is derived from a different token)"]
+            return [
+                AuthError(
+                    "wrong token: the CURVE handshake fails (the coordinator's key is derived from a different token)"
+                )
+            ]
         return []
 
     @classmethod
@@ -164,6 +143,42 @@ class ZmqChannel(RemoteChannel):
             server.serve()
         finally:
             server.stop()
+
+
+class ZmqExchange(Exchange):
+    """A request on this thread's DEALER socket: resent while no connection takes it, and
+    after ``resend_after`` seconds unanswered (a reconnect may have lost it)."""
+
+    def __init__(self, channel: ZmqChannel, sock: zmq.Socket, request: pb.Request) -> None:
+        self._ch, self._sock, self._id = channel, sock, request.id
+        self._frame = seal(channel._key, request)
+        self._resend_at = 0.0
+        self._send()
+
+    def _send(self) -> None:
+        if _try_send(self._sock, self._frame):
+            self._resend_at = time.monotonic() + self._ch._resend_after
+        else:
+            self.reason = "no connection to the coordinator yet"
+            self._resend_at = time.monotonic() + 0.01
+
+    def poll(self, wait: float) -> pb.Reply | None:
+        try:
+            end = time.monotonic() + wait
+            while True:
+                now = time.monotonic()
+                if now >= self._resend_at:
+                    self._send()  # the coordinator answers a resent id only once
+                left = min(end, self._resend_at) - now
+                if self._sock.poll(int(1000 * max(left, 0)) + 1):
+                    reply = self._ch._open(self._sock.recv())
+                    if reply.id == self._id:
+                        return reply
+                    continue  # a late answer to a request this thread gave up on
+                if time.monotonic() >= end:
+                    return None
+        except zmq.ZMQError as err:
+            raise ChannelClosed(f"{self._ch!r}: socket closed ({err})") from err
 
 
 def zmtp_mechanism(host: str, port: int, timeout: float) -> bytes | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .collectives import Collectives, _value
-from .errors import AuthError, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
+from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import Liveness, StoreHeartbeats
 from .registry import ChannelURL
 from .wire import MAX_WORLD_SIZE
@@ -55,6 +55,13 @@ class ControlChannel(Collectives, abc.ABC):
     (heartbeats through those hooks) unless the transport has its own: then it overrides
     :meth:`_new_liveness` (see :mod:`dataparallel.liveness` for the contract).
     """
+
+    #: Whether a rank declared lost is fenced: once the others have been told, the transport
+    #: refuses its writes (ChannelClosed), so a frozen rank that resumes cannot act on stale
+    #: state. Without it (a store with no sessions, such as TCPStore) the rank only learns it
+    #: was declared lost on its next liveness tick, and writes it makes before that land.
+    #: The conformance suite checks whichever is declared.
+    fences_lost_members: ClassVar[bool] = False
 
     #: URL scheme this class serves (informational; the registry maps schemes to classes).
     scheme: ClassVar[str] = ""
@@ -131,7 +138,9 @@ class ControlChannel(Collectives, abc.ABC):
         """Block up to ``timeout`` seconds for ``key``; return its value, or None on timeout."""
 
     @abc.abstractmethod
-    def _add(self, key: str, amount: int) -> int: ...
+    def _add(self, key: str, amount: int) -> int:
+        """Atomically add and return the new value; raise ValueError when the key holds no
+        decimal integer (the core reports it as :class:`BadMessage`)."""
 
     @abc.abstractmethod
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
@@ -207,7 +216,11 @@ class ControlChannel(Collectives, abc.ABC):
         self._usable()
         if not isinstance(amount, int):
             raise TypeError(f"amount must be an int, got {type(amount).__name__}")
-        return self._add(_writable(key), amount)
+        name = _writable(key)
+        try:
+            return self._add(name, amount)
+        except ValueError as err:  # a transport's _add found no number there
+            raise BadMessage(f"add({key!r}): the value there is not a decimal integer ({err})") from None
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Atomically set ``desired`` if the current value equals ``expected`` (a missing key
@@ -295,9 +308,13 @@ class ControlChannel(Collectives, abc.ABC):
         return False
 
     @classmethod
-    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError | str]:
         """Problems a look at the server at ``url`` reveals before any request (a protocol,
-        TLS or encryption mismatch): used by ``dataparallel check``. Default: none."""
+        TLS or encryption mismatch, a certificate or token that does not fit), each a
+        :class:`ConfigError` or :class:`AuthError` whose message names the fix (a plain
+        string counts as a ConfigError). Used by ``dataparallel check``, and by the
+        coordinator-based transports while a session opens unanswered, so that a
+        misconfiguration fails in seconds rather than at the timeout. Default: none."""
         return []
 
     def __enter__(self) -> ControlChannel:
@@ -343,6 +360,8 @@ class ControlChannel(Collectives, abc.ABC):
     def _usable(self) -> None:
         if self._closed:
             raise ChannelClosed(f"{self!r} is closed")
+        if self._broken is not None:  # the coordinator is gone: every call says so at once
+            raise self._broken
 
     def _raise_if_failed(self, what: str) -> None:
         self._usable()

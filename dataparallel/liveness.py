@@ -162,15 +162,25 @@ class StoreHeartbeats(Liveness):
         return [0]
 
     def _run(self) -> None:
+        # A failed tick (a connection reset: the transport reconnects on the next call) is
+        # retried; only a store unreachable for the whole liveness timeout breaks the channel.
+        last_ok = time.monotonic()
         while not self._stop.wait(self._interval):
             try:
                 self._beat()
                 self._watch()
                 self._read_reports()
+                last_ok = time.monotonic()
             except Exception as err:
                 if self._stop.is_set():
                     return
-                self._ch._fail(ChannelClosed(f"lost contact with the coordinator of job {self._ch.job!r}: {err}"))
+                if time.monotonic() - last_ok <= self._timeout:
+                    continue
+                self._ch._fail(
+                    ChannelClosed(
+                        f"lost contact with the coordinator of job {self._ch.job!r} for {self._timeout:g}s: {err}"
+                    )
+                )
                 return
 
     def _beat(self) -> None:
@@ -199,7 +209,8 @@ class StoreHeartbeats(Liveness):
             reason = f"{reason}; it ran as pid {info.get('pid')} on {info.get('host')}"
         report = json.dumps({"rank": rank, "last_seen": last_seen, "reason": reason, "by": self._ch.rank})
         self._ch._compare_set(_LOST, b"", report.encode())
-        self._read_reports()
+        self._read_reports()  # the first loss published is everyone's first_lost()
+        self._record(LostPeer(rank, last_seen, reason))  # later ones count here (lost(), departures)
 
     def _read_reports(self) -> None:
         if not self._ch._check([_LOST]):
@@ -212,5 +223,8 @@ class StoreHeartbeats(Liveness):
         reason = report["reason"]
         if report.get("by") != self._ch.rank:
             reason = f"{reason} (noticed by rank {report.get('by')})"
+        if rank == self._ch.rank:  # resumed after the others gave this rank up
+            self._ch._fail(ChannelClosed(f"rank {rank} of job {self._ch.job!r} was declared lost: {reason}"))
+            return
         if self._record(LostPeer(rank, report.get("last_seen"), reason)):
             log.warning("job %r: peer rank %d lost: %s", self._ch.job, rank, reason)

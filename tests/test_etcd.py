@@ -11,7 +11,9 @@ from etcdserver import EtcdServer, require_etcd, start_cluster
 from jobutil import exercise, open_job, spawn
 
 import dataparallel as dp
-from dataparallel.testing import close_all, with_options
+from dataparallel.testing import close_all, run_all, with_options
+from dataparallel.testing.linearizability import Faults, run_workload
+from dataparallel.testing.netproxy import TcpProxy
 
 OPTS = {"heartbeat": 0.2, "liveness_timeout": 4}
 
@@ -116,3 +118,108 @@ def test_a_crashed_job_does_not_block_a_rerun_of_the_same_name(tmp_path):
     finally:
         crashed.kill()
         server.stop()
+
+
+# ---------------------------------------------------------------------- exactly once, fencing
+LONG = {"heartbeat": 10, "liveness_timeout": 30}  # no keep-alive traffic through the proxy meanwhile
+
+
+@pytest.fixture
+def proxied(tmp_path):
+    """An etcd server, a TCP proxy in front of it, and a job of two ranks: rank 0 through the
+    proxy, rank 1 directly."""
+    server = EtcdServer(tmp_path / "data").start().wait_ready()
+    proxy = TcpProxy(server.client_port)
+    try:
+        direct = with_options(f"{server.url}/once", **LONG)
+        through = with_options(f"etcd://127.0.0.1:{proxy.port}/once", **LONG)
+        channels = run_all(
+            [
+                lambda: dp.connect(through, rank=0, world_size=2, job="once"),
+                lambda: dp.connect(direct, rank=1, world_size=2, job="once"),
+            ]
+        )
+        yield proxy, channels
+        close_all(channels)
+    finally:
+        proxy.close()
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_mutation_whose_reply_is_lost_is_applied_exactly_once(proxied):
+    # etcd commits the call; the proxy swallows its reply and resets the connection; the
+    # client sends it again. It must find its own result, not apply the call a second time.
+    # (add and delete read the key first: the reply lost is the second request's.)
+    proxy, (a, b) = proxied
+    a.set("n", b"10")
+    for expected in (11, 12, 13):
+        proxy.lose_next_reply(skip=1)
+        assert a.add("n", 1) == expected
+        assert b.get("n") == str(expected).encode()
+    a.set("gone", b"x")
+    proxy.lose_next_reply(skip=1)
+    assert a.delete("gone") is True, "a delete that removed the key reports it, even when retried"
+    proxy.lose_next_reply()
+    a.set("s", b"1")  # one request: a transaction
+    b.set("s", b"2")
+    a.add("other", 1)  # a's next call: a retried set would have landed by now
+    assert b.get("s") == b"2", "a retried set overwrote a later one"
+
+
+@pytest.mark.timeout(120)
+def test_a_get_blocked_across_a_connection_reset_still_returns_the_value(proxied):
+    proxy, (a, b) = proxied
+    got: list[object] = []
+
+    def wait() -> None:
+        try:
+            got.append(a.get("later", timeout=30))
+        except Exception as err:  # the assertion shows what escaped
+            got.append(err)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    proxy.drop_connections()
+    time.sleep(0.5)
+    b.set("later", b"v")
+    waiter.join(timeout=40)
+    assert got == [b"v"]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_lease_expired_is_fenced_and_closes_cleanly(tmp_path):
+    server = EtcdServer(tmp_path / "data").start().wait_ready()
+    try:
+        a, b = open_job(with_options(server.url + "/fence", **OPTS), 2)
+        a._run(a._client.revoke_lease(a._lease.id))  # what expiry does to a frozen rank
+        with pytest.raises(dp.ChannelClosed, match="declared lost"):
+            a.add("n", 1)
+        with pytest.raises(dp.ChannelClosed, match="declared lost"):
+            a.set("n", b"1")  # fails at once from now on
+        a.close()  # no raw client error (lease not found) escapes
+        with pytest.raises(dp.PeerLost):
+            b.barrier("after", timeout=30)
+        b.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(240)
+def test_store_is_linearizable_across_an_etcd_kill_and_restart(tmp_path):
+    server = EtcdServer(tmp_path / "data").start().wait_ready()
+
+    def restart() -> None:
+        server.stop()  # SIGKILL
+        server.start().wait_ready()  # same data dir and ports
+
+    try:
+        faults = Faults(reset_every=1.5, events=[(1.5, restart)])
+        report, _ = run_workload(
+            server.url + "/lin", tmp_path / "history", clients=4, ops=1100, min_seconds=5, faults=faults, options=OPTS
+        )
+    finally:
+        server.stop()
+    assert report.ok, str(report)
+    assert report.operations >= 4000

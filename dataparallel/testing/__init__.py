@@ -3,6 +3,7 @@
 from .conformance import (
     ChannelConformance,
     CollectiveTests,
+    LinearizabilityTests,
     LivenessTests,
     MembershipTests,
     PrimitiveTests,
@@ -16,6 +17,7 @@ from .conformance import (
 __all__ = [
     "ChannelConformance",
     "CollectiveTests",
+    "LinearizabilityTests",
     "LivenessTests",
     "MembershipTests",
     "PrimitiveTests",

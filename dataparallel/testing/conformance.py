@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import pytest
 
@@ -41,6 +41,8 @@ T = TypeVar("T")
 
 #: Seconds any single helper waits before declaring the transport hung.
 STEP_TIMEOUT = 60.0
+#: Liveness options of the tests that lose peers: losses noticed in seconds.
+FAST_LIVENESS = {"heartbeat": 0.2, "liveness_timeout": 2}
 
 
 def free_port() -> int:
@@ -188,6 +190,14 @@ class PrimitiveTests(ChannelHarness):
         total = len(channels) * threads_per_rank * per_thread
         assert seen == list(range(1, total + 1)), "every add must return a distinct value"
         assert channels[0].get("hits", timeout=5) == str(total).encode()
+
+    def test_add_to_a_value_that_is_no_number_is_bad_message(self, open_ranks):
+        a, b = open_ranks(2)
+        a.set("text", b"not a number")
+        with pytest.raises(dp.BadMessage, match="text"):
+            b.add("text", 1)
+        assert a.get("text", timeout=5) == b"not a number", "a refused add must change nothing"
+        assert b.add("n", 2) == 2, "the channel must stay usable"
 
     def test_add_releases_a_waiting_get(self, open_ranks):
         a, b = open_ranks(2)
@@ -350,6 +360,42 @@ class PrimitiveTests(ChannelHarness):
             with pytest.raises(dp.ChannelClosed):
                 call()
 
+    @pytest.mark.timeout(120)
+    def test_only_control_errors_escape_when_the_coordinator_goes(self, open_ranks, channel_url):
+        """Rank 0 leaves (and with it the coordinator, where it hosts one): every call of the
+        remaining rank either works or raises a ControlError, never a library's own error."""
+        # A short timeout: a hosting rank's close waits that long (at most) for the others.
+        a, b = open_ranks(2, url=with_options(channel_url, **FAST_LIVENESS), timeout=3)
+        b.set("k", b"v")
+        a.close()
+        calls = {
+            "set": lambda: b.set("k", b"w"),
+            "get": lambda: b.get("k", timeout=1),
+            "get missing": lambda: b.get("missing", timeout=1),
+            "add": lambda: b.add("n", 1),
+            "compare_set": lambda: b.compare_set("k", b"w", b"x"),
+            "delete": lambda: b.delete("k"),
+            "check": lambda: b.check(["k"]),
+            "num_keys": lambda: b.num_keys(),
+            "multi_get": lambda: b.multi_get(["k"], timeout=1),
+            "multi_set": lambda: b.multi_set(["m"], [b"1"]),
+            "append": lambda: b.append("log", b"x"),
+            "barrier": lambda: b.barrier("alone", timeout=1),
+            "store get": lambda: b.as_store().get("k"),
+        }
+        b.as_store().set_timeout(timedelta(seconds=1))
+        for name, call in calls.items():
+            try:
+                call()
+            except dp.ControlError:
+                pass
+            except Exception as err:  # torch's Store raises DistStoreError (its contract), nothing else
+                import torch.distributed as dist
+
+                if not (name.startswith("store") and isinstance(err, dist.DistStoreError)):
+                    raise AssertionError(f"{name}: {type(err).__module__}.{type(err).__name__} escaped: {err}") from err
+        b.close()
+
     def test_context_manager_closes(self, channel_url):
         with dp.connect(channel_url, rank=0, world_size=1, job="ctx", timeout=10) as ch:
             ch.set("k", b"v")
@@ -385,10 +431,13 @@ class MembershipTests(ChannelHarness):
         with pytest.raises(dp.ConfigError, match="liveness_timeout"):
             dp.connect(with_options(channel_url, bogus=1), rank=0, world_size=1, timeout=5)
 
-    def test_wrong_token_gets_auth_error(self, open_ranks, channel_url):
+    def test_wrong_token_gets_auth_error_in_seconds_whatever_the_timeout(self, open_ranks, channel_url):
         open_ranks(1, job="secret", token="right")
-        with pytest.raises(dp.AuthError):
-            dp.connect(channel_url, world_size=2, job="secret", token="wrong", timeout=10)
+        for token in ("wrong", None):
+            start = time.monotonic()
+            with pytest.raises(dp.AuthError):
+                dp.connect(channel_url, world_size=2, job="secret", token=token, timeout=300)
+            assert time.monotonic() - start < 10, f"token {token!r}: refused after {time.monotonic() - start:.1f}s"
 
     def test_rendezvous_waits_for_every_rank(self, open_ranks):
         channels = open_ranks(3)
@@ -510,7 +559,7 @@ class CollectiveTests(ChannelHarness):
 class LivenessTests(ChannelHarness):
     """A dead or frozen peer becomes PeerLost for everyone waiting; a clean exit does not."""
 
-    LIVENESS = {"heartbeat": 0.2, "liveness_timeout": 2}
+    LIVENESS = FAST_LIVENESS
 
     def _detect_bound(self, channel: dp.ControlChannel) -> float:
         return self.LIVENESS["liveness_timeout"] + 4 * self.LIVENESS["heartbeat"] + channel.liveness_poll + 2.0
@@ -585,6 +634,54 @@ class LivenessTests(ChannelHarness):
             self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return
         self._kill_or_freeze(channel_url, signal.SIGSTOP, rendezvous=True)
+
+    @pytest.mark.timeout(120)
+    def test_a_rank_declared_lost_is_cut_off_when_it_resumes(self, channel_url, open_ranks):
+        """A rank frozen past the liveness timeout, then resumed, must not carry on as if
+        nothing happened. A transport that ``fences_lost_members`` refuses its writes from
+        the moment the others were told (none lands after); one that does not cuts it off
+        once it notices, within a liveness tick of resuming."""
+        if not self.cross_process:
+            channels = open_ranks(3, job="fence", url=with_options(channel_url, **self.LIVENESS))
+            self.rendezvous_all(channels)
+            channels[2]._liveness.stop(announce=False)
+            self._expect_peer_lost(channels[:2], 2, time.monotonic())
+            if channels[2].fences_lost_members:
+                with pytest.raises(dp.ChannelClosed, match="declared lost"):
+                    channels[2].set("after", b"1")
+            return
+        url = with_options(channel_url, **self.LIVENESS)
+        n, victim, job = 3, 2, "fence"
+        proc = self.spawn_rank("write", url, victim, n, job, "--hold", "90")
+        try:
+            channels = run_all(
+                [lambda r=r: dp.connect(url, rank=r, world_size=n, job=job, timeout=30) for r in range(n - 1)]
+            )
+            try:
+                self.rendezvous_all(channels)
+                self.read_ready(proc)
+                time.sleep(0.3)  # a few writes land while it is a member
+                os.kill(proc.pid, signal.SIGSTOP)
+                self._expect_peer_lost(channels, victim, time.monotonic())
+                told = time.monotonic()
+                os.kill(proc.pid, signal.SIGCONT)
+                resumed = time.monotonic()
+                result = _finish(proc, STEP_TIMEOUT)
+                fences = channels[0].fences_lost_members
+            finally:
+                close_all(channels)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.communicate(timeout=10)
+        assert result["error"] == "ChannelClosed", result
+        assert "declared lost" in result["message"], result["message"]
+        assert result["last_write"] is not None, "no write landed before the freeze"
+        if fences:
+            assert result["last_write"] < told, "a write landed after the others were told the rank was lost"
+        else:
+            assert result["failed_at"] - resumed < self._detect_bound(channels[0]), result
 
     @pytest.mark.timeout(120)
     def test_ranks_joining_together_are_never_reported_lost(self, channel_url):
@@ -782,5 +879,41 @@ def _finish(proc: subprocess.Popen, timeout: float) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-class ChannelConformance(PrimitiveTests, MembershipTests, CollectiveTests, LivenessTests, StoreTests):
+class LinearizabilityTests(ChannelHarness):
+    """Several clients' random operations on a few keys, under faults, form a linearizable
+    history (:mod:`.linearizability`): every set, add, compare_set and delete is atomic and
+    applied exactly once, and every read sees the latest write."""
+
+    LIVENESS = FAST_LIVENESS
+    #: Operations a run must record, at the least.
+    MIN_OPERATIONS = 4000
+
+    @pytest.mark.timeout(240)
+    def test_store_is_linearizable_under_kills_freezes_and_connection_resets(self, channel_url, tmp_path):
+        from .linearizability import Faults, check, client_ops, load_history, run_workload
+
+        if not self.cross_process:  # ranks are threads: no process to kill or freeze
+            url = with_options(channel_url, **self.LIVENESS)
+            channels = run_all([lambda r=r: dp.connect(url, rank=r, world_size=4, job="lin") for r in range(4)])
+            try:
+                self.rendezvous_all(channels)
+                files = [tmp_path / f"client{r}.jsonl" for r in range(4)]
+                run_all([lambda r=r: client_ops(channels[r], files[r], r, 1000, 0, 3, r) for r in range(4)], 120)
+            finally:
+                close_all(channels)
+            report = check(load_history(files))
+        else:
+            # Connection resets need a HOST:PORT to put a proxy in front of.
+            resets = 1.0 if urlsplit(channel_url).port else 0.0
+            faults = Faults(reset_every=resets, freeze_at=1.5, kill_at=2.5)
+            report, _ = run_workload(
+                channel_url, tmp_path, clients=5, ops=1100, min_seconds=6, faults=faults, options=self.LIVENESS
+            )
+        assert report.ok, str(report)
+        assert report.operations >= self.MIN_OPERATIONS, f"only {report.operations} operations recorded"
+
+
+class ChannelConformance(
+    PrimitiveTests, MembershipTests, CollectiveTests, LivenessTests, StoreTests, LinearizabilityTests
+):
     """The whole suite. Subclass it and define the ``channel_url`` fixture."""

@@ -1,9 +1,11 @@
-"""A TCP forwarder for tests: sits between a client and a server on 127.0.0.1, records
-the bytes it carries, and can cut every connection at once (a brief network drop)."""
+"""A TCP forwarder for fault injection: sits between clients and a server on 127.0.0.1,
+records the bytes it carries, and can reset every connection at once (a brief network drop)
+or swallow the server's next reply and then reset (a request applied whose answer was lost)."""
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 
@@ -17,6 +19,9 @@ class TcpProxy:
         self._captured = bytearray()
         self._closed = False
         self.accepting = True
+        self._swallow = threading.Event()
+        self._holding = threading.Event()
+        self._hold, self._skip = 0.3, 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -39,14 +44,25 @@ class TcpProxy:
                 client.close()
                 continue
             upstream.settimeout(None)
+            for s in (client, upstream):  # forward small requests at once, as the peers send them
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, from_server in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pump, args=(a, b, from_server), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, from_server: bool) -> None:
         try:
             while data := src.recv(65536):
+                if from_server and self._holding.is_set():
+                    continue  # the reply to the request lost_next_reply was armed for: dropped
+                if not from_server and self._swallow.is_set():
+                    if self._skip > 0:
+                        self._skip -= 1
+                    else:
+                        self._swallow.clear()
+                        self._holding.set()
+                        threading.Timer(self._hold, self._end_hold).start()
                 with self._lock:
                     if len(self._captured) < 16 << 20:
                         self._captured += data
@@ -61,15 +77,28 @@ class TcpProxy:
                     pass
 
     def drop_connections(self) -> None:
-        """Cut every live connection (the peers see a reset and reconnect)."""
+        """Reset every live connection (the peers see ECONNRESET and reconnect)."""
         with self._lock:
             conns, self._conns = self._conns, []
         for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
+            try:  # a linger of 0 makes close() send RST, as a failed link or middlebox does;
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)  # and shutdown wakes the pump blocked on it
             except OSError:
                 pass
             s.close()
+
+    def lose_next_reply(self, hold: float = 0.3, skip: int = 0) -> None:
+        """Let ``skip`` requests pass, forward the next one, swallow whatever the server sends
+        for ``hold`` seconds (time enough to apply it), then reset every connection: the
+        request was applied and its client never hears so. (A request is a burst of bytes
+        from a client; with one client and one call at a time, that is one call.)"""
+        self._hold, self._skip = hold, skip
+        self._swallow.set()
+
+    def _end_hold(self) -> None:
+        self.drop_connections()
+        self._holding.clear()
 
     def close(self) -> None:
         self._closed = True

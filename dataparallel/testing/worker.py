@@ -60,7 +60,28 @@ def _hold(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     return {"rank": ch.rank, "held": args.hold}
 
 
-ROLES = {"gloo": _gloo, "hold": _hold}
+def _write(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+    """Write every 50 ms until a write fails (the rank was frozen, declared lost, resumed)."""
+    print(json.dumps({"ready": ch.rank}), flush=True)
+    last_write = None
+    deadline = time.monotonic() + args.hold
+    while time.monotonic() < deadline:
+        try:
+            ch.set(f"writer/{ch.rank}", str(time.monotonic()).encode())
+            last_write = time.monotonic()
+        except dp.ControlError as err:
+            return {
+                "rank": ch.rank,
+                "error": type(err).__name__,
+                "message": str(err),
+                "last_write": last_write,
+                "failed_at": time.monotonic(),
+            }
+        time.sleep(0.05)
+    return {"rank": ch.rank, "error": None, "last_write": last_write}
+
+
+ROLES = {"gloo": _gloo, "hold": _hold, "write": _write}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "gloo":
             ch.barrier("__worker_done")  # rank 0 may host the coordinator: leave together
     finally:
-        ch.close()
+        try:
+            ch.close()
+        except dp.ControlError:
+            pass  # cut off (the write role's end): the others already know
     print(json.dumps(result), flush=True)
     return 0
 

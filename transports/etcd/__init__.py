@@ -23,6 +23,8 @@ Options: ``user``, ``password``, ``ca``, ``cert``, ``key`` (passed to etcd).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import math
 import threading
 import time
@@ -32,10 +34,11 @@ from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
+import grpc
 
 from dataparallel.channel import ControlChannel
 from dataparallel.check import tls_diagnosis
-from dataparallel.errors import ChannelClosed, ControlError
+from dataparallel.errors import AuthError, ChannelClosed, ControlError
 from dataparallel.liveness import Liveness, LostPeer
 from dataparallel.registry import ChannelURL
 
@@ -45,8 +48,13 @@ _ALIVE = "__dp/alive/"
 _LEFT = "__dp/left/"
 _OPEN = "__dp/open"
 _JOINED = "__dp/joined/"
+_OPS = "__dp/ops/"
 #: Operations per transaction (etcd's default --max-txn-ops is 128).
 _TXN_OPS = 128
+#: Records of applied mutations kept per session (see _once): far more than can be in flight.
+_KEEP_RECORDS = 256
+#: _cas_loop's "delete the key".
+_REMOVE = object()
 
 
 class EtcdChannel(ControlChannel):
@@ -59,6 +67,7 @@ class EtcdChannel(ControlChannel):
         "key": "client key PEM file",
     }
     SERVICE = "etcd"
+    fences_lost_members = True  # writes are bound to the lease whose expiry declared the rank lost
     # Each slice of a blocked get re-reads and re-watches its key: keep them few.
     liveness_poll = 1.0
 
@@ -78,6 +87,7 @@ class EtcdChannel(ControlChannel):
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._registered = False
+        self._op_seq = itertools.count()
         try:
             self._run(self._connect(), self.timeout)
             self._run(self._open_run(), self.timeout)
@@ -113,7 +123,7 @@ class EtcdChannel(ControlChannel):
         self._root = self._job_root + run + b"/"
 
     @classmethod
-    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[str]:
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError]:
         return tls_diagnosis(
             url,
             want_tls="ca" in url.options,
@@ -145,20 +155,66 @@ class EtcdChannel(ControlChannel):
                 await asyncio.wait_for(client.get(self._root + b"__dp/ping"), timeout=5)
                 self._client = client
                 return
-            except Exception as err:  # unreachable member: try the next one
-                last = err
+            except Exception as err:
                 await client.close()
+                error = self._translate(err, "connect")
+                if not isinstance(error, ChannelClosed):
+                    raise error from err  # refused credentials: no other member will take them
+                last = err  # unreachable member: try the next one
                 self._current = (self._current + 1) % len(self._endpoints)
                 await asyncio.sleep(0.1)
         raise ChannelClosed(f"no etcd member reachable at {self.url.raw} within {self.timeout:g}s: {last}")
 
+    def _translate(self, err: BaseException, what: str) -> ControlError:
+        """The one place where the etcd client's errors become the channel's."""
+        if isinstance(err, ControlError):
+            return err
+        text = str(err) or type(err).__name__
+        cause = err.__cause__
+        code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
+        if (
+            isinstance(err, aetcd.exceptions.UnauthenticatedError)
+            or code == grpc.StatusCode.PERMISSION_DENIED
+            or (isinstance(err, aetcd.exceptions.InvalidArgumentError) and "authentication failed" in text)
+        ):
+            user = self.url.options.get("user")
+            who = f"user {user!r}" if user else "this client (no user= in the URL)"
+            return AuthError(
+                f"etcd at {self.url.raw} refused {who} ({what}): {text}; "
+                "check user=/password= and that the user's role covers this job's prefix"
+            )
+        if code == grpc.StatusCode.NOT_FOUND and "lease" in text:
+            return ChannelClosed(self._fenced_message(text))
+        if isinstance(
+            err,
+            aetcd.exceptions.ConnectionFailedError
+            | aetcd.exceptions.ConnectionTimeoutError
+            | concurrent.futures.TimeoutError
+            | asyncio.TimeoutError
+            | OSError,
+        ):
+            return ChannelClosed(f"etcd at {self.url.raw} unreachable ({what}): {text}")
+        return ControlError(f"etcd at {self.url.raw}: {what} failed: {type(err).__name__}: {text}")
+
+    def _fenced_message(self, detail: str) -> str:
+        return (
+            f"rank {self.rank} of job {self.job!r} was declared lost: its etcd lease expired "
+            f"(no keep-alive for {self._ttl}s: the process was frozen or cut off), so etcd refuses "
+            f"its writes and the others were told ({detail})"
+        )
+
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the client's loop; errors come out as the channel's. Waits for
+        ``timeout`` (default: the channel's), plus the time ``_call`` may spend failing over."""
+        wait = (timeout or self.timeout) + self.liveness_timeout + 5
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result(timeout=(timeout or self.timeout) + 5)
-        except TimeoutError:
+            return future.result(timeout=wait)
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
-            raise ChannelClosed(f"etcd at {self.url.raw} did not answer within {timeout or self.timeout:g}s") from None
+            raise ChannelClosed(f"etcd at {self.url.raw} did not answer within {wait:g}s") from None
+        except Exception as err:
+            raise self._translate(err, getattr(coro, "__name__", "call")) from err
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a client method; while a member is unreachable, fail over to the next endpoint
@@ -178,68 +234,120 @@ class EtcdChannel(ControlChannel):
                     host, port = self._endpoints[self._current]
                     self._client = aetcd.Client(host=host, port=port, **self._client_options())
                 await asyncio.sleep(0.2)
+            except aetcd.exceptions.ClientError as err:
+                error = self._translate(err, method)
+                if isinstance(error, ChannelClosed) and "declared lost" in str(error):
+                    self._fail(error)  # fenced: every later call says so at once
+                raise error from err
 
     def _k(self, key: str) -> bytes:
         return self._root + key.encode()
 
     # ------------------------------------------------------------------ primitives
     def _set(self, key: str, value: bytes) -> None:
-        self._run(self._call("put", self._k(key), value))
+        self._run(self._once(lambda txn: [txn.put(self._k(key), value)]))
 
     def _get(self, key: str, timeout: float) -> bytes | None:
         return self._run(self._get_async(self._k(key), timeout), timeout)
 
     async def _get_async(self, key: bytes, timeout: float) -> bytes | None:
-        found = await self._call("get_range", key, key + b"\0")
-        if len(found):
-            return found[0].value
-        watch = await self._call("watch", key, start_revision=found.header.revision + 1)
+        """Read ``key``; if missing, watch it from the revision read. A watch broken by a lost
+        connection is read and watched again (``_call`` waits out the outage), within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = await self._call("get_range", key, key + b"\0")
+            if len(found):
+                return found[0].value
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            watch = await self._call("watch", key, start_revision=found.header.revision + 1)
 
-        async def first_put() -> bytes | None:
-            async for event in watch:
-                if event.kind == aetcd.rtypes.EventKind.PUT:
-                    return event.kv.value
-            return None
+            async def first_put(watch: Any = watch) -> bytes | None:
+                async for event in watch:
+                    if event.kind == aetcd.rtypes.EventKind.PUT:
+                        return event.kv.value
+                return None
 
-        try:
-            return await asyncio.wait_for(first_put(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            await watch.cancel()
+            try:
+                return await asyncio.wait_for(first_put(), remaining)
+            except asyncio.TimeoutError:
+                return None
+            except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError):
+                await asyncio.sleep(0.1)  # the connection dropped under the watch: look again
+            finally:
+                await watch.cancel()
+
+    # ------------------------------------------------------------------ exactly once
+    # A call whose connection drops after etcd committed it, but before the reply came, is
+    # re-sent by _call. So every mutation commits together with a record of its result,
+    # __dp/ops/SESSION/SEQ (SESSION: this channel's lease), in one transaction guarded by
+    # the record's absence: a re-sent transaction that already committed finds its record
+    # and returns the recorded result instead of applying again. The records are bound to
+    # the lease, which also fences a rank declared lost: once its lease has expired (which
+    # is what told the others), etcd refuses every write bound to it.
+    def _record_key(self, seq: int) -> bytes:
+        return self._k(f"{_OPS}{self._lease.id:x}/{seq}")
+
+    async def _once(self, ops, guard=(), result: bytes = b"") -> tuple[bool, bytes]:
+        """Commit ``ops(txn)`` (plus the record of ``result``) if ``guard`` holds, exactly
+        once. Returns (True, result) once committed, by this call or by an earlier attempt of
+        it whose reply was lost; (False, b"") if the guard failed."""
+        txn = self._client.transactions
+        seq = next(self._op_seq)
+        record = self._record_key(seq)
+        prune = [txn.delete(self._record_key(seq - _KEEP_RECORDS))] if seq >= _KEEP_RECORDS else []
+        ok, found = await self._call(
+            "transaction",
+            compare=[txn.version(record) == 0, *guard],
+            success=[*ops(txn), txn.put(record, result, lease=self._lease), *prune],
+            failure=[txn.get(record)],
+        )
+        if ok:
+            return True, result
+        if found[0]:
+            return True, found[0][0][0]  # applied by an attempt whose reply was lost
+        return False, b""
 
     async def _cas_loop(self, key: bytes, update) -> bytes:
-        txn = self._client.transactions
+        """Read ``key``, ``update(value) -> (result, new)`` with new a value to store,
+        _REMOVE or None (write nothing), and commit it exactly once if the key has not
+        changed in between (else read again)."""
         while True:
             current = await self._call("get", key)
-            new, write = update(None if current is None else current.value)
-            if not write:
-                return new
+            result, new = update(None if current is None else current.value)
+            if new is None:
+                return result
+
+            def ops(txn, new=new):
+                return [txn.delete(key) if new is _REMOVE else txn.put(key, new)]
+
+            txn = self._client.transactions
             guard = txn.version(key) == 0 if current is None else txn.mod(key) == current.mod_revision
-            ok, _ = await self._call("transaction", compare=[guard], success=[txn.put(key, new)], failure=[])
-            if ok:
-                return new
+            done, recorded = await self._once(ops, [guard], result)
+            if done:
+                return recorded
 
     def _add(self, key: str, amount: int) -> int:
-        def update(value: bytes | None) -> tuple[bytes, bool]:
-            try:
-                return str(int(value or b"0") + amount).encode(), True
-            except ValueError:
-                raise ControlError(f"add({key!r}): value {value[:32]!r} is not a decimal integer") from None
+        def update(value: bytes | None) -> tuple[bytes, bytes]:
+            new = str(int(value or b"0") + amount).encode()  # ValueError: the core's BadMessage
+            return new, new
 
         return int(self._run(self._cas_loop(self._k(key), update)))
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        def update(value: bytes | None) -> tuple[bytes, bool]:
+        def update(value: bytes | None) -> tuple[bytes, bytes | None]:
             if value is None:
-                return (desired, True) if not expected else (expected, False)
-            return (desired, True) if value == expected else (value, False)
+                return (desired, desired) if not expected else (expected, None)
+            return (desired, desired) if value == expected else (value, None)
 
         return self._run(self._cas_loop(self._k(key), update))
 
     def _delete(self, key: str) -> bool:
-        result = self._run(self._call("delete", self._k(key)))
-        return result is not None and result.deleted > 0  # aetcd returns None when nothing matched
+        def update(value: bytes | None) -> tuple[bytes, object]:
+            return (b"0", None) if value is None else (b"1", _REMOVE)
+
+        return self._run(self._cas_loop(self._k(key), update)) == b"1"
 
     async def _read(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` at one revision (None for a missing key): one transaction."""
@@ -255,7 +363,9 @@ class EtcdChannel(ControlChannel):
         return None not in self._run(self._read([self._k(k) for k in keys]))
 
     def _num_keys(self) -> int:
-        return len(self._run(self._call("get_prefix", self._root)))
+        records = self._k(_OPS)
+        found = self._run(self._call("get_prefix", self._root, keys_only=True))
+        return sum(1 for kv in found if not kv.key.startswith(records))
 
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
         return self._run(self._multi_get_async([self._k(k) for k in keys], timeout), timeout)
@@ -273,16 +383,16 @@ class EtcdChannel(ControlChannel):
 
     def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
         async def put_all() -> None:
-            txn = self._client.transactions
-            for start in range(0, len(items), _TXN_OPS):
-                puts = [txn.put(self._k(k), v) for k, v in items[start : start + _TXN_OPS]]
-                await self._call("transaction", compare=[], success=puts, failure=[])
+            chunk = _TXN_OPS - 2  # room for the record and its pruning
+            for start in range(0, len(items), chunk):
+                part = items[start : start + chunk]
+                await self._once(lambda txn, part=part: [txn.put(self._k(k), v) for k, v in part])
 
         self._run(put_all())
 
     def _append(self, key: str, value: bytes) -> None:
         # Guarded by the key's revision, not by its bytes: a lost race is retried.
-        self._run(self._cas_loop(self._k(key), lambda current: ((current or b"") + value, True)))
+        self._run(self._cas_loop(self._k(key), lambda current: (b"", (current or b"") + value)))
 
     # ------------------------------------------------------------------ liveness
     def _claimed(self) -> None:
@@ -309,7 +419,12 @@ class EtcdChannel(ControlChannel):
         last_ok = time.monotonic()
         while not self._stop.wait(min(self.heartbeat_interval, ttl / 3)):
             try:
-                self._run(self._call("refresh_lease", self._lease.id), ttl)
+                # Bounded well within the TTL: a refresh stuck on a dead connection must not
+                # hold up the next one.
+                reply = self._run(asyncio.wait_for(self._call("refresh_lease", self._lease.id), max(ttl / 3, 0.5)), ttl)
+                if reply is not None and reply.TTL <= 0:  # expired while this process was frozen
+                    self._fail(ChannelClosed(self._fenced_message("found on the next keep-alive")))
+                    return
                 last_ok = time.monotonic()
             except Exception as err:  # a member restarting: retry until the lease is gone for good
                 if self._stop.is_set():
@@ -334,8 +449,8 @@ class EtcdChannel(ControlChannel):
     async def _leave(self) -> None:
         remaining = 1
         if self._registered:
-            await self._call("put", self._k(f"{_LEFT}{self.rank}"), b"1")
-            remaining = int(await self._cas_loop(self._k(_OPEN), lambda v: (str(int(v or b"1") - 1).encode(), True)))
+            await self._once(lambda txn: [txn.put(self._k(f"{_LEFT}{self.rank}"), b"1")])
+            remaining = int(await self._cas_loop(self._k(_OPEN), lambda v: (str(int(v or b"1") - 1).encode(),) * 2))
         if self._lease is not None:
             await self._call("revoke_lease", self._lease.id)
         if self._registered and remaining <= 0:

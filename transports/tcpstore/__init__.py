@@ -3,14 +3,18 @@
 The baseline the other transports are measured against. Rank 0 (or, with ``rank=None``,
 whichever process binds the port first) hosts the store in-process. Jobs share the
 server's key space under a ``JOB/`` prefix, so ``num_keys`` counts every job's keys. A
-TCPStore client serialises its calls, so each thread gets its own connection (``clone``).
+TCPStore client serialises its calls, so each thread gets its own connection (``clone``
+of the store made at connect, which only keeps the server, when hosting, alive); a
+connection that fails is dropped, and that thread's next call opens a new one.
 The token is only checked for agreement: TCPStore has no authentication.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
@@ -18,7 +22,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from dataparallel.channel import ControlChannel
-from dataparallel.errors import ChannelClosed, ConfigError
+from dataparallel.errors import ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
 
 T = TypeVar("T")
@@ -38,7 +42,9 @@ class TCPStoreChannel(ControlChannel):
         self._lock = threading.Lock()
         self._hosting = False
         self._root = self._open(url.host, url.require_port())
-        self._clients: dict[int, dist.TCPStore] = {threading.get_ident(): self._root}
+        self._clients: dict[int, dist.TCPStore] = {}
+        #: A value no rank stores (see _get).
+        self._absent = b"\0dp-absent\0" + os.urandom(12)
 
     def _open(self, host: str, port: int) -> dist.TCPStore:
         wait = timedelta(seconds=self.timeout)
@@ -69,35 +75,75 @@ class TCPStoreChannel(ControlChannel):
             with self._lock:
                 if self._root is None:
                     raise ChannelClosed(f"{self!r} is closed")
-                client = self._root.clone()
+                # A connection of its own. TCPStore's client retries a refused connection with
+                # long random pauses; a plain connect first notices a store that went away at once.
+                try:
+                    socket.create_connection((self._root.host, self._root.port), timeout=self.liveness_timeout).close()
+                    client = dist.TCPStore(
+                        self._root.host,
+                        self._root.port,
+                        is_master=False,
+                        timeout=timedelta(seconds=min(self.timeout, self.liveness_timeout)),
+                    )
+                except (dist.DistError, RuntimeError, OSError) as err:
+                    raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
+                client.set_timeout(timedelta(seconds=self.timeout))
                 self._clients[ident] = client
         return client
 
     def _call(self, op: Callable[[dist.TCPStore], T]) -> T:
+        """Run ``op`` on this thread's connection: the one place TCPStore's errors become the
+        channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``."""
         try:
             return op(self._client())
         except dist.DistNetworkError as err:
-            raise ChannelClosed(f"TCPStore at {self._address} went away: {err}") from err
+            self._clients.pop(threading.get_ident(), None)  # reconnect on this thread's next call
+            raise ChannelClosed(f"TCPStore at {self._address}: connection failed: {err}") from err
+        except dist.DistStoreError:
+            raise
+        except (dist.DistError, RuntimeError) as err:
+            raise ControlError(f"TCPStore at {self._address}: {err}") from err
+
+    def _acked(self, write: Callable[[dist.TCPStore], None], key: str) -> None:
+        """TCPStore's set, multi_set and append send no reply: follow one with a request that
+        has one on the same connection (the server answers in order), so the write has been
+        applied when this returns and a read by any rank sees it."""
+        self._call(lambda s: (write(s), s.check([key]))[1])
 
     def _set(self, key: str, value: bytes) -> None:
-        self._call(lambda s: s.set(self._prefix + key, value))
+        full = self._prefix + key
+        self._acked(lambda s: s.set(full, value), full)
 
     def _wait(self, full: list[str], timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the (prefixed) keys; False on timeout."""
         try:
             self._call(lambda s: s.wait(full, timedelta(seconds=max(timeout, 1e-3))))
-        except dist.DistStoreError as err:
-            if "timeout" in str(err).lower():
-                return False
-            raise ChannelClosed(f"TCPStore at {self._address}: {err}") from err
+        except dist.DistStoreError:  # TCPStore's error for an expired wait (network: DistNetworkError)
+            return False
         return True
 
     def _get(self, key: str, timeout: float) -> bytes | None:
-        full = self._prefix + key
-        return self._call(lambda s: s.get(full)) if self._wait([full], timeout) else None
+        # One atomic read: compare_set with a sentinel nobody stores returns the value, or
+        # the sentinel when the key is missing (torch's semantics), and writes nothing. A
+        # wait-then-get would return b"" for a key deleted in between.
+        full, deadline = self._prefix + key, time.monotonic() + timeout
+        while True:
+            value = self._call(lambda s: s.compare_set(full, self._absent, self._absent))
+            if value != self._absent:
+                return value
+            if not self._wait([full], deadline - time.monotonic()):
+                return None
 
     def _add(self, key: str, amount: int) -> int:
-        return self._call(lambda s: s.add(self._prefix + key, amount))
+        full = self._prefix + key
+        try:
+            return self._call(lambda s: s.add(full, amount))
+        except ChannelClosed:
+            # TCPStore's server hangs up on an add to a value that is not a number: say so.
+            current = self._call(lambda s: s.get(full) if s.check([full]) else None)
+            if current is not None and not current.lstrip(b"-").isdigit():
+                raise ValueError(f"current value {current[:32]!r}") from None
+            raise
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         return self._call(lambda s: s.compare_set(self._prefix + key, expected, desired))
@@ -116,10 +162,12 @@ class TCPStoreChannel(ControlChannel):
         return self._call(lambda s: s.multi_get(full)) if self._wait(full, timeout) else None
 
     def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
-        self._call(lambda s: s.multi_set([self._prefix + k for k, _ in items], [v for _, v in items]))
+        keys = [self._prefix + k for k, _ in items]
+        self._acked(lambda s: s.multi_set(keys, [v for _, v in items]), keys[0])
 
     def _append(self, key: str, value: bytes) -> None:
-        self._call(lambda s: s.append(self._prefix + key, value))
+        full = self._prefix + key
+        self._acked(lambda s: s.append(full, value), full)
 
     def _close(self) -> None:
         with self._lock:

@@ -345,6 +345,7 @@ class _Trainer:
             f"dp-report-{epoch}", json.dumps(mine).encode(), timeout=self.opts.collective_timeout
         )
         parsed = [json.loads(r) for r in reports]
+        self._sync_after_join([p["train"][2] for p in parsed])
         t_loss, t_n, t_b = (sum(p["train"][i] for p in parsed) for i in range(3))
         v_loss, v_n, v_correct = (sum(p["val"][i] for p in parsed) for i in range(3))
         metrics = EpochMetrics(
@@ -366,6 +367,22 @@ class _Trainer:
                 callback(metrics)
             if self.opts.checkpoint is not None:
                 self._save(epoch, [p["rng"] for p in parsed])
+
+    def _sync_after_join(self, batches: list[int]) -> None:
+        """After an epoch of uneven batch counts, Join gave every rank the parameters of the
+        rank that stepped last, but a rank that ran out early skipped the optimizer steps of
+        the others' extra batches: its momentum (and loss-scaler) state is behind, and the
+        replicas would drift apart from the next step on. Copy that state from the rank with
+        the most batches (the one a single process would match)."""
+        if len(set(batches)) <= 1:
+            return
+        source = batches.index(max(batches))
+        box = [(self.optimizer.state_dict(), self.scaler.state_dict())] if self.rank == source else [None]
+        dist.broadcast_object_list(box, group=self.pg, group_src=source)
+        if self.rank != source:
+            optimizer_state, scaler_state = box[0]
+            self.optimizer.load_state_dict(optimizer_state)
+            self.scaler.load_state_dict(scaler_state)
 
     def _save(self, epoch: int, rng_states: list[str]) -> None:
         state = {

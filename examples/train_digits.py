@@ -94,6 +94,7 @@ def train(epochs: int, checkpoint: str | None, result: str | None) -> None:
                 "weights": [float(p.double().sum()) for p in model.parameters()],
             }
             Path(result).write_text(json.dumps(summary))
+            torch.save(model.state_dict(), Path(result).with_suffix(".pt"))  # the parameters themselves
     ch.close()
 
 

@@ -14,6 +14,9 @@ from torch.utils.data import TensorDataset
 
 import dataparallel as dp
 
+#: The optimiser and schedule every job uses (tests rebuild them for their references).
+LR, MOMENTUM, GAMMA = 0.05, 0.9, 0.9
+
 
 def data() -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
@@ -29,13 +32,18 @@ def model(dropout: float) -> torch.nn.Module:
     )
 
 
+def uneven_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank r's batches in the uneven case: 2 + 2r batches of 8, different counts per rank."""
+    x, y = data().tensors
+    return [(x[i : i + 8], y[i : i + 8]) for i in range(0, 16 * (1 + rank), 8)]
+
+
 def batch_source(cfg: dict):
     """A per-rank batch source instead of a Dataset, for the uneven and slow cases."""
     full = data()
     x, y = full.tensors
     if cfg.get("uneven"):
-        # Rank r gets 2 + 2r batches of 8: different counts per rank.
-        return lambda epoch, rank, world: [(x[i : i + 8], y[i : i + 8]) for i in range(0, 16 * (1 + rank), 8)]
+        return lambda epoch, rank, world: uneven_batches(rank)
     if cfg.get("slow"):
 
         def slow(epoch, rank, world):
@@ -59,6 +67,7 @@ def main(cfg: dict) -> None:
         checkpoint=cfg.get("checkpoint"),
         resume=cfg.get("resume", False),
         clip_grad_norm=cfg.get("clip"),
+        patience=cfg.get("patience"),
         progress=False,
         collective_timeout=cfg.get("collective_timeout", 60),
     )
@@ -67,14 +76,15 @@ def main(cfg: dict) -> None:
         ch,
         net,
         torch.nn.functional.mse_loss,
-        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        lambda params: torch.optim.SGD(params, lr=cfg.get("lr", LR), momentum=MOMENTUM),
         train,
         data(),
         options=options,
-        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9),
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA),
     )
     if ch.rank == 0:
-        torch.save({"epochs": [vars(m) for m in result.epochs], "state": net.state_dict()}, cfg["out"])
+        summary = {"epochs": [vars(m) for m in result.epochs], "stopped_early": result.stopped_early}
+        torch.save({**summary, "state": net.state_dict()}, cfg["out"])
     ch.close()
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import loop_worker  # the worker itself, for the references built here
 import pytest
 import torch
 
@@ -68,10 +69,38 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_uneven_batch_counts_neither_deadlock_nor_drop_data(tmp_path):
-    result = run_job(tmp_path, "zmq", 2, "uneven", uneven=True, epochs=2)
+    epochs = 2
+    result = run_job(tmp_path, "zmq", 2, "uneven", uneven=True, epochs=epochs)
     # rank 0: 2 batches, rank 1: 4 batches of 8; all of them are trained on.
     assert result["epochs"][-1]["train_batches"] == 6
     assert result["epochs"][-1]["train_samples"] == 48
+    # The same training in one process: while both ranks have a batch, the step takes the
+    # mean of their gradients; once rank 0 has run out, torch's Join stands in for it with
+    # zeros (divided by the initial world size, 2).
+    net = loop_worker.model(0.0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=loop_worker.LR, momentum=loop_worker.MOMENTUM)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=loop_worker.GAMMA)
+    shards = [loop_worker.uneven_batches(rank) for rank in range(2)]
+    for _ in range(epochs):
+        for step in range(max(len(s) for s in shards)):
+            optimizer.zero_grad()
+            for shard in shards:
+                if step < len(shard):
+                    x, y = shard[step]
+                    (torch.nn.functional.mse_loss(net(x), y) / len(shards)).backward()
+            optimizer.step()
+        scheduler.step()
+    assert_same_params(result, {"state": net.state_dict()}, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_patience_stops_early_when_validation_stops_improving(tmp_path):
+    # lr 0: the validation loss never improves after the first epoch.
+    result = run_job(tmp_path, "zmq", 2, "patience", epochs=6, patience=2, lr=0.0)
+    assert result["stopped_early"] is True
+    assert len(result["epochs"]) == 3, [e["epoch"] for e in result["epochs"]]
+    trained = run_job(tmp_path, "zmq", 2, "improving", epochs=3, patience=2)
+    assert trained["stopped_early"] is False and len(trained["epochs"]) == 3
 
 
 @pytest.mark.timeout(300)
@@ -87,10 +116,17 @@ def test_resume_equals_uninterrupted_bitwise(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bf16_autocast_trains(tmp_path):
-    result = run_job(tmp_path, "zmq", 2, "bf16", amp="bf16", epochs=3, clip=1.0)
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, amp):
+    ckpt = tmp_path / f"{amp}.ckpt"
+    result = run_job(tmp_path, "zmq", 2, amp, amp=amp, epochs=3, clip=1.0, checkpoint=str(ckpt))
     losses = [e["train_loss"] for e in result["epochs"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    scaler = torch.load(ckpt, weights_only=False)["scaler"]
+    if amp == "fp16":  # fp16 steps through a GradScaler, whose state is checkpointed
+        assert scaler["scale"] > 0 and "_growth_tracker" in scaler, scaler
+    else:
+        assert scaler == {}, "bf16 needs no loss scaling"
 
 
 def test_options_are_validated():

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from etcdserver import EtcdServer, require_etcd
 from netns import PrivateNetwork, require_netns
 from test_faults import record as record_fault
@@ -34,7 +35,7 @@ def net():
 
 
 @pytest.fixture(scope="module")
-def one_host(tmp_path_factory) -> dict:
+def one_host(tmp_path_factory) -> Path:
     """The same job with all three ranks on one host (loopback), for comparison."""
     out = tmp_path_factory.mktemp("onehost") / "result.json"
     run = subprocess.run(
@@ -44,7 +45,7 @@ def one_host(tmp_path_factory) -> dict:
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.read_text())
+    return out
 
 
 def _serve(net: PrivateNetwork, transport: str, tmp_path: Path) -> tuple[str, EtcdServer | None]:
@@ -78,11 +79,16 @@ def _run_job(net: PrivateNetwork, config: Path, result: Path) -> list[subprocess
     return done
 
 
-def _assert_same_model(result: dict, reference: dict) -> None:
-    assert result["world_size"] == reference["world_size"] == 3
-    assert result["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6, abs=1e-9)
-    assert result["val_accuracy"] == reference["val_accuracy"]
-    assert result["weights"] == pytest.approx(reference["weights"], rel=1e-6, abs=1e-9)
+def _assert_same_model(result: Path, reference: Path) -> None:
+    got, want = json.loads(result.read_text()), json.loads(reference.read_text())
+    assert got["world_size"] == want["world_size"] == 3
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6, abs=1e-9)
+    assert got["val_accuracy"] == want["val_accuracy"]
+    # Every parameter, element by element (the example saves them beside its summary).
+    params, expected = torch.load(result.with_suffix(".pt")), torch.load(reference.with_suffix(".pt"))
+    assert params.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(params[name], tensor, rtol=1e-6, atol=1e-9, msg=f"parameter {name} differs")
 
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc", "etcd"])
@@ -96,7 +102,7 @@ def test_training_across_hosts_matches_one_host(net, one_host, transport, tmp_pa
     assert f"[rank 0] driver: 2 epochs on 3 processes over {transport}, final validation accuracy" in runs[0].stdout
     for node, run in enumerate(runs):
         assert f"node {node}/3: ranks {node}..{node} of 3 on {url}" in run.stderr
-    _assert_same_model(json.loads(result.read_text()), one_host)
+    _assert_same_model(result, one_host)
     if transport == "etcd":
         # `check` from a follower host: reachable, then "etcd down" once it is stopped.
         ok = _check(net, FOLLOWERS[0], url)

@@ -154,7 +154,9 @@ def time_ops(op, repeats: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-def round_trips(repeats: int) -> dict[str, float]:
+def round_trips(repeats: int, writes: dict[str, float] | None = None) -> dict[str, float]:
+    """Median µs of a get of an existing key per transport; ``writes`` gets the median µs of
+    a ``set`` (acknowledged on every transport; torch's own TCPStore set is not)."""
     import torch.distributed as dist
 
     import dataparallel as dp
@@ -178,10 +180,15 @@ def round_trips(repeats: int) -> dict[str, float]:
             ch = dp.connect(f"{kind}://127.0.0.1:{port}", rank=1, world_size=2, job="rtt", timeout=30)
             ch.set("k", PAYLOAD)
             out[kind] = time_ops(lambda ch=ch: ch.get("k"), repeats)
+            if writes is not None:
+                writes[kind] = time_ops(lambda ch=ch: ch.set("w", PAYLOAD), repeats)
             if kind == "tcpstore":
                 raw = dist.TCPStore("127.0.0.1", port, is_master=False)
                 raw.set("k", PAYLOAD)
                 out["TCPStore (torch)"] = time_ops(lambda raw=raw: raw.get("k"), repeats)
+                if writes is not None:
+                    # Unacknowledged: returns once the bytes are in the socket buffer.
+                    writes["TCPStore (torch), no ack"] = time_ops(lambda raw=raw: raw.set("w", PAYLOAD), repeats)
             ch.close()
         finally:
             proc.kill()
@@ -273,7 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     parser.add_argument("--rounds", type=int, default=100, help="barriers timed per size")
     parser.add_argument("--repeats", type=int, default=3000, help="round trips timed per transport")
-    parser.add_argument("--out", type=Path, default=RESULTS / "control_plane.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/control_plane.json")
+    parser.add_argument(
+        "--round-trips-only",
+        action="store_true",
+        help="only the get and set round trips (written to results/round_trips.json)",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -289,7 +301,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    rtt = round_trips(args.repeats)
+    writes: dict[str, float] = {}
+    rtt = round_trips(args.repeats, writes)
+    print(f"round trip (one get of an existing key) and set, median µs of {args.repeats}:")
+    for name, us in rtt.items():
+        print(f"  get {name:28s} {us:8.1f} us   {us / rtt['TCPStore (torch)']:5.2f}x TCPStore")
+    for name, us in writes.items():
+        print(f"  set {name:28s} {us:8.1f} us")
+    if args.round_trips_only:
+        out = args.out or RESULTS / "round_trips.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": machine(), "round_trip_us": rtt, "set_us": writes}, indent=2))
+        print(f"wrote {out}")
+        return 0
+    args.out = args.out or RESULTS / "control_plane.json"
     barriers: dict[str, dict[int, float]] = {k: {} for k in BARRIER_KINDS}
     with tqdm(total=len(args.sizes) * len(BARRIER_KINDS), desc="barriers", unit="run") as bar:
         for n in args.sizes:
@@ -309,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         cells = "".join(f"{barriers[k][n]:>14.3f} ({barriers[k][n] / base:4.2f}x)" for k in BARRIER_KINDS)
         print(f"  {n:<4d} {cells}")
 
-    result = {"machine": machine(), "round_trip_us": rtt, "barrier_ms": barriers, "rounds": args.rounds}
+    result = {
+        "machine": machine(),
+        "round_trip_us": rtt,
+        "set_us": writes,
+        "barrier_ms": barriers,
+        "rounds": args.rounds,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))

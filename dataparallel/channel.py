@@ -62,6 +62,11 @@ class ControlChannel(Collectives, abc.ABC):
     #: was declared lost on its next liveness tick, and writes it makes before that land.
     #: The conformance suite checks whichever is declared.
     fences_lost_members: ClassVar[bool] = False
+    #: Whether a call whose connection drops is re-sent and still applied exactly once (request
+    #: ids, result records), so a collective rides out a connection reset. Without it (TCPStore)
+    #: a write whose reply was lost raises ChannelClosed: it may or may not have been applied.
+    #: The conformance suite resets connections under barriers only where this is declared.
+    survives_connection_loss: ClassVar[bool] = False
 
     #: URL scheme this class serves (informational; the registry maps schemes to classes).
     scheme: ClassVar[str] = ""

@@ -125,6 +125,7 @@ class CoordinatorLiveness(Liveness):
 class RemoteChannel(ControlChannel, abc.ABC):
     native_auth: ClassVar[bool] = True
     fences_lost_members: ClassVar[bool] = True  # the coordinator drops a lost rank's session
+    survives_connection_loss: ClassVar[bool] = True  # resent with the same id, answered once
 
     def _init_remote(self) -> None:
         """Call from the transport's ``__init__`` once it can ``_call``: opens the session."""

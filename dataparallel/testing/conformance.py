@@ -102,9 +102,13 @@ class ChannelHarness:
     def rendezvous_all(channels: Sequence[dp.ControlChannel]) -> None:
         run_all([lambda c=c: c.rendezvous(timeout=STEP_TIMEOUT) for c in channels])
 
-    def spawn_rank(self, role: str, url: str, rank: int, world_size: int, job: str, *extra: str) -> subprocess.Popen:
-        """Start one rank in its own process (``dataparallel.testing.worker``)."""
-        cmd = [sys.executable, "-m", "dataparallel.testing.worker", role, "--url", url, "--rank", str(rank)]
+    def spawn_rank(
+        self, role: str, url: str, rank: int | None, world_size: int, job: str, *extra: str
+    ) -> subprocess.Popen:
+        """Start one rank in its own process (``dataparallel.testing.worker``); ``rank=None``:
+        assigned at connect."""
+        cmd = [sys.executable, "-m", "dataparallel.testing.worker", role, "--url", url]
+        cmd += [] if rank is None else ["--rank", str(rank)]
         cmd += ["--world-size", str(world_size), "--job", job, *extra]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -911,6 +915,74 @@ class LinearizabilityTests(ChannelHarness):
             )
         assert report.ok, str(report)
         assert report.operations >= self.MIN_OPERATIONS, f"only {report.operations} operations recorded"
+
+    @pytest.mark.timeout(240)
+    def test_ranks_are_unique_and_barriers_never_release_early_under_connection_resets(self, channel_url):
+        """Beyond single keys: 4 processes joining with ``rank=None`` get distinct ranks, and
+        in each of 40 barrier rounds no rank leaves before the last one entered. Connections
+        are reset every 0.5 s where the transport ``survives_connection_loss``."""
+        from .linearizability import urlsplit_port_proxy
+
+        n, rounds, job = 5, 40, "rounds"
+        url = with_options(channel_url, **self.LIVENESS)
+        if not self.cross_process:
+            channels = run_all([lambda: dp.connect(url, rank=None, world_size=n, job=job) for _ in range(n)])
+            try:
+                self.rendezvous_all(channels)
+
+                def body(ch: dp.ControlChannel) -> dict:
+                    times = []
+                    for _ in range(rounds):
+                        entered = time.monotonic()
+                        ch.barrier("rounds", timeout=STEP_TIMEOUT)
+                        times.append((entered, time.monotonic()))
+                    return {"rank": ch.rank, "times": times}
+
+                results = run_all([lambda c=c: body(c) for c in channels], 120)
+            finally:
+                close_all(channels)
+        else:
+            host = dp.connect(url, rank=0, world_size=n, job=job, timeout=30)
+            proxy, client_url = urlsplit_port_proxy(url) if host.survives_connection_loss else (None, url)
+            stop = threading.Event()
+            procs = [
+                self.spawn_rank("barriers", client_url, None, n, job, "--rounds", str(rounds)) for _ in range(n - 1)
+            ]
+            try:
+                if proxy is not None:
+
+                    def resets() -> None:
+                        while not stop.wait(0.5):
+                            proxy.drop_connections()
+
+                    threading.Thread(target=resets, daemon=True).start()
+                mine = []
+                try:
+                    host.rendezvous(timeout=STEP_TIMEOUT)
+                    for _ in range(rounds):
+                        entered = time.monotonic()
+                        host.barrier("rounds", timeout=STEP_TIMEOUT)
+                        mine.append((entered, time.monotonic()))
+                except dp.ControlError as err:
+                    for p in procs:
+                        p.kill()
+                    errors = "\n".join(p.communicate(timeout=10)[1][-1500:] for p in procs)
+                    pytest.fail(f"{err}\nthe other ranks' stderr:\n{errors}")
+                results = [{"rank": 0, "times": mine}] + [_finish(p, 120) for p in procs]
+            finally:
+                stop.set()
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.communicate(timeout=10)
+                if proxy is not None:
+                    proxy.close()
+                host.close()
+        assert sorted(r["rank"] for r in results) == list(range(n)), "a rank was handed out twice"
+        for i in range(rounds):
+            last_in = max(r["times"][i][0] for r in results)
+            first_out = min(r["times"][i][1] for r in results)
+            assert first_out >= last_in, f"barrier round {i} released a rank {last_in - first_out:.4f}s early"
 
 
 class ChannelConformance(

@@ -334,6 +334,20 @@ def _apply(ch: Any, op: str, key: str, args: list[Any]) -> Any:
     return ch.delete(key)
 
 
+def urlsplit_port_proxy(url: str) -> tuple[Any, str]:
+    """A :class:`~.netproxy.TcpProxy` in front of ``url``'s HOST:PORT and the URL through it;
+    (None, url) for a URL without a port (nothing to put a proxy in front of)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from .netproxy import TcpProxy
+
+    parts = urlsplit(url)
+    if parts.port is None or "," in parts.netloc:
+        return None, url
+    proxy = TcpProxy(parts.port)
+    return proxy, urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}"))
+
+
 def run_workload(
     url: str,
     workdir: Path,
@@ -354,24 +368,17 @@ def run_workload(
     import sys
     import threading
     import time
-    from urllib.parse import urlsplit, urlunsplit
 
     import dataparallel as dp
 
     from .conformance import with_options
-    from .netproxy import TcpProxy
 
     faults = faults or Faults()
     full = with_options(url, **(options or {})) if options else url
     job = f"lin{os.getpid()}{int(time.monotonic() * 1000) % 100000}"
     workdir.mkdir(parents=True, exist_ok=True)
     host = dp.connect(full, rank=0, world_size=clients + 1, job=job, timeout=60)
-    proxy = None
-    client_url = full
-    if faults.reset_every:
-        parts = urlsplit(full)
-        proxy = TcpProxy(parts.port or host.port)
-        client_url = urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}"))
+    proxy, client_url = urlsplit_port_proxy(full) if faults.reset_every else (None, full)
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
     try:

@@ -81,7 +81,17 @@ def _write(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     return {"rank": ch.rank, "error": None, "last_write": last_write}
 
 
-ROLES = {"gloo": _gloo, "hold": _hold, "write": _write}
+def _barriers(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+    """``--rounds`` barriers, each entry and exit time recorded (one clock per machine)."""
+    times = []
+    for _ in range(args.rounds):
+        entered = time.monotonic()
+        ch.barrier("rounds", timeout=args.timeout)
+        times.append((entered, time.monotonic()))
+    return {"rank": ch.rank, "times": times}
+
+
+ROLES = {"barriers": _barriers, "gloo": _gloo, "hold": _hold, "write": _write}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--hold", type=float, default=60.0, help="seconds the hold role stays")
+    parser.add_argument("--rounds", type=int, default=50, help="barriers the barriers role makes")
     parser.add_argument("--no-rendezvous", action="store_true", help="start the role right after connect")
     args = parser.parse_args(argv)
     ch = dp.connect(

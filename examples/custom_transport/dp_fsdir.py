@@ -53,11 +53,18 @@ class FsDirChannel(ControlChannel):
         except FileNotFoundError:
             return None
 
-    def _set(self, key: str, value: bytes) -> None:
+    def _write(self, key: str, value: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(value)
         os.replace(tmp, self._path(key))
+
+    # Every write takes the lock, not only add and compare_set: a set or delete landing between
+    # an add's read and its write would be lost (the conformance suite's linearizability
+    # check catches exactly that).
+    def _set(self, key: str, value: bytes) -> None:
+        with self._locked():
+            self._write(key, value)
 
     def _get(self, key: str, timeout: float) -> bytes | None:
         deadline = time.monotonic() + timeout
@@ -75,7 +82,7 @@ class FsDirChannel(ControlChannel):
     def _add(self, key: str, amount: int) -> int:
         with self._locked():
             value = int(self._read(key) or b"0") + amount
-            self._set(key, str(value).encode())
+            self._write(key, str(value).encode())
             return value
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
@@ -85,15 +92,16 @@ class FsDirChannel(ControlChannel):
                 return expected
             if current is not None and current != expected:
                 return current
-            self._set(key, desired)
+            self._write(key, desired)
             return desired
 
     def _delete(self, key: str) -> bool:
-        try:
-            self._path(key).unlink()
-            return True
-        except FileNotFoundError:
-            return False
+        with self._locked():
+            try:
+                self._path(key).unlink()
+                return True
+            except FileNotFoundError:
+                return False
 
     def _check(self, keys: Sequence[str]) -> bool:
         return all(self._path(k).exists() for k in keys)

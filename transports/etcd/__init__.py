@@ -68,6 +68,7 @@ class EtcdChannel(ControlChannel):
     }
     SERVICE = "etcd"
     fences_lost_members = True  # writes are bound to the lease whose expiry declared the rank lost
+    survives_connection_loss = True  # a re-sent mutation finds its result record (_once)
     # Each slice of a blocked get re-reads and re-watches its key: keep them few.
     liveness_poll = 1.0
 
@@ -213,6 +214,8 @@ class EtcdChannel(ControlChannel):
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
             raise ChannelClosed(f"etcd at {self.url.raw} did not answer within {wait:g}s") from None
+        except ValueError:
+            raise  # _add found no number: the core's BadMessage
         except Exception as err:
             raise self._translate(err, getattr(coro, "__name__", "call")) from err
 

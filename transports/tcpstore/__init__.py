@@ -12,7 +12,6 @@ The token is only checked for agreement: TCPStore has no authentication.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -75,34 +74,40 @@ class TCPStoreChannel(ControlChannel):
             with self._lock:
                 if self._root is None:
                     raise ChannelClosed(f"{self!r} is closed")
-                # A connection of its own. TCPStore's client retries a refused connection with
-                # long random pauses; a plain connect first notices a store that went away at once.
+                # A connection of its own: a clone of the store opened at connect, within the
+                # channel's timeout. (TCPStore's server now and then answers a new connection
+                # only after ~5 s; a shorter bound turned that stall into false failures.)
                 try:
-                    socket.create_connection((self._root.host, self._root.port), timeout=self.liveness_timeout).close()
-                    client = dist.TCPStore(
-                        self._root.host,
-                        self._root.port,
-                        is_master=False,
-                        timeout=timedelta(seconds=min(self.timeout, self.liveness_timeout)),
-                    )
+                    client = self._root.clone()
                 except (dist.DistError, RuntimeError, OSError) as err:
                     raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
                 client.set_timeout(timedelta(seconds=self.timeout))
                 self._clients[ident] = client
         return client
 
-    def _call(self, op: Callable[[dist.TCPStore], T]) -> T:
+    def _call(self, op: Callable[[dist.TCPStore], T], read: bool = False) -> T:
         """Run ``op`` on this thread's connection: the one place TCPStore's errors become the
-        channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``."""
-        try:
-            return op(self._client())
-        except dist.DistNetworkError as err:
-            self._clients.pop(threading.get_ident(), None)  # reconnect on this thread's next call
-            raise ChannelClosed(f"TCPStore at {self._address}: connection failed: {err}") from err
-        except dist.DistStoreError:
-            raise
-        except (dist.DistError, RuntimeError) as err:
-            raise ControlError(f"TCPStore at {self._address}: {err}") from err
+        channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``.
+
+        A connection that failed is dropped and the call tried again on a new one, for up to
+        ``liveness_timeout`` seconds, when that cannot apply anything twice: a read, or a
+        request that never left (the send failed: "Broken pipe"). A write whose reply was
+        lost may have been applied: ChannelClosed (TCPStore has no request ids to dedupe a
+        re-sent one)."""
+        deadline = time.monotonic() + self.liveness_timeout
+        while True:
+            try:
+                return op(self._client())
+            except dist.DistNetworkError as err:
+                self._clients.pop(threading.get_ident(), None)  # a new connection next time
+                unsent = "Broken pipe" in str(err)
+                if not (read or unsent) or time.monotonic() > deadline:
+                    raise ChannelClosed(f"TCPStore at {self._address}: connection failed: {err}") from err
+                time.sleep(0.05)
+            except dist.DistStoreError:
+                raise
+            except (dist.DistError, RuntimeError) as err:
+                raise ControlError(f"TCPStore at {self._address}: {err}") from err
 
     def _acked(self, write: Callable[[dist.TCPStore], None], key: str) -> None:
         """TCPStore's set, multi_set and append send no reply: follow one with a request that
@@ -117,7 +122,7 @@ class TCPStoreChannel(ControlChannel):
     def _wait(self, full: list[str], timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the (prefixed) keys; False on timeout."""
         try:
-            self._call(lambda s: s.wait(full, timedelta(seconds=max(timeout, 1e-3))))
+            self._call(lambda s: s.wait(full, timedelta(seconds=max(timeout, 1e-3))), read=True)
         except dist.DistStoreError:  # TCPStore's error for an expired wait (network: DistNetworkError)
             return False
         return True
@@ -128,7 +133,7 @@ class TCPStoreChannel(ControlChannel):
         # wait-then-get would return b"" for a key deleted in between.
         full, deadline = self._prefix + key, time.monotonic() + timeout
         while True:
-            value = self._call(lambda s: s.compare_set(full, self._absent, self._absent))
+            value = self._call(lambda s: s.compare_set(full, self._absent, self._absent), read=True)
             if value != self._absent:
                 return value
             if not self._wait([full], deadline - time.monotonic()):
@@ -152,14 +157,14 @@ class TCPStoreChannel(ControlChannel):
         return self._call(lambda s: s.delete_key(self._prefix + key))
 
     def _check(self, keys: Sequence[str]) -> bool:
-        return self._call(lambda s: s.check([self._prefix + k for k in keys]))
+        return self._call(lambda s: s.check([self._prefix + k for k in keys]), read=True)
 
     def _num_keys(self) -> int:
-        return self._call(lambda s: s.num_keys())
+        return self._call(lambda s: s.num_keys(), read=True)
 
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
         full = [self._prefix + k for k in keys]
-        return self._call(lambda s: s.multi_get(full)) if self._wait(full, timeout) else None
+        return self._call(lambda s: s.multi_get(full), read=True) if self._wait(full, timeout) else None
 
     def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
         keys = [self._prefix + k for k, _ in items]

@@ -9,7 +9,7 @@ transport behaves the same and a new one stays small.
 from __future__ import annotations
 
 import abc
-import hashlib
+import hmac
 import json
 import os
 import socket
@@ -23,7 +23,7 @@ from .collectives import Collectives, _value
 from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import Liveness, StoreHeartbeats
 from .registry import ChannelURL
-from .wire import MAX_WORLD_SIZE
+from .wire import MAX_WORLD_SIZE, purpose_key
 
 if TYPE_CHECKING:
     import torch.distributed
@@ -416,7 +416,9 @@ class ControlChannel(Collectives, abc.ABC):
     def _agree_on_token(self) -> None:
         # Not authentication (the store itself is open): it stops a misconfigured process
         # from joining a job started with another token.
-        digest = hashlib.sha256(f"{self.job}\x00{self.token or ''}".encode()).hexdigest().encode()
+        # A MAC of the job name under the token's own key: the store is readable by anyone who
+        # reaches it, and a plain hash of the token there could be brute-forced offline.
+        digest = hmac.digest(purpose_key(self.token, "token-check"), self.job.encode(), "sha256").hex().encode()
         found = self._compare_set(f"{RESERVED_PREFIX}token", b"", digest)
         if found != digest:
             raise AuthError(f"job {self.job!r}: this process's token differs from the one the job was started with")

@@ -233,10 +233,17 @@ def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str
         return env["DP_TOKEN"], "DP_TOKEN"
     if path is None:
         return None, "default"
+    file = Path(path).expanduser()
     try:
-        token = Path(path).expanduser().read_text().strip()
+        mode = file.stat().st_mode
+        token = file.read_text().strip()
     except OSError as err:
         raise ConfigError(f"cannot read {origin['token_file']} = {path!r}: {err.strerror}") from None
+    if mode & 0o077:  # as OpenSSH does with a private key: a secret others can read is no secret
+        raise ConfigError(
+            f"{origin['token_file']} = {path!r} is accessible by other users (mode {mode & 0o777:o}); "
+            f"run: chmod 600 {path}"
+        )
     if not token:
         raise ConfigError(f"{origin['token_file']} = {path!r} is empty")
     return token, origin["token_file"]

@@ -25,7 +25,6 @@ channel with ``compare_set``, the same way torch's ``c10d`` backend does with a 
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import struct
@@ -44,7 +43,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from .channel import COMMON_OPTIONS, ControlChannel
 from .errors import AuthError, ControlError
 from .registry import parse_url, transport_class
-from .wire import MAX_FRAME, token_key
+from .wire import MAX_FRAME, purpose_key
 
 DEFAULT_PORTS = {"etcd": 2379, "zmq": 29400, "grpc": 29400}
 #: Set in the agent (and so in its workers) to the rendezvous round: see ``dataparallel.config``.
@@ -91,7 +90,7 @@ class ChannelRendezvousBackend(RendezvousBackend):
         self._channel = channel
         self._name = name
         self._key = f"torch.rendezvous.{run_id}.state"
-        self._mac_key = hashlib.sha256(b"dataparallel/rendezvous-state\x00" + token_key(channel.token)).digest()
+        self._mac_key = purpose_key(channel.token, "rendezvous-state")
 
     @property
     def name(self) -> str:

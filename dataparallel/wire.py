@@ -9,6 +9,7 @@ transport.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 
@@ -23,12 +24,47 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_FRAME = 64 << 20
 MAC_SIZE = 32
 
-__all__ = ["MAC_SIZE", "MAX_FRAME", "PROTOCOL_VERSION", "open_frame", "pb", "seal", "token_key"]
+__all__ = [
+    "MAC_SIZE",
+    "MAX_FRAME",
+    "PROTOCOL_VERSION",
+    "PURPOSES",
+    "open_frame",
+    "pb",
+    "purpose_key",
+    "root_key",
+    "seal",
+    "token_key",
+]
+
+#: The root key's KDF: scrypt (RFC 7914), N=2**15, r=8, p=1 — about 0.1 s and 32 MiB, once per
+#: process and token — so a captured frame or credential lets an attacker test token guesses
+#: at scrypt's speed, not at SHA-256's. The salt is fixed, not the job's name: one coordinator
+#: serves many jobs and must check a frame's MAC before it can trust the job named inside it.
+SCRYPT = {"n": 1 << 15, "r": 8, "p": 1}
+_SALT = b"dataparallel/control/v1"
+#: One key per purpose, never sent over the wire; knowing one tells nothing of the others.
+PURPOSES = ("frame-mac", "curve-server", "grpc-credential", "rendezvous-state", "token-check")
+
+
+@functools.lru_cache(maxsize=32)
+def root_key(token: str | None) -> bytes:
+    """The job token's root key (``None`` and ``""`` give the same, public, key)."""
+    return hashlib.scrypt((token or "").encode(), salt=_SALT, dklen=32, maxmem=64 << 20, **SCRYPT)
+
+
+@functools.lru_cache(maxsize=128)
+def purpose_key(token: str | None, purpose: str) -> bytes:
+    """The key for one ``purpose`` (one of :data:`PURPOSES`): HKDF-Expand (RFC 5869) of the
+    root key, one block, with the purpose as its info."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"unknown key purpose {purpose!r}; one of {', '.join(PURPOSES)}")
+    return hmac.digest(root_key(token), b"dataparallel/" + purpose.encode() + b"\x01", "sha256")
 
 
 def token_key(token: str | None) -> bytes:
-    """The MAC key of a token (``None`` and ``""`` give the same, public, key)."""
-    return hashlib.sha256(b"dataparallel/control/v1\x00" + (token or "").encode()).digest()
+    """The key that signs zmq frames (the ``frame-mac`` purpose)."""
+    return purpose_key(token, "frame-mac")
 
 
 def seal(key: bytes, message: pb.Request | pb.Reply) -> bytes:

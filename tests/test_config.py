@@ -3,6 +3,8 @@ a clear message for every bad value."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import dataparallel as dp
@@ -47,8 +49,13 @@ def test_file_found_by_env_and_in_the_working_directory(tmp_path, monkeypatch):
     assert load_config(env={}).url is None
 
 
+def _secret(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o600)
+
+
 def test_token_from_env_or_file_relative_to_the_config(tmp_path):
-    (tmp_path / "secret").write_text("s3cret\n")
+    _secret(tmp_path / "secret", "s3cret\n")
     path = _file(tmp_path, 'url = "zmq://h:1"\ntoken_file = "secret"\n')
     assert load_config(env={}, file=path).token == "s3cret"
     assert load_config(env={"DP_TOKEN": "other"}, file=path).token == "other"
@@ -57,12 +64,23 @@ def test_token_from_env_or_file_relative_to_the_config(tmp_path):
 
 def test_token_file_flag_beats_dp_token(tmp_path):
     # Flags > environment > file, for the token as for everything else.
-    (tmp_path / "flagged").write_text("from-flag\n")
-    (tmp_path / "secret").write_text("from-file\n")
+    _secret(tmp_path / "flagged", "from-flag\n")
+    _secret(tmp_path / "secret", "from-file\n")
     path = _file(tmp_path, 'url = "zmq://h:1"\ntoken_file = "secret"\n')
     config = load_config({"token_file": str(tmp_path / "flagged")}, env={"DP_TOKEN": "from-env"}, file=path)
     assert (config.token, config.origin["token"]) == ("from-flag", "--token-file")
     assert load_config(env={"DP_TOKEN": "from-env"}, file=path).token == "from-env"
+
+
+def test_a_token_file_others_can_read_is_refused(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    for mode in (0o644, 0o640, 0o604):
+        token.chmod(mode)
+        with pytest.raises(dp.ConfigError, match=f"chmod 600 {token}"):
+            load_config({"token_file": str(token)}, env={})
+    token.chmod(0o400)
+    assert load_config({"token_file": str(token)}, env={}).token == "s3cret"
 
 
 def test_torchrun_environment(tmp_path):

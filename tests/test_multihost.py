@@ -149,6 +149,7 @@ def _token_file(token: str) -> Path:
 
     path = Path(tempfile.mkdtemp()) / "token"
     path.write_text(token)
+    path.chmod(0o600)  # a token file others can read is refused
     return path
 
 

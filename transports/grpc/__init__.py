@@ -28,7 +28,7 @@ from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
 from dataparallel.remote import Exchange, RemoteChannel
-from dataparallel.wire import pb, token_key
+from dataparallel.wire import pb, purpose_key
 
 from .server import GRPC_OPTIONS, TOKEN_HEADER, GrpcCoordinatorServer
 
@@ -79,10 +79,10 @@ class GrpcChannel(RemoteChannel):
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
         self._tls = _flag(url, "tls")
-        self._metadata = ((TOKEN_HEADER, token_key(self.token).hex()),)
+        self._metadata = ((TOKEN_HEADER, purpose_key(self.token, "grpc-credential").hex()),)
         host, port = self._coordinator_address(
             lambda: GrpcCoordinatorServer(
-                url.host, url.require_port(), token_key(self.token).hex(), server_credentials(url)
+                url.host, url.require_port(), purpose_key(self.token, "grpc-credential").hex(), server_credentials(url)
             ).start(),
             busy=(OSError, RuntimeError),
         )
@@ -129,7 +129,9 @@ class GrpcChannel(RemoteChannel):
     @classmethod
     def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
         """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
-        server = GrpcCoordinatorServer(url.host, url.require_port(), token_key(token).hex(), server_credentials(url))
+        server = GrpcCoordinatorServer(
+            url.host, url.require_port(), purpose_key(token, "grpc-credential").hex(), server_credentials(url)
+        )
         server.serve(ready)
 
 

@@ -8,7 +8,6 @@ coordinator carries on serving everyone else.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ from zmq.utils import z85
 
 from dataparallel.coordinator import Coordinator, CoordinatorLimits
 from dataparallel.errors import AuthError, BadMessage
-from dataparallel.wire import MAC_SIZE, MAX_FRAME, open_frame, pb, seal, token_key
+from dataparallel.wire import MAC_SIZE, MAX_FRAME, open_frame, pb, purpose_key, seal, token_key
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ log = logging.getLogger(__name__)
 def curve_server_keys(token: str) -> tuple[bytes, bytes]:
     """The coordinator's CURVE key pair (public, secret), derived from the job token, so
     that clients that know the token know the server's public key without distribution."""
-    secret = z85.encode(hashlib.sha256(b"dataparallel/curve/v1\x00" + token.encode()).digest())
+    secret = z85.encode(purpose_key(token, "curve-server"))
     return zmq.curve_public(secret), secret
 
 

@@ -23,7 +23,7 @@ import dataparallel as dp
 from dataparallel.coordinator import CoordinatorLimits
 from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.transports.zmq.server import ZmqCoordinatorServer
-from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, pb, seal, token_key
+from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, pb, purpose_key, seal, token_key
 
 TOKEN = "fuzz-token"
 KEY = token_key(TOKEN)
@@ -188,7 +188,7 @@ class GrpcAttacker:
             request_serializer=lambda b: b,
             response_deserializer=pb.Reply.FromString,
         )
-        self.metadata = ((TOKEN_HEADER, KEY.hex()),)
+        self.metadata = ((TOKEN_HEADER, purpose_key(TOKEN, "grpc-credential").hex()),)
 
     def send_frames(self, frames: list[bytes]) -> None:
         for frame in frames:

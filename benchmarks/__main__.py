@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import control_plane, faults, gpu_nccl, rendezvous, swarm, train_loop
 
     if "control" in args.only:
-        sizes = ["2", "4"] if quick else ["2", "4", "8", "16", "32", "64"]
+        # N=64 left out: tcpstore fails there on 2 cores (README, Performance)
+        sizes = ["2", "4"] if quick else ["2", "4", "8", "16", "32"]
         rounds, repeats = ("20", "300") if quick else ("100", "3000")
         control_plane.main(
             ["--sizes", *sizes, "--rounds", rounds, "--repeats", repeats, "--out", str(out / "control_plane.json")]

@@ -166,6 +166,7 @@ class _Trainer:
         self._make_scheduler = scheduler
         self._lost: PeerLost | None = None
         self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -183,7 +184,8 @@ class _Trainer:
         self.history = FitResult()
         self.start_epoch = 0
         self.best = (float("inf"), -1)  # (val loss, epoch)
-        threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True)
+        self._watcher.start()
 
     def _watch(self) -> None:
         """Abort the process group when the channel declares a peer lost, so that no rank
@@ -223,6 +225,8 @@ class _Trainer:
             raise self._explain(err, epoch) from err
         finally:
             self._stop_watch.set()
+            if self._watcher is not None:  # no abort() may run while the group is destroyed
+                self._watcher.join(timeout=5)
             if self._own_pg and self._lost is None:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()

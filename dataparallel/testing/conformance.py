@@ -921,7 +921,8 @@ class LinearizabilityTests(ChannelHarness):
         """Beyond single keys: 4 processes joining with ``rank=None`` get distinct ranks, and
         in each of 40 barrier rounds no rank leaves before the last one entered. Connections
         are reset every 0.5 s where the transport ``survives_connection_loss``."""
-        from .linearizability import urlsplit_port_proxy
+        from .netproxy import proxy_in_front
+        from .worker import timed_barriers
 
         n, rounds, job = 5, 40, "rounds"
         url = with_options(channel_url, **self.LIVENESS)
@@ -929,48 +930,28 @@ class LinearizabilityTests(ChannelHarness):
             channels = run_all([lambda: dp.connect(url, rank=None, world_size=n, job=job) for _ in range(n)])
             try:
                 self.rendezvous_all(channels)
-
-                def body(ch: dp.ControlChannel) -> dict:
-                    times = []
-                    for _ in range(rounds):
-                        entered = time.monotonic()
-                        ch.barrier("rounds", timeout=STEP_TIMEOUT)
-                        times.append((entered, time.monotonic()))
-                    return {"rank": ch.rank, "times": times}
-
-                results = run_all([lambda c=c: body(c) for c in channels], 120)
+                results = run_all([lambda c=c: timed_barriers(c, rounds, STEP_TIMEOUT) for c in channels], 120)
             finally:
                 close_all(channels)
         else:
             host = dp.connect(url, rank=0, world_size=n, job=job, timeout=30)
-            proxy, client_url = urlsplit_port_proxy(url) if host.survives_connection_loss else (None, url)
-            stop = threading.Event()
+            proxy, client_url = proxy_in_front(url) if host.survives_connection_loss else (None, url)
             procs = [
                 self.spawn_rank("barriers", client_url, None, n, job, "--rounds", str(rounds)) for _ in range(n - 1)
             ]
             try:
                 if proxy is not None:
-
-                    def resets() -> None:
-                        while not stop.wait(0.5):
-                            proxy.drop_connections()
-
-                    threading.Thread(target=resets, daemon=True).start()
-                mine = []
+                    proxy.reset_every(0.5)
                 try:
                     host.rendezvous(timeout=STEP_TIMEOUT)
-                    for _ in range(rounds):
-                        entered = time.monotonic()
-                        host.barrier("rounds", timeout=STEP_TIMEOUT)
-                        mine.append((entered, time.monotonic()))
+                    mine = timed_barriers(host, rounds, STEP_TIMEOUT)
                 except dp.ControlError as err:
                     for p in procs:
                         p.kill()
                     errors = "\n".join(p.communicate(timeout=10)[1][-1500:] for p in procs)
                     pytest.fail(f"{err}\nthe other ranks' stderr:\n{errors}")
-                results = [{"rank": 0, "times": mine}] + [_finish(p, 120) for p in procs]
+                results = [mine] + [_finish(p, 120) for p in procs]
             finally:
-                stop.set()
                 for p in procs:
                     if p.poll() is None:
                         p.kill()

@@ -334,20 +334,6 @@ def _apply(ch: Any, op: str, key: str, args: list[Any]) -> Any:
     return ch.delete(key)
 
 
-def urlsplit_port_proxy(url: str) -> tuple[Any, str]:
-    """A :class:`~.netproxy.TcpProxy` in front of ``url``'s HOST:PORT and the URL through it;
-    (None, url) for a URL without a port (nothing to put a proxy in front of)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    from .netproxy import TcpProxy
-
-    parts = urlsplit(url)
-    if parts.port is None or "," in parts.netloc:
-        return None, url
-    proxy = TcpProxy(parts.port)
-    return proxy, urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}"))
-
-
 def run_workload(
     url: str,
     workdir: Path,
@@ -372,15 +358,15 @@ def run_workload(
     import dataparallel as dp
 
     from .conformance import with_options
+    from .netproxy import proxy_in_front
 
     faults = faults or Faults()
     full = with_options(url, **(options or {})) if options else url
     job = f"lin{os.getpid()}{int(time.monotonic() * 1000) % 100000}"
     workdir.mkdir(parents=True, exist_ok=True)
     host = dp.connect(full, rank=0, world_size=clients + 1, job=job, timeout=60)
-    proxy, client_url = urlsplit_port_proxy(full) if faults.reset_every else (None, full)
+    proxy, client_url = proxy_in_front(full) if faults.reset_every else (None, full)
     procs: list[subprocess.Popen] = []
-    stop = threading.Event()
     try:
         for c in range(clients):
             cmd = [sys.executable, "-m", "dataparallel.testing.linearizability", "--url", client_url]
@@ -390,12 +376,8 @@ def run_workload(
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         host.rendezvous(timeout=60)
 
-        def resets() -> None:
-            while not stop.wait(faults.reset_every):
-                proxy.drop_connections()
-
         if proxy is not None:
-            threading.Thread(target=resets, daemon=True).start()
+            proxy.reset_every(faults.reset_every)
 
         def freeze(proc: subprocess.Popen) -> None:
             proc.send_signal(signal.SIGSTOP)
@@ -424,7 +406,6 @@ def run_workload(
         for timer in timers:
             timer.join()
     finally:
-        stop.set()
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)

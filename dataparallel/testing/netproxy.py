@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from urllib.parse import urlsplit, urlunsplit
 
 
 class TcpProxy:
@@ -21,6 +22,7 @@ class TcpProxy:
         self.accepting = True
         self._swallow = threading.Event()
         self._holding = threading.Event()
+        self._stopped = threading.Event()
         self._hold, self._skip = 0.3, 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -100,7 +102,27 @@ class TcpProxy:
         self.drop_connections()
         self._holding.clear()
 
+    def reset_every(self, seconds: float) -> None:
+        """Reset every connection each ``seconds`` until :meth:`close`."""
+
+        def resets() -> None:
+            while not self._stopped.wait(seconds):
+                self.drop_connections()
+
+        threading.Thread(target=resets, name="proxy-resets", daemon=True).start()
+
     def close(self) -> None:
         self._closed = True
+        self._stopped.set()
         self._listener.close()
         self.drop_connections()
+
+
+def proxy_in_front(url: str) -> tuple[TcpProxy | None, str]:
+    """A :class:`TcpProxy` in front of ``url``'s HOST:PORT, and the URL through it; (None, url)
+    for a URL without one HOST:PORT (nothing to put a proxy in front of)."""
+    parts = urlsplit(url)
+    if parts.port is None or "," in parts.netloc:
+        return None, url
+    proxy = TcpProxy(parts.port)
+    return proxy, urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}"))

@@ -81,14 +81,18 @@ def _write(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     return {"rank": ch.rank, "error": None, "last_write": last_write}
 
 
-def _barriers(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
-    """``--rounds`` barriers, each entry and exit time recorded (one clock per machine)."""
+def timed_barriers(ch: dp.ControlChannel, rounds: int, timeout: float) -> dict:
+    """``rounds`` barriers, each one's entry and exit time recorded (one clock per machine)."""
     times = []
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         entered = time.monotonic()
-        ch.barrier("rounds", timeout=args.timeout)
+        ch.barrier("rounds", timeout=timeout)
         times.append((entered, time.monotonic()))
     return {"rank": ch.rank, "times": times}
+
+
+def _barriers(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+    return timed_barriers(ch, args.rounds, args.timeout)
 
 
 ROLES = {"barriers": _barriers, "gloo": _gloo, "hold": _hold, "write": _write}

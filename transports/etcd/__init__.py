@@ -8,7 +8,8 @@ etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
 - ``get`` of a missing key reads the key and its revision, then watches from the next
   revision: no polling, and no write can slip between the read and the watch.
 - ``add`` and ``compare_set`` are transactions guarded by the key's ``mod_revision``
-  (retried on conflict); a missing key is ``version == 0``.
+  (retried on conflict); a missing key is ``version == 0``. Every mutation commits with a
+  record of its result, so a call re-sent after a lost reply is applied once (``_once``).
 - Liveness (:class:`LeaseLiveness`): each rank holds a lease (TTL = ``liveness_timeout``)
   kept alive every ``heartbeat`` seconds (at most TTL/3), and on joining writes
   ``__dp/alive/RANK`` (bound to the lease) and ``__dp/joined/RANK`` (not). A watch on the
@@ -184,7 +185,7 @@ class EtcdChannel(ControlChannel):
                 f"etcd at {self.url.raw} refused {who} ({what}): {text}; "
                 "check user=/password= and that the user's role covers this job's prefix"
             )
-        if code == grpc.StatusCode.NOT_FOUND and "lease" in text:
+        if _lease_gone(err):
             return ChannelClosed(self._fenced_message(text))
         if isinstance(
             err,
@@ -239,7 +240,7 @@ class EtcdChannel(ControlChannel):
                 await asyncio.sleep(0.2)
             except aetcd.exceptions.ClientError as err:
                 error = self._translate(err, method)
-                if isinstance(error, ChannelClosed) and "declared lost" in str(error):
+                if _lease_gone(err):
                     self._fail(error)  # fenced: every later call says so at once
                 raise error from err
 
@@ -469,6 +470,16 @@ class EtcdChannel(ControlChannel):
                 pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+
+def _lease_gone(err: BaseException) -> bool:
+    """etcd refused a write bound to this rank's lease: it expired, the rank was declared lost."""
+    cause = err.__cause__
+    return (
+        isinstance(cause, grpc.aio.AioRpcError)
+        and cause.code() == grpc.StatusCode.NOT_FOUND
+        and "lease" in (cause.details() or "")
+    )
 
 
 def _prefix_end(prefix: bytes) -> bytes:

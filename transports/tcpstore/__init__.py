@@ -127,14 +127,19 @@ class TCPStoreChannel(ControlChannel):
             return False
         return True
 
+    def _read(self, full: str) -> bytes | None:
+        """The value of a (prefixed) key, None if missing, in one atomic request: compare_set
+        with a sentinel nobody stores returns the value, or the sentinel when the key is
+        missing (torch's semantics), and writes nothing. (A wait-then-get would return b""
+        for a key deleted in between.)"""
+        value = self._call(lambda s: s.compare_set(full, self._absent, self._absent), read=True)
+        return None if value == self._absent else value
+
     def _get(self, key: str, timeout: float) -> bytes | None:
-        # One atomic read: compare_set with a sentinel nobody stores returns the value, or
-        # the sentinel when the key is missing (torch's semantics), and writes nothing. A
-        # wait-then-get would return b"" for a key deleted in between.
         full, deadline = self._prefix + key, time.monotonic() + timeout
         while True:
-            value = self._call(lambda s: s.compare_set(full, self._absent, self._absent), read=True)
-            if value != self._absent:
+            value = self._read(full)
+            if value is not None:
                 return value
             if not self._wait([full], deadline - time.monotonic()):
                 return None
@@ -145,7 +150,7 @@ class TCPStoreChannel(ControlChannel):
             return self._call(lambda s: s.add(full, amount))
         except ChannelClosed:
             # TCPStore's server hangs up on an add to a value that is not a number: say so.
-            current = self._call(lambda s: s.get(full) if s.check([full]) else None)
+            current = self._read(full)
             if current is not None and not current.lstrip(b"-").isdigit():
                 raise ValueError(f"current value {current[:32]!r}") from None
             raise

@@ -1,10 +1,11 @@
 """The coordinator's state machine, independent of how requests arrive.
 
-A server-hosted transport (ZeroMQ, gRPC) decodes a :class:`Request`, calls
-:meth:`Coordinator.handle` with an opaque *route* (how to reach the sender), sends the
-returned :class:`Reply`, or — when ``handle`` returns None because the request is parked
-(a ``get`` of a missing key, a collective still incomplete) — lets the coordinator call
-``send(route, reply)`` later. The transport calls :meth:`Coordinator.sweep` at least as
+A server-hosted transport (ZeroMQ, gRPC) hands each sealed request frame to
+:meth:`Coordinator.handle_frame` (or a decoded :class:`Request` to :meth:`Coordinator.handle`)
+with an opaque *route* (how to reach the sender), seals and sends the returned
+:class:`Reply`, or — when it is None because the request is parked (a ``get`` of a missing
+key, a collective still incomplete) — lets the coordinator call ``send(route, reply)``
+later. The transport calls :meth:`Coordinator.sweep` at least as
 often as the returned delay asks, to expire parked requests and declare silent ranks lost.
 
 All of it is guarded by one lock; nothing under it blocks. Per job the coordinator keeps a
@@ -23,9 +24,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from .errors import BadMessage
+from .errors import AuthError, BadMessage
 from .keyspace import KeySpace
-from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, pb
+from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, open_frame, pb
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,17 @@ class Coordinator:
         self._cached_bytes = 0
 
     # ------------------------------------------------------------------ entry points
+    def handle_frame(self, route: Route, key: bytes, frame: bytes) -> pb.Reply | None:
+        """Serve one sealed request (:func:`dataparallel.wire.seal` with ``key``): a frame that
+        fails its MAC is answered ``AUTH_FAILED``, one that does not parse ``BAD_MESSAGE``."""
+        try:
+            request = open_frame(key, frame, pb.Request)
+        except AuthError as err:
+            return pb.Reply(status=pb.AUTH_FAILED, error=str(err))
+        except BadMessage as err:
+            return pb.Reply(status=pb.BAD_MESSAGE, error=str(err))
+        return self.handle(route, request)
+
     def handle(self, route: Route, request: pb.Request) -> pb.Reply | None:
         """Serve one authenticated request; never raises for bad input (it becomes a reply)."""
         with self._lock:

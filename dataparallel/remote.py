@@ -26,7 +26,7 @@ from .channel import ControlChannel
 from .coordinator import Coordinator
 from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import Liveness, LostPeer
-from .wire import PROTOCOL_VERSION, pb
+from .wire import PROTOCOL_VERSION, open_frame, pb
 
 #: Extra seconds a client waits beyond the coordinator's own deadline before giving up on it.
 REPLY_GRACE = 5.0
@@ -159,6 +159,24 @@ class RemoteChannel(ControlChannel, abc.ABC):
 
     @abc.abstractmethod
     def _close_transport(self) -> None: ...
+
+    #: The key that seals this transport's frames (:func:`dataparallel.wire.seal`), set by
+    #: the transport from the token before ``_init_remote``: requests and replies alike.
+    _frame_key: bytes = b""
+
+    def _open_reply(self, frame: bytes) -> pb.Reply:
+        """A reply frame, verified: :class:`AuthError` if it is not sealed with this job's key
+        (the coordinator was started with another token, or something else answers)."""
+        host, port = self._address
+        try:
+            return open_frame(self._frame_key, frame, pb.Reply)
+        except AuthError:
+            raise AuthError(
+                f"the coordinator at {host}:{port} does not know this job's token (its reply is not "
+                "signed with ours): the token differs from the one the coordinator was started with"
+            ) from None
+        except BadMessage as err:
+            raise BadMessage(f"garbled reply from the coordinator at {host}:{port}: {err}") from None
 
     #: The coordinator server this process hosts, if any (``.coordinator``, ``.port``, ``.stop()``).
     _server: Any = None

@@ -38,13 +38,13 @@ __all__ = [
 ]
 
 #: The root key's KDF: scrypt (RFC 7914), N=2**15, r=8, p=1 — about 0.1 s and 32 MiB, once per
-#: process and token — so a captured frame or credential lets an attacker test token guesses
+#: process and token — so a captured frame lets an attacker test token guesses
 #: at scrypt's speed, not at SHA-256's. The salt is fixed, not the job's name: one coordinator
 #: serves many jobs and must check a frame's MAC before it can trust the job named inside it.
 SCRYPT = {"n": 1 << 15, "r": 8, "p": 1}
 _SALT = b"dataparallel/control/v1"
 #: One key per purpose, never sent over the wire; knowing one tells nothing of the others.
-PURPOSES = ("frame-mac", "curve-server", "grpc-credential", "rendezvous-state", "token-check")
+PURPOSES = ("frame-mac", "curve-server", "grpc-frame-mac", "rendezvous-state", "token-check")
 
 
 @functools.lru_cache(maxsize=32)

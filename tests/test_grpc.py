@@ -14,7 +14,8 @@ from pki import make_pki, tls_url
 
 import dataparallel as dp
 from dataparallel.testing import close_all, free_port, with_options
-from dataparallel.wire import pb
+from dataparallel.transports.grpc import frame_key
+from dataparallel.wire import MAC_SIZE, open_frame, pb, seal
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +76,26 @@ def test_wrong_or_missing_token_is_refused_and_the_job_carries_on():
 def test_hostile_calls_get_errors_and_the_job_carries_on():
     url = f"grpc://127.0.0.1:{free_port()}"
     channels = open_job(url, 2, token="t")
+    key = frame_key("t")
     try:
-        metadata = channels[0]._metadata
         with grpc.insecure_channel(f"127.0.0.1:{channels[0].port}") as raw:
-            call = raw.unary_unary(
-                "/dataparallel.control.v1.ControlService/Call",
-                request_serializer=lambda b: b,
-                response_deserializer=pb.Reply.FromString,
-            )
-            for garbage in (os.urandom(512), b"\xff" * 64, b""):
-                try:
-                    reply = call(garbage, metadata=metadata, timeout=5)
-                    assert reply.status in (pb.CLOSED, pb.BAD_MESSAGE), reply
-                except grpc.RpcError as err:
-                    assert err.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), err
-            forged = pb.Request(id=9, session=b"forged", set=pb.KeyValue(key="x", value=b"y")).SerializeToString()
-            assert call(forged, metadata=metadata, timeout=5).status == pb.CLOSED
+            call = raw.unary_unary("/dataparallel.control.v1.ControlService/Call", request_serializer=lambda b: b)
+
+            def reply_to(body: bytes) -> pb.Reply:
+                return open_frame(key, pb.Frame.FromString(call(body, timeout=5)).sealed, pb.Reply)
+
+            for garbage in (b"\x0a\x7f" + os.urandom(8), b"\xff" * 64):  # not a Frame: truncated, bad tag
+                with pytest.raises(grpc.RpcError) as info:
+                    call(garbage, timeout=5)
+                assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), info.value
+            for sealed in (b"", os.urandom(512), b"\xff" * 64):  # a Frame, but no sealed request
+                assert reply_to(pb.Frame(sealed=sealed).SerializeToString()).status in (pb.AUTH_FAILED, pb.BAD_MESSAGE)
+            forged = pb.Request(id=9, session=b"forged", set=pb.KeyValue(key="x", value=b"y"))
+            assert reply_to(pb.Frame(sealed=seal(key, forged)).SerializeToString()).status == pb.CLOSED
+            unsealed = pb.Frame(sealed=bytes(MAC_SIZE) + forged.SerializeToString()).SerializeToString()
+            assert reply_to(unsealed).status == pb.AUTH_FAILED  # no token
             with pytest.raises(grpc.RpcError) as info:
-                call(forged, timeout=5)  # no token
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            with pytest.raises(grpc.RpcError) as info:
-                call(b"\x00" * (65 << 20), metadata=metadata, timeout=10)  # over the size limit
+                call(b"\x00" * (65 << 20), timeout=10)  # over the size limit
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         exercise(channels, "after-hostile")
     finally:

@@ -20,13 +20,15 @@ from hypothesis import strategies as st
 from jobutil import exercise, open_job
 
 import dataparallel as dp
+from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.coordinator import CoordinatorLimits
 from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.transports.zmq.server import ZmqCoordinatorServer
-from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, pb, purpose_key, seal, token_key
+from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, open_frame, pb, purpose_key, seal, token_key
 
 TOKEN = "fuzz-token"
 KEY = token_key(TOKEN)
+GRPC_KEY = purpose_key(TOKEN, "grpc-frame-mac")
 
 
 def rss_mb(pid: int) -> float:
@@ -179,29 +181,26 @@ class ZmqAttacker:
 
 
 class GrpcAttacker:
-    def __init__(self, url: str) -> None:
-        from dataparallel.transports.grpc.server import TOKEN_HEADER
+    """Sends frames as the body of gRPC calls (a ``Frame``'s ``sealed`` field)."""
 
+    def __init__(self, url: str) -> None:
         self.channel = grpc.insecure_channel(url.split("://", 1)[1])
-        self.rpc = self.channel.unary_unary(
-            "/dataparallel.control.v1.ControlService/Call",
-            request_serializer=lambda b: b,
-            response_deserializer=pb.Reply.FromString,
-        )
-        self.metadata = ((TOKEN_HEADER, purpose_key(TOKEN, "grpc-credential").hex()),)
+        self.stub = control_pb2_grpc.ControlServiceStub(self.channel)
 
     def send_frames(self, frames: list[bytes]) -> None:
         for frame in frames:
             try:
-                self.rpc(frame, metadata=self.metadata, timeout=0.5)
+                self.stub.Call(pb.Frame(sealed=frame), timeout=0.5)
             except grpc.RpcError as err:  # parked (deadline), refused, malformed: all fine
                 assert err.code() != grpc.StatusCode.UNAVAILABLE, "the coordinator went away"
 
     def send(self, request: pb.Request) -> None:
-        self.send_frames([request.SerializeToString()])
+        self.send_frames([seal(GRPC_KEY, request)])
 
     def call(self, request: pb.Request) -> pb.Reply:
-        return self.rpc(request.SerializeToString(), metadata=self.metadata, timeout=5)
+        return open_frame(
+            GRPC_KEY, self.stub.Call(pb.Frame(sealed=seal(GRPC_KEY, request)), timeout=5).sealed, pb.Reply
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -235,7 +234,7 @@ def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served)
         @fuzz
         @given(requests(session), st.integers(0, 1 << 16), st.binary(min_size=1, max_size=8), st.booleans())
         def mutated_frames(request, at, junk, cut):
-            framed = seal(KEY, request) if scheme == "zmq" else request.SerializeToString()
+            framed = seal(KEY if scheme == "zmq" else GRPC_KEY, request)
             attacker.send_frames([mutate(framed, at, junk, cut)])
 
         @fuzz

@@ -4,16 +4,16 @@ another purpose (against real zmq and gRPC coordinators)."""
 from __future__ import annotations
 
 import hashlib
-import hmac
+from concurrent import futures
 
 import grpc
 import pytest
 import zmq
 from jobutil import open_job
 
+import dataparallel as dp
 from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.testing import close_all, free_port
-from dataparallel.transports.grpc.server import TOKEN_HEADER
 from dataparallel.wire import PROTOCOL_VERSION, PURPOSES, SCRYPT, open_frame, pb, purpose_key, root_key, seal, token_key
 
 
@@ -34,31 +34,79 @@ def test_one_key_per_purpose():
         purpose_key("s3cret", "anything")
 
 
+def _hello(job: str = "x") -> pb.Request:
+    return pb.Request(id=1, hello=pb.Hello(protocol=PROTOCOL_VERSION, job=job, world_size=2, liveness_timeout=5))
+
+
 @pytest.mark.timeout(60)
-def test_the_grpc_credential_cannot_sign_zmq_frames_and_the_frame_key_is_no_grpc_credential():
+def test_the_zmq_and_grpc_frame_keys_do_not_stand_in_for_each_other():
     token = "s3cret"
-    # zmq: a frame signed with what gRPC sends on the wire is refused.
+    zmq_key, grpc_key = purpose_key(token, "frame-mac"), purpose_key(token, "grpc-frame-mac")
+    assert zmq_key == token_key(token) and zmq_key != grpc_key
+    # zmq: a frame sealed with the gRPC key is refused (the reply is sealed with the zmq key).
     zmq_job = open_job(f"zmq://127.0.0.1:{free_port()}", 2, token=token)
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://127.0.0.1:{zmq_job[0].port}")
-        hello = pb.Request(id=1, hello=pb.Hello(protocol=PROTOCOL_VERSION, job="x", world_size=2, liveness_timeout=5))
-        sock.send(seal(purpose_key(token, "grpc-credential"), hello))
+        sock.send(seal(grpc_key, _hello()))
         assert sock.poll(5000), "no reply"
-        reply = open_frame(token_key(token), sock.recv(), pb.Reply)  # replies are signed with the real key
-        assert reply.status == pb.AUTH_FAILED
+        assert open_frame(zmq_key, sock.recv(), pb.Reply).status == pb.AUTH_FAILED
         sock.close()
     finally:
         close_all(zmq_job)
-    # gRPC: the zmq frame key (what gRPC used to send) is not a gRPC credential.
+    # gRPC: a request sealed with the zmq key, or with the root key itself, is refused.
     grpc_job = open_job(f"grpc://127.0.0.1:{free_port()}", 2, token=token)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_job[0].port}") as raw:
             stub = control_pb2_grpc.ControlServiceStub(raw)
-            for credential in (token_key(token).hex(), hmac.digest(root_key(token), b"x", "sha256").hex()):
-                with pytest.raises(grpc.RpcError) as info:
-                    stub.Call(pb.Request(id=1, hello=hello.hello), timeout=5, metadata=((TOKEN_HEADER, credential),))
-                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            for key in (zmq_key, root_key(token)):
+                reply = stub.Call(pb.Frame(sealed=seal(key, _hello())), timeout=5)
+                assert open_frame(grpc_key, reply.sealed, pb.Reply).status == pb.AUTH_FAILED
+            genuine = stub.Call(pb.Frame(sealed=seal(grpc_key, _hello())), timeout=5)
+            assert open_frame(grpc_key, genuine.sealed, pb.Reply).status == pb.OK
+    finally:
+        close_all(grpc_job)
+
+
+@pytest.mark.timeout(60)
+def test_a_grpc_call_sends_no_credential_and_cannot_be_altered():
+    """What a passive observer of a gRPC call sees: no key, no token, no bearer value in
+    the metadata; and a captured call altered in flight is refused."""
+    token = "s3cret"
+    seen: list[tuple[dict, bytes]] = []
+
+    def record(frame: bytes, context: grpc.ServicerContext) -> bytes:
+        seen.append((dict(context.invocation_metadata()), frame))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "recorded")
+
+    eavesdropper = grpc.server(futures.ThreadPoolExecutor(2))
+    handler = grpc.unary_unary_rpc_method_handler(record)  # raw bytes in, nothing out
+    eavesdropper.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("dataparallel.control.v1.ControlService", {"Call": handler})]
+    )
+    port = eavesdropper.add_insecure_port("127.0.0.1:0")
+    eavesdropper.start()
+    try:
+        with pytest.raises(dp.ControlError):
+            dp.connect(f"grpc://127.0.0.1:{port}", rank=1, world_size=2, token=token, timeout=2)
+    finally:
+        eavesdropper.stop(0)
+    assert seen, "the client made no call"
+    secrets = [token.encode(), root_key(token)] + [purpose_key(token, p) for p in PURPOSES]
+    for metadata, frame in seen:
+        assert set(metadata) <= {"user-agent", "grpc-accept-encoding", "grpc-timeout"}, metadata
+        sent = frame + repr(metadata).encode()
+        for secret in secrets:
+            assert secret not in sent and secret.hex().encode() not in sent
+    # The captured call, altered (another job's name, same MAC), is refused by the real coordinator.
+    captured = pb.Frame.FromString(seen[0][1]).sealed
+    altered = captured.replace(b"default", b"defauLt")
+    assert altered != captured
+    grpc_job = open_job(f"grpc://127.0.0.1:{free_port()}", 2, token=token)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_job[0].port}") as raw:
+            reply = control_pb2_grpc.ControlServiceStub(raw).Call(pb.Frame(sealed=altered), timeout=5)
+            assert open_frame(purpose_key(token, "grpc-frame-mac"), reply.sealed, pb.Reply).status == pb.AUTH_FAILED
     finally:
         close_all(grpc_job)

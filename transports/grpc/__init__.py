@@ -4,7 +4,9 @@ need TLS with certificates, or sit behind HTTP/2 proxies.
 Same protocol, coordinator and client logic as ZeroMQ (``dataparallel.coordinator``,
 ``dataparallel.remote``); this package only carries requests as unary ``Call``s. Rank 0
 (or the first ``rank=None`` process to bind) hosts the server; ``dataparallel serve
-grpc://...`` runs it standalone. The job token travels in call metadata (as a digest).
+grpc://...`` runs it standalone. Every call carries a request sealed with a key derived from the
+job token (its own, not the ZeroMQ frame key), and its reply comes back sealed: no key or token
+ever travels, and without TLS a stranger can read calls but neither forge nor replay one.
 
 Options:
   tls=1          use TLS (needs ca=, and cert=/key= on the hosting rank)
@@ -25,12 +27,12 @@ import grpc
 
 from dataparallel.check import tls_diagnosis
 from dataparallel.control.v1 import control_pb2_grpc
-from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
+from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
 from dataparallel.remote import Exchange, RemoteChannel
-from dataparallel.wire import pb, purpose_key
+from dataparallel.wire import pb, purpose_key, seal
 
-from .server import GRPC_OPTIONS, TOKEN_HEADER, GrpcCoordinatorServer
+from .server import GRPC_OPTIONS, GrpcCoordinatorServer
 
 
 def _flag(url: ChannelURL, name: str) -> bool:
@@ -48,6 +50,11 @@ def _read(url: ChannelURL, name: str) -> bytes | None:
         return Path(path).read_bytes()
     except OSError as err:
         raise ConfigError(f"{url.raw!r}: cannot read {name}={path!r}: {err}") from err
+
+
+def frame_key(token: str | None) -> bytes:
+    """The key that seals gRPC requests and replies (not the ZeroMQ frame key)."""
+    return purpose_key(token, "grpc-frame-mac")
 
 
 def server_credentials(url: ChannelURL) -> grpc.ServerCredentials | None:
@@ -79,10 +86,10 @@ class GrpcChannel(RemoteChannel):
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
         self._tls = _flag(url, "tls")
-        self._metadata = ((TOKEN_HEADER, purpose_key(self.token, "grpc-credential").hex()),)
+        self._frame_key = frame_key(self.token)
         host, port = self._coordinator_address(
             lambda: GrpcCoordinatorServer(
-                url.host, url.require_port(), purpose_key(self.token, "grpc-credential").hex(), server_credentials(url)
+                url.host, url.require_port(), self._frame_key, server_credentials(url)
             ).start(),
             busy=(OSError, RuntimeError),
         )
@@ -129,9 +136,7 @@ class GrpcChannel(RemoteChannel):
     @classmethod
     def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
         """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
-        server = GrpcCoordinatorServer(
-            url.host, url.require_port(), purpose_key(token, "grpc-credential").hex(), server_credentials(url)
-        )
+        server = GrpcCoordinatorServer(url.host, url.require_port(), frame_key(token), server_credentials(url))
         server.serve(ready)
 
 
@@ -141,7 +146,7 @@ class GrpcExchange(Exchange):
     handshake failure...) for the message when no reply comes."""
 
     def __init__(self, channel: GrpcChannel, request: pb.Request) -> None:
-        self._ch, self._request = channel, request
+        self._ch, self._frame = channel, pb.Frame(sealed=seal(channel._frame_key, request))
         self._retry = request.WhichOneof("op") not in ("heartbeat", "leave")
         self._future: grpc.Future | None = None
         self._again_at = 0.0
@@ -156,9 +161,9 @@ class GrpcExchange(Exchange):
                     if time.monotonic() < self._again_at:
                         return None
                 # The whole remaining wait is the loop's to bound: a deadline far enough out.
-                self._future = self._ch._stub.Call.future(self._request, timeout=3600, metadata=self._ch._metadata)
+                self._future = self._ch._stub.Call.future(self._frame, timeout=3600)
             try:
-                return self._future.result(timeout=max(end - time.monotonic(), 0))
+                return self._ch._open_reply(self._future.result(timeout=max(end - time.monotonic(), 0)).sealed)
             except grpc.FutureTimeoutError:
                 return None
             except grpc.RpcError as err:
@@ -170,8 +175,6 @@ class GrpcExchange(Exchange):
     def _failed(self, err: grpc.RpcError) -> None:
         code, details = err.code(), err.details() or ""
         target = self._ch._target
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            raise AuthError(f"the coordinator at {target} refused this job's token ({details})") from None
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise BadMessage(f"coordinator at {target}: {details}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self._retry:

@@ -1,6 +1,9 @@
 """The gRPC coordinator: an asyncio gRPC server in front of a :class:`Coordinator`.
 
-Every request is one unary ``Call``; a parked request is an awaited future, not a thread,
+Every request is one unary ``Call`` carrying a sealed request frame, answered with a sealed
+reply (:mod:`dataparallel.wire`, the same frames as ZeroMQ's, under the gRPC frame key): a
+call proves knowledge of the token without sending it, and a replayed call is the
+coordinator's to refuse (one answer per session and id). A parked request is an awaited future, not a thread,
 so thousands of blocked ``get``s and barriers cost no threads. The coordinator runs on the
 event loop's thread only (requests and the periodic sweep), so nothing races inside it.
 """
@@ -8,7 +11,6 @@ event loop's thread only (requests and the periodic sweep), so nothing races ins
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -17,11 +19,10 @@ import grpc
 
 from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.coordinator import Coordinator, CoordinatorLimits
-from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb
+from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb, seal
 
 log = logging.getLogger(__name__)
 
-TOKEN_HEADER = "x-dp-token-digest"
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_FRAME + MAC_SIZE),
     ("grpc.max_send_message_length", MAX_FRAME + MAC_SIZE),
@@ -38,19 +39,16 @@ GRPC_OPTIONS = [
 
 
 class _Servicer(control_pb2_grpc.ControlServiceServicer):
-    def __init__(self, coordinator: Coordinator, digest: str) -> None:
+    def __init__(self, coordinator: Coordinator, key: bytes) -> None:
         self._coordinator = coordinator
-        self._digest = digest
+        self._key = key
 
-    async def Call(self, request: pb.Request, context: grpc.aio.ServicerContext) -> pb.Reply:  # noqa: N802
-        metadata = dict(context.invocation_metadata() or ())
-        if not hmac.compare_digest(str(metadata.get(TOKEN_HEADER, "")), self._digest):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "job token missing or wrong")
+    async def Call(self, frame: pb.Frame, context: grpc.aio.ServicerContext) -> pb.Frame:  # noqa: N802
         route = asyncio.get_running_loop().create_future()
-        reply = self._coordinator.handle(route, request)
-        if reply is not None:
-            return reply
-        return await route
+        reply = self._coordinator.handle_frame(route, self._key, frame.sealed)
+        if reply is None:
+            reply = await route
+        return pb.Frame(sealed=seal(self._key, reply))
 
 
 def _deliver(route: asyncio.Future, reply: pb.Reply) -> None:
@@ -65,12 +63,12 @@ class GrpcCoordinatorServer:
         self,
         host: str,
         port: int,
-        digest: str,
+        key: bytes,
         credentials: grpc.ServerCredentials | None,
         limits: CoordinatorLimits | None = None,
     ) -> None:
         self.coordinator = Coordinator(_deliver, limits=limits)
-        self._digest = digest
+        self._key = key
         self._credentials = credentials
         self._address = f"{'[::]' if host in ('0.0.0.0', '*', '') else host}:{port}"
         self._loop = asyncio.new_event_loop()
@@ -111,7 +109,7 @@ class GrpcCoordinatorServer:
 
     async def _main(self) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
-        control_pb2_grpc.add_ControlServiceServicer_to_server(_Servicer(self.coordinator, self._digest), server)
+        control_pb2_grpc.add_ControlServiceServicer_to_server(_Servicer(self.coordinator, self._key), server)
         if self._credentials is None:
             self.port = server.add_insecure_port(self._address)
         else:

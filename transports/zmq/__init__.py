@@ -21,10 +21,10 @@ from collections.abc import Callable
 import zmq
 import zmq.utils.monitor
 
-from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
+from dataparallel.errors import AuthError, ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
 from dataparallel.remote import Exchange, RemoteChannel
-from dataparallel.wire import open_frame, pb, seal, token_key
+from dataparallel.wire import pb, seal, token_key
 
 from .server import ZmqCoordinatorServer, curve_server_keys
 
@@ -44,7 +44,7 @@ class ZmqChannel(RemoteChannel):
             raise ConfigError(f"{url.raw!r}: curve=1 derives its keys from the job token; pass token=")
         if self._curve and not zmq.has("curve"):
             raise ConfigError("this libzmq was built without CURVE support")
-        self._key = token_key(self.token)
+        self._frame_key = token_key(self.token)
         host, port = self._coordinator_address(
             lambda: ZmqCoordinatorServer(url.host, url.require_port(), self.token, self._curve).start(),
             busy=(zmq.ZMQError,),
@@ -84,17 +84,6 @@ class ZmqChannel(RemoteChannel):
             return ZmqExchange(self, self._socket(), request)
         except zmq.ZMQError as err:
             raise ChannelClosed(f"{self!r}: socket closed ({err})") from err
-
-    def _open(self, frame: bytes) -> pb.Reply:
-        try:
-            return open_frame(self._key, frame, pb.Reply)
-        except AuthError:
-            raise AuthError(
-                f"the coordinator at {self._endpoint} does not know this job's token (its reply is not "
-                "signed with ours): the token differs from the one the coordinator was started with"
-            ) from None
-        except BadMessage as err:
-            raise BadMessage(f"garbled reply from the coordinator at {self._endpoint}: {err}") from None
 
     def _close_transport(self) -> None:
         with self._lock:
@@ -151,7 +140,7 @@ class ZmqExchange(Exchange):
 
     def __init__(self, channel: ZmqChannel, sock: zmq.Socket, request: pb.Request) -> None:
         self._ch, self._sock, self._id = channel, sock, request.id
-        self._frame = seal(channel._key, request)
+        self._frame = seal(channel._frame_key, request)
         self._resend_at = 0.0
         self._send()
 
@@ -171,7 +160,7 @@ class ZmqExchange(Exchange):
                     self._send()  # the coordinator answers a resent id only once
                 left = min(end, self._resend_at) - now
                 if self._sock.poll(int(1000 * max(left, 0)) + 1):
-                    reply = self._ch._open(self._sock.recv())
+                    reply = self._ch._open_reply(self._sock.recv())
                     if reply.id == self._id:
                         return reply
                     continue  # a late answer to a request this thread gave up on

@@ -17,8 +17,7 @@ import zmq
 from zmq.utils import z85
 
 from dataparallel.coordinator import Coordinator, CoordinatorLimits
-from dataparallel.errors import AuthError, BadMessage
-from dataparallel.wire import MAC_SIZE, MAX_FRAME, open_frame, pb, purpose_key, seal, token_key
+from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb, purpose_key, seal, token_key
 
 log = logging.getLogger(__name__)
 
@@ -111,20 +110,9 @@ class ZmqCoordinatorServer:
                         frames[0], pb.Reply(status=pb.BAD_MESSAGE, error=f"expected 1 frame, got {len(frames) - 1}")
                     )
                 continue
-            self._serve_frame(frames[0], frames[1])
-
-    def _serve_frame(self, route: bytes, frame: bytes) -> None:
-        try:
-            request = open_frame(self._key, frame, pb.Request)
-        except AuthError as err:
-            self._send(route, pb.Reply(status=pb.AUTH_FAILED, error=str(err)))
-            return
-        except BadMessage as err:
-            self._send(route, pb.Reply(status=pb.BAD_MESSAGE, error=str(err)))
-            return
-        reply = self.coordinator.handle(route, request)
-        if reply is not None:
-            self._send(route, reply)
+            reply = self.coordinator.handle_frame(frames[0], self._key, frames[1])
+            if reply is not None:
+                self._send(frames[0], reply)
 
     def _send(self, route: bytes, reply: pb.Reply) -> None:
         try:

@@ -199,3 +199,9 @@ class Reply(_message.Message):
     lost: LostPeer
     arrived: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., flag: _Optional[bool] = ..., values: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ..., lost: _Optional[_Union[LostPeer, _Mapping]] = ..., arrived: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("sealed",)
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    sealed: bytes
+    def __init__(self, sealed: _Optional[bytes] = ...) -> None: ...

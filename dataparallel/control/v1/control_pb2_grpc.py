@@ -26,9 +26,9 @@ if _version_not_supported:
 
 
 class ControlServiceStub:
-    """The gRPC face of the same protocol: one unary call per request. The coordinator holds
-    a parked request (a get of a missing key, an incomplete collective) until it can answer
-    or its timeout passes; the job token travels in the call's metadata.
+    """The gRPC face of the same protocol: one unary call per request, a sealed Request in, a
+    sealed Reply out. The coordinator holds a parked request (a get of a missing key, an
+    incomplete collective) until it can answer or its timeout passes.
     """
 
     def __init__(self, channel):
@@ -39,15 +39,15 @@ class ControlServiceStub:
         """
         self.Call = channel.unary_unary(
                 '/dataparallel.control.v1.ControlService/Call',
-                request_serializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Request.SerializeToString,
-                response_deserializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Reply.FromString,
+                request_serializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.SerializeToString,
+                response_deserializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.FromString,
                 _registered_method=True)
 
 
 class ControlServiceServicer:
-    """The gRPC face of the same protocol: one unary call per request. The coordinator holds
-    a parked request (a get of a missing key, an incomplete collective) until it can answer
-    or its timeout passes; the job token travels in the call's metadata.
+    """The gRPC face of the same protocol: one unary call per request, a sealed Request in, a
+    sealed Reply out. The coordinator holds a parked request (a get of a missing key, an
+    incomplete collective) until it can answer or its timeout passes.
     """
 
     def Call(self, request, context):
@@ -61,8 +61,8 @@ def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Call': grpc.unary_unary_rpc_method_handler(
                     servicer.Call,
-                    request_deserializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Request.FromString,
-                    response_serializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Reply.SerializeToString,
+                    request_deserializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.FromString,
+                    response_serializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -73,9 +73,9 @@ def add_ControlServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ControlService:
-    """The gRPC face of the same protocol: one unary call per request. The coordinator holds
-    a parked request (a get of a missing key, an incomplete collective) until it can answer
-    or its timeout passes; the job token travels in the call's metadata.
+    """The gRPC face of the same protocol: one unary call per request, a sealed Request in, a
+    sealed Reply out. The coordinator holds a parked request (a get of a missing key, an
+    incomplete collective) until it can answer or its timeout passes.
     """
 
     @staticmethod
@@ -93,8 +93,8 @@ class ControlService:
             request,
             target,
             '/dataparallel.control.v1.ControlService/Call',
-            dataparallel_dot_control_dot_v1_dot_control__pb2.Request.SerializeToString,
-            dataparallel_dot_control_dot_v1_dot_control__pb2.Reply.FromString,
+            dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.SerializeToString,
+            dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.FromString,
             options,
             channel_credentials,
             insecure,

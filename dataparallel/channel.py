@@ -108,13 +108,9 @@ class ControlChannel(Collectives, abc.ABC):
         self.timeout = float(timeout)
         #: False: never host the job's coordinator in this process, only connect to one.
         self.serve = serve
-        allowed = {**COMMON_OPTIONS, **self.OPTIONS}
-        unknown = sorted(set(url.options) - set(allowed))
-        if unknown:
-            listing = "; ".join(f"{k}: {v}" for k, v in sorted(allowed.items()))
-            raise ConfigError(f"{url.raw!r}: unknown option(s) {', '.join(unknown)}; allowed: {listing}")
-        self.heartbeat_interval = self._float_option("heartbeat", 1.0)
-        self.liveness_timeout = self._float_option("liveness_timeout", 10.0)
+        type(self).check_url(url, token)
+        self.heartbeat_interval = url.seconds("heartbeat", 1.0)
+        self.liveness_timeout = url.seconds("liveness_timeout", 10.0)
         self._closed = False
         self._broken: ControlError | None = None
         self._liveness: Liveness | None = None
@@ -122,17 +118,40 @@ class ControlChannel(Collectives, abc.ABC):
         self._seq_lock = threading.Lock()
         self._seq: dict[tuple[str, str], int] = {}
 
-    def _float_option(self, name: str, default: float) -> float:
-        text = self.url.options.get(name)
-        if text is None:
-            return default
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ConfigError(f"{self.url.raw!r}: option {name}={text!r} must be a number of seconds > 0")
-        return value
+    @classmethod
+    def check_url(cls, url: ChannelURL, token: str | None = None, *, serving: bool = False) -> None:
+        """Validate ``url``'s options for this transport, as every entry point does before it
+        acts (``connect``, ``dataparallel serve``, ``check`` and ``launch``, the torchrun
+        backends): an unknown option, a malformed value, a setting without the material it
+        needs (``curve=1`` without a token, certificates without ``tls=1``...) or an empty
+        token is a :class:`ConfigError` that says what to add. ``serving``: this process is
+        about to host a coordinator (``dataparallel serve``)."""
+        allowed = {**COMMON_OPTIONS, **cls.OPTIONS}
+        unknown = sorted(set(url.options) - set(allowed))
+        if unknown:
+            listing = "; ".join(f"{k}: {v}" for k, v in sorted(allowed.items()))
+            raise ConfigError(f"{url.raw!r}: unknown option(s) {', '.join(unknown)}; allowed: {listing}")
+        for name in COMMON_OPTIONS:
+            url.seconds(name, 1.0)
+        if token is not None and not token:
+            raise ConfigError("the job token is empty: give a token (DP_TOKEN, --token-file) or none at all")
+        cls._check_options(url, token, serving)
+
+    @classmethod
+    def security(cls, url: ChannelURL, token: str | None) -> str:
+        """One line for ``dataparallel check``: what this URL authenticates and encrypts, and
+        what is left to the network (README, "Threat model")."""
+        if cls.native_auth:
+            return "authenticated by the transport"
+        return (
+            f"no authentication on {cls.scheme}:// itself: anyone who can reach it can read and write every "
+            "job's keys; the token is only compared between ranks (use it on a network you trust)"
+        )
+
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        """Transport hook for :meth:`check_url`: check this transport's own ``OPTIONS``
+        (values, combinations, files that must be readable); raise :class:`ConfigError`."""
 
     # ------------------------------------------------------------------ transport hooks
     @abc.abstractmethod

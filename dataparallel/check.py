@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import AuthError, ConfigError, ControlError
-from .registry import ChannelURL, parse_url, transport_class
+from .registry import ChannelURL, resolve
 
 CHECK_JOB = "__dp-check"
 
@@ -38,15 +38,17 @@ class CheckReport:
         return "\n".join([f"check {self.url}", *(f"  {line}" for line in self.lines), status])
 
 
-def check(url: str, *, token: str | None = None, timeout: float = 5.0, rounds: int = 20) -> CheckReport:
-    """Diagnose the channel at ``url``; see the module docstring."""
+def check(
+    url: str, *, token: str | None = None, timeout: float = 5.0, rounds: int = 20, where: str | None = None
+) -> CheckReport:
+    """Diagnose the channel at ``url`` (which came from ``where``, if given); see the module docstring."""
     report = CheckReport(url)
     try:
-        parsed = parse_url(url)
-        cls = transport_class(parsed.scheme)
+        parsed, cls = resolve(url, token, where=where)
     except ConfigError as err:
         report.problem = str(err)
         return report
+    report.lines.append(f"security: {cls.security(parsed, token)}")
     service = getattr(cls, "SERVICE", "the coordinator")
     endpoints = [(host, port) for host, port in parsed.hosts if port is not None]
     if not endpoints:

@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 from .errors import ConfigError
-from .registry import parse_url, transport_class
+from .registry import resolve
 
 EXAMPLES = """\
 examples:
@@ -75,18 +75,19 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     config = _load(args)
-    url = parse_url(config.require("url"))
-    cls = transport_class(url.scheme)
+    token = config.token
+    url, cls = resolve(config.require("url"), token, serving=True, where=config.describe("url"))
     serve = getattr(cls, "serve", None)
     if serve is None:
         raise ConfigError(f"transport {url.scheme!r} has no standalone coordinator to serve")
-    token = config.token
     # SIGTERM ends the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def ready(port: int) -> None:
         print(
             f"dataparallel {__version__}: serving {url.raw} on port {port} (token {'set' if token else 'not set'})",
+            f"security: {cls.security(url, token)}",
+            sep="\n",
             flush=True,
         )
 
@@ -102,7 +103,9 @@ def _check(args: argparse.Namespace) -> int:
 
     config = _load(args)
     timeout = float(args.timeout) if args.timeout else 5.0
-    report = check(config.require("url"), token=config.token, timeout=timeout, rounds=args.rounds)
+    report = check(
+        config.require("url"), token=config.token, timeout=timeout, rounds=args.rounds, where=config.describe("url")
+    )
     print(report.render(), flush=True)
     return 0 if report.ok else 1
 

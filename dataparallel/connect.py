@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .channel import ControlChannel
-from .registry import parse_url, transport_class
+from .registry import resolve
 
 _FROM_CONFIG: Any = object()
 
@@ -41,8 +41,7 @@ def connect(
         job = job if job is not None else config.job
         token = token if token is not None else config.token
         timeout = timeout if timeout is not None else config.timeout
-    parsed = parse_url(url)
-    cls = transport_class(parsed.scheme)
+    parsed, cls = resolve(url, token)
     channel = cls(
         parsed,
         rank=rank,

@@ -26,6 +26,7 @@ from typing import IO
 
 from .config import JobConfig
 from .errors import ConfigError
+from .registry import resolve
 
 #: Seconds a worker gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 5.0
@@ -73,6 +74,7 @@ def plan(config: JobConfig) -> tuple[str, int, int]:
                 "host and port), e.g. --url zmq://DRIVER_HOST:29500 (the driver node's address)"
             )
         url = local_url()
+    resolve(url, config.token, where=config.describe("url"))
     return url, nprocs, world
 
 

@@ -12,6 +12,7 @@ import importlib
 import threading
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
@@ -60,6 +61,50 @@ class ChannelURL:
             raise ConfigError(f"{self.raw!r}: a port is required ({self.scheme}://HOST:PORT)")
         return self.port
 
+    def flag(self, name: str) -> bool:
+        """A yes/no option: ``1``/``true``/``yes`` or ``0``/``false``/``no``; absent is no."""
+        value = self.options.get(name, "0").lower()
+        if value not in _FLAGS:
+            raise ConfigError(f"{self.raw!r}: option {name} must be 1 or 0, got {value!r}")
+        return _FLAGS[value]
+
+    def seconds(self, name: str, default: float) -> float:
+        """A duration option, in seconds > 0."""
+        text = self.options.get(name)
+        if text is None:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{self.raw!r}: option {name}={text!r} must be a number of seconds > 0")
+        return value
+
+    def file(self, name: str) -> bytes | None:
+        """The contents of the file an option names (certificates, keys), None if absent."""
+        path = self.options.get(name)
+        if path is None:
+            return None
+        try:
+            return Path(path).expanduser().read_bytes()
+        except OSError as err:
+            raise ConfigError(f"{self.raw!r}: cannot read {name}={path!r}: {err.strerror or err}") from None
+
+    def needs(self, wanted: str, *names: str) -> None:
+        """Options ``names`` mean nothing unless ``wanted`` is given: a URL with them and
+        without it would quietly do less than it says (e.g. certificates, but no TLS)."""
+        given = [name for name in names if name in self.options]
+        if given and not self.flag(wanted):
+            raise ConfigError(
+                f"{self.raw!r}: {', '.join(f'{n}=' for n in given)} {'takes' if len(given) == 1 else 'take'} effect "
+                f"only with {wanted}=1: add {wanted}=1 "
+                f"(or drop {', '.join(given)})"
+            )
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
 
 def parse_url(url: str) -> ChannelURL:
     """Split a channel URL; raise :class:`ConfigError` naming what is wrong."""
@@ -80,6 +125,24 @@ def parse_url(url: str) -> ChannelURL:
             raise ConfigError(f"{url!r}: option {key!r} given twice")
         options[key] = value
     return ChannelURL(url, scheme, tuple(hosts), parts.path.strip("/"), options)
+
+
+def resolve(
+    url: str, token: str | None = None, *, serving: bool = False, where: str | None = None
+) -> tuple[ChannelURL, type[ControlChannel]]:
+    """The one way in for every entry point (``connect``, ``serve``, ``check``, ``launch``, the
+    torchrun backends): parse ``url``, find its transport and validate its options
+    (:meth:`ControlChannel.check_url`). A :class:`ConfigError` names ``where`` the URL came
+    from (``DP_URL``, ``--url``, the TOML file) when given."""
+    try:
+        parsed = parse_url(url)
+        cls = transport_class(parsed.scheme)
+        cls.check_url(parsed, token, serving=serving)
+    except ConfigError as err:
+        if where is None:
+            raise
+        raise ConfigError(f"{where}: {err}") from None
+    return parsed, cls
 
 
 def _split_host_port(url: str, item: str) -> tuple[str, int | None]:

@@ -26,6 +26,7 @@ from .channel import ControlChannel
 from .coordinator import Coordinator
 from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import Liveness, LostPeer
+from .registry import ChannelURL
 from .wire import PROTOCOL_VERSION, open_frame, pb
 
 #: Extra seconds a client waits beyond the coordinator's own deadline before giving up on it.
@@ -145,6 +146,12 @@ class RemoteChannel(ControlChannel, abc.ABC):
         # The session needs its heartbeats from now on, before the rank has joined.
         self._start_liveness()
 
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        url.require_port()
+        if len(url.hosts) != 1 or url.path:
+            raise ConfigError(f"{url.raw!r}: expected {cls.scheme}://HOST:PORT (one coordinator)")
+
     def _new_liveness(self) -> CoordinatorLiveness:
         return CoordinatorLiveness(self)
 
@@ -191,8 +198,6 @@ class RemoteChannel(ControlChannel, abc.ABC):
         serve``, or another job's rank 0: ``start`` raised one of ``busy``) it stays a client.
         A wildcard host (``0.0.0.0``) is reached over loopback."""
         url = self.url
-        if len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.raw!r}: expected {self.scheme}://HOST:PORT")
         port = url.require_port()
         if self.rank in (None, 0) and self.serve:
             try:

@@ -40,11 +40,26 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from .channel import COMMON_OPTIONS, ControlChannel
+from .channel import ControlChannel
 from .errors import AuthError, ControlError
-from .registry import parse_url, transport_class
+from .registry import resolve
 from .wire import MAX_FRAME, purpose_key
 
+#: ``--rdzv-conf`` keys that torch's dynamic rendezvous (or torchrun itself) reads, and ours
+#: (``read_timeout``); every other key is a transport option, validated as in a URL.
+TORCH_RDZV_CONF = frozenset(
+    {
+        "timeout",
+        "rank",
+        "join_timeout",
+        "last_call_timeout",
+        "close_timeout",
+        "heartbeat_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "read_timeout",
+    }
+)
 DEFAULT_PORTS = {"etcd": 2379, "zmq": 29400, "grpc": 29400}
 #: Set in the agent (and so in its workers) to the rendezvous round: see ``dataparallel.config``.
 ROUND_ENV = "DP_RDZV_ROUND"
@@ -125,7 +140,6 @@ class ChannelRendezvousBackend(RendezvousBackend):
 
 def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> RendezvousHandler:
     """A dynamic rendezvous handler over a ``scheme`` channel at ``params.endpoint``."""
-    cls = transport_class(scheme)
     endpoints = [e.strip() for e in params.endpoint.split(",") if e.strip()] or [""]
     if len(endpoints) > 1 and scheme != "etcd":
         raise ValueError(f"dp-{scheme}: --rdzv-endpoint names one coordinator HOST:PORT, got {params.endpoint!r}")
@@ -133,10 +147,10 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
     for endpoint in endpoints:
         host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORTS.get(scheme, 29400))
         hosts.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    allowed = {**COMMON_OPTIONS, **cls.OPTIONS}
-    options = {key: str(value) for key, value in params.config.items() if key in allowed}
+    options = {key: str(value) for key, value in params.config.items() if key not in TORCH_RDZV_CONF}
     query = "&".join(f"{key}={value}" for key, value in sorted(options.items()))
-    url = parse_url(f"{scheme}://{','.join(hosts)}" + (f"?{query}" if query else ""))
+    token = os.environ.get("DP_TOKEN") or None
+    url, cls = resolve(f"{scheme}://{','.join(hosts)}" + (f"?{query}" if query else ""), token, where="--rdzv-conf")
     read_timeout = _read_timeout(params)
     try:
         channel = cls(
@@ -144,7 +158,7 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
             rank=None,  # the agents are not ranks of the channel: dynamic rendezvous numbers them
             world_size=max(1, params.max_nodes),
             job=f"torchrun.{params.run_id}",
-            token=os.environ.get("DP_TOKEN") or None,
+            token=token,
             timeout=read_timeout,
         )
     except AuthError as err:

@@ -39,7 +39,7 @@ import grpc
 
 from dataparallel.channel import ControlChannel
 from dataparallel.check import tls_diagnosis
-from dataparallel.errors import AuthError, ChannelClosed, ControlError
+from dataparallel.errors import AuthError, ChannelClosed, ConfigError, ControlError
 from dataparallel.liveness import Liveness, LostPeer
 from dataparallel.registry import ChannelURL
 
@@ -123,6 +123,31 @@ class EtcdChannel(ControlChannel):
                 break
         run = fresh if ok else current.value
         self._root = self._job_root + run + b"/"
+
+    @classmethod
+    def security(cls, url: ChannelURL, token: str | None) -> str:
+        who = (
+            f"etcd user {url.options['user']!r} (what it may touch is its role's)"
+            if "user" in url.options
+            else "no etcd user: whoever reaches etcd can read and write every job's keys unless etcd requires auth"
+        )
+        wire = (
+            "TLS" + (" with a client certificate" if "cert" in url.options else "")
+            if "ca" in url.options
+            else "not encrypted (add ca=)"
+        )
+        return f"{who}; {wire}; the token is compared between ranks, not checked by etcd"
+
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        if any(port is None for _, port in url.hosts):
+            raise ConfigError(f"{url.raw!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (a port for each)")
+        if "password" in url.options and "user" not in url.options:
+            raise ConfigError(f"{url.raw!r}: password= without user=: add user=NAME")
+        if ("cert" in url.options) != ("key" in url.options):
+            raise ConfigError(f"{url.raw!r}: cert= and key= go together (a client certificate and its private key)")
+        for name in ("ca", "cert", "key"):
+            url.file(name)
 
     @classmethod
     def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 
@@ -35,36 +34,19 @@ from dataparallel.wire import pb, purpose_key, seal
 from .server import GRPC_OPTIONS, GrpcCoordinatorServer
 
 
-def _flag(url: ChannelURL, name: str) -> bool:
-    value = url.options.get(name, "0").lower()
-    if value not in ("0", "1", "true", "false", "yes", "no"):
-        raise ConfigError(f"{url.raw!r}: {name} must be 1 or 0, got {value!r}")
-    return value in ("1", "true", "yes")
-
-
-def _read(url: ChannelURL, name: str) -> bytes | None:
-    path = url.options.get(name)
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as err:
-        raise ConfigError(f"{url.raw!r}: cannot read {name}={path!r}: {err}") from err
-
-
 def frame_key(token: str | None) -> bytes:
     """The key that seals gRPC requests and replies (not the ZeroMQ frame key)."""
     return purpose_key(token, "grpc-frame-mac")
 
 
 def server_credentials(url: ChannelURL) -> grpc.ServerCredentials | None:
-    if not _flag(url, "tls"):
+    if not url.flag("tls"):
         return None
-    cert, key = _read(url, "cert"), _read(url, "key")
+    cert, key = url.file("cert"), url.file("key")
     if not cert or not key:
         raise ConfigError(f"{url.raw!r}: tls=1 needs cert= and key= on the process that hosts the coordinator")
-    mtls = _flag(url, "mtls")
-    ca = _read(url, "ca")
+    mtls = url.flag("mtls")
+    ca = url.file("ca")
     if mtls and not ca:
         raise ConfigError(f"{url.raw!r}: mtls=1 needs ca= to verify client certificates")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=mtls)
@@ -85,7 +67,7 @@ class GrpcChannel(RemoteChannel):
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        self._tls = _flag(url, "tls")
+        self._tls = url.flag("tls")
         self._frame_key = frame_key(self.token)
         host, port = self._coordinator_address(
             lambda: GrpcCoordinatorServer(
@@ -102,6 +84,28 @@ class GrpcChannel(RemoteChannel):
             self._close_transport()
             raise
 
+    @classmethod
+    def security(cls, url: ChannelURL, token: str | None) -> str:
+        signed = (
+            "calls and replies sealed with the token's key (HMAC-SHA256)"
+            if token
+            else "no token: anyone who can reach the coordinator can join, read and write any token-less job"
+        )
+        if not url.flag("tls"):
+            return f"{signed}; not encrypted: keys and values are readable on the network (add tls=1 and ca=)"
+        return f"{signed}; TLS" + (" with client certificates (mtls=1)" if url.flag("mtls") else "")
+
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        super()._check_options(url, token, serving)
+        url.needs("tls", "ca", "cert", "key", "mtls", "server_name")
+        if ("cert" in url.options) != ("key" in url.options):
+            raise ConfigError(f"{url.raw!r}: cert= and key= go together (a certificate and its private key)")
+        for name in ("ca", "cert", "key"):
+            url.file(name)
+        if serving:
+            server_credentials(url)
+
     def _open_channel(self, url: ChannelURL) -> grpc.Channel:
         options = list(GRPC_OPTIONS)
         if not self._tls:
@@ -109,7 +113,7 @@ class GrpcChannel(RemoteChannel):
         if "server_name" in url.options:
             options.append(("grpc.ssl_target_name_override", url.options["server_name"]))
         credentials = grpc.ssl_channel_credentials(
-            root_certificates=_read(url, "ca"), private_key=_read(url, "key"), certificate_chain=_read(url, "cert")
+            root_certificates=url.file("ca"), private_key=url.file("key"), certificate_chain=url.file("cert")
         )
         return grpc.secure_channel(self._target, credentials, options=options)
 
@@ -124,7 +128,7 @@ class GrpcChannel(RemoteChannel):
     def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError]:
         return tls_diagnosis(
             url,
-            want_tls=_flag(url, "tls"),
+            want_tls=url.flag("tls"),
             ca=url.options.get("ca"),
             cert=url.options.get("cert"),
             key=url.options.get("key"),

@@ -40,10 +40,17 @@ def _release(name: str, job: str) -> None:
 class MemoryChannel(ControlChannel):
     scheme = "memory"
 
-    def __init__(self, url: ChannelURL, **kwargs) -> None:
-        super().__init__(url, **kwargs)
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         if url.port is not None or len(url.hosts) != 1 or url.path:
             raise ConfigError(f"{url.raw!r}: expected memory://NAME")
+
+    @classmethod
+    def security(cls, url: ChannelURL, token: str | None) -> str:
+        return "in-process: nothing travels over a network"
+
+    def __init__(self, url: ChannelURL, **kwargs) -> None:
+        super().__init__(url, **kwargs)
         self._name = url.host
         self._space = _acquire(self._name, self.job)
 

@@ -34,8 +34,6 @@ class TCPStoreChannel(ControlChannel):
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        if len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.raw!r}: expected tcpstore://HOST:PORT")
         self._address = f"{url.host}:{url.require_port()}"
         self._prefix = f"{self.job}/"
         self._lock = threading.Lock()
@@ -44,6 +42,12 @@ class TCPStoreChannel(ControlChannel):
         self._clients: dict[int, dist.TCPStore] = {}
         #: A value no rank stores (see _get).
         self._absent = b"\0dp-absent\0" + os.urandom(12)
+
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        url.require_port()
+        if len(url.hosts) != 1 or url.path:
+            raise ConfigError(f"{url.raw!r}: expected tcpstore://HOST:PORT (one store)")
 
     def _open(self, host: str, port: int) -> dist.TCPStore:
         wait = timedelta(seconds=self.timeout)

@@ -36,14 +36,7 @@ class ZmqChannel(RemoteChannel):
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        curve = url.options.get("curve", "0").lower()
-        if curve not in ("0", "1", "false", "true", "no", "yes"):
-            raise ConfigError(f"{url.raw!r}: curve must be 1 or 0, got {curve!r}")
-        self._curve = curve in ("1", "true", "yes")
-        if self._curve and not self.token:
-            raise ConfigError(f"{url.raw!r}: curve=1 derives its keys from the job token; pass token=")
-        if self._curve and not zmq.has("curve"):
-            raise ConfigError("this libzmq was built without CURVE support")
+        self._curve = url.flag("curve")
         self._frame_key = token_key(self.token)
         host, port = self._coordinator_address(
             lambda: ZmqCoordinatorServer(url.host, url.require_port(), self.token, self._curve).start(),
@@ -59,6 +52,28 @@ class ZmqChannel(RemoteChannel):
         except BaseException:
             self._close_transport()
             raise
+
+    @classmethod
+    def security(cls, url: ChannelURL, token: str | None) -> str:
+        if not token:
+            return "no token: anyone who can reach the coordinator can join, read and write any token-less job"
+        if url.flag("curve"):
+            return "requests and replies signed with the token's key (HMAC-SHA256) and encrypted (CURVE)"
+        return (
+            "requests and replies signed with the token's key (HMAC-SHA256), not encrypted: keys and values are "
+            "readable on the network (add curve=1 to encrypt)"
+        )
+
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        super()._check_options(url, token, serving)
+        if url.flag("curve") and not token:
+            raise ConfigError(
+                f"{url.raw!r}: curve=1 derives its keys from the job token, and there is none: set DP_TOKEN or "
+                "--token-file (token= in dp.connect)"
+            )
+        if url.flag("curve") and not zmq.has("curve"):
+            raise ConfigError("this libzmq was built without CURVE support: install pyzmq's wheel, or drop curve=1")
 
     def _socket(self) -> zmq.Socket:
         ident = threading.get_ident()
@@ -95,7 +110,7 @@ class ZmqChannel(RemoteChannel):
     def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError]:
         """Read the server's ZMTP greeting: is it ZeroMQ at all, does it use CURVE, and
         does a CURVE handshake with this token's key succeed?"""
-        curve = url.options.get("curve", "0").lower() in ("1", "true", "yes")
+        curve = url.flag("curve")
         try:
             mechanism = zmtp_mechanism(url.host, url.require_port(), timeout)
         except OSError:
@@ -125,8 +140,7 @@ class ZmqChannel(RemoteChannel):
     @classmethod
     def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
         """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
-        curve = url.options.get("curve", "0").lower() in ("1", "true", "yes")
-        server = ZmqCoordinatorServer(url.host, url.require_port(), token, curve)
+        server = ZmqCoordinatorServer(url.host, url.require_port(), token, url.flag("curve"))
         ready(server.port)
         try:
             server.serve()

@@ -96,8 +96,8 @@ class ControlChannel(Collectives, abc.ABC):
             raise ConfigError(f"world_size must be an integer in 1..{MAX_WORLD_SIZE}, got {world_size!r}")
         if rank is not None and (not isinstance(rank, int) or not 0 <= rank < world_size):
             raise ConfigError(f"rank must be an integer in 0..{world_size - 1} or None, got {rank!r}")
-        if not job or not isinstance(job, str) or "/" in job or "\x00" in job:
-            raise ConfigError(f"job must be a non-empty string without '/', got {job!r}")
+        if not job or not isinstance(job, str) or "/" in job or "\x00" in job or not _utf8(job):
+            raise ConfigError(f"job must be a non-empty string of text without '/' or NUL, got {job!r}")
         if not timeout or timeout <= 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.url = url
@@ -496,7 +496,20 @@ class ControlChannel(Collectives, abc.ABC):
 def _key(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise TypeError(f"key must be a non-empty str, got {key!r}")
+    if not _utf8(key):
+        raise ConfigError(f"key {key!r} holds a lone surrogate: keys travel as UTF-8, which cannot encode it")
     return key
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a ``str`` may hold lone surrogates, which do not)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _writable(key: str) -> str:

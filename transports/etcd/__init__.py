@@ -3,8 +3,10 @@
 For jobs whose coordinator must survive the loss of a machine, and sites that already run
 etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
 
-- Every key lives under ``/PREFIX/JOB/RUN/`` (PREFIX defaults to ``dataparallel``; RUN is
-  an id bound to the first rank's lease, so a crashed job never leaks into a rerun).
+- Every key lives under ``/PREFIX//JOB/RUN/`` (PREFIX defaults to ``dataparallel``; RUN is
+  an id bound to the first rank's lease, so a crashed job never leaks into a rerun). The empty
+  segment ends PREFIX, which may itself hold ``/`` (a job name may not): so no job's keys lie
+  under another's, not even those of job ``b`` of prefix ``p/a`` and job ``a`` of prefix ``p``.
 - ``get`` of a missing key reads the key and its revision, then watches from the next
   revision: no polling, and no write can slip between the read and the watch.
 - ``add`` and ``compare_set`` are transactions guarded by the key's ``mod_revision``
@@ -76,9 +78,9 @@ class EtcdChannel(ControlChannel):
     def __init__(self, url: ChannelURL, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         self._endpoints = [(host, port or 2379) for host, port in url.hosts]
-        prefix = url.path or "dataparallel"
-        self._job_root = f"/{prefix}/{self.job}/".encode()
-        self._root = self._job_root  # becomes /PREFIX/JOB/RUN/ once the run is known
+        prefix = "/".join(part for part in url.path.split("/") if part) or "dataparallel"
+        self._job_root = f"/{prefix}//{self.job}/".encode()
+        self._root = self._job_root  # becomes /PREFIX//JOB/RUN/ once the run is known
         self._ttl = max(2, math.ceil(self.liveness_timeout))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dp-etcd", daemon=True)

@@ -41,7 +41,7 @@ import grpc
 
 from dataparallel.channel import ControlChannel
 from dataparallel.check import tls_diagnosis
-from dataparallel.errors import AuthError, ChannelClosed, ConfigError, ControlError
+from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
 from dataparallel.liveness import Liveness, LostPeer
 from dataparallel.registry import ChannelURL
 
@@ -214,6 +214,12 @@ class EtcdChannel(ControlChannel):
             )
         if _lease_gone(err):
             return ChannelClosed(self._fenced_message(text))
+        if _too_large(err):
+            return BadMessage(
+                f"etcd at {self.url.raw}: {what} too large: {text}; etcd takes requests up to its "
+                "--max-request-bytes (1.5 MiB by default) and this client replies up to 4 MiB: keep "
+                "control-plane values small"
+            )
         if isinstance(
             err,
             aetcd.exceptions.ConnectionFailedError
@@ -506,6 +512,16 @@ def _lease_gone(err: BaseException) -> bool:
         isinstance(cause, grpc.aio.AioRpcError)
         and cause.code() == grpc.StatusCode.NOT_FOUND
         and "lease" in (cause.details() or "")
+    )
+
+
+def _too_large(err: BaseException) -> bool:
+    """A request past etcd's --max-request-bytes (or its gRPC limit), or a reply past the client's."""
+    cause = err.__cause__
+    if not isinstance(cause, grpc.aio.AioRpcError):
+        return False
+    return cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+        cause.code() == grpc.StatusCode.INVALID_ARGUMENT and "request is too large" in (cause.details() or "")
     )
 
 

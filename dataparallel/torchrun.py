@@ -16,9 +16,10 @@ channel with ``compare_set``, the same way torch's ``c10d`` backend does with a 
 - ``--rdzv-conf``: transport options (``curve=1``, ``tls=1``, ``ca=...``, ``liveness_timeout``...)
   go into the channel URL; ``read_timeout`` (seconds > 0, default 60) bounds each call.
 - The token comes from ``DP_TOKEN`` and is checked as ``dataparallel.connect`` checks it: an
-  agent with another token is refused. The state is framed (magic, version, length) and
-  signed with a key derived from the token: a value the backend did not write, or one
-  written without the token, is a ``RendezvousStateError``.
+  agent with another token is refused. The state is framed (magic, version, generation,
+  length) and signed with a key derived from the token: a value the backend did not write, or
+  one written without the token, is a ``RendezvousStateError``; so is a state of an older
+  generation than one the agent has seen (an earlier state written back: a replay).
 - Workers find the rendezvous round in ``DP_RDZV_ROUND``; ``dataparallel.connect()`` in a
   worker names its job after it, so a restarted group never meets the keys of the last one.
 """
@@ -64,24 +65,25 @@ DEFAULT_PORTS = {"etcd": 2379, "zmq": 29400, "grpc": 29400}
 #: Set in the agent (and so in its workers) to the rendezvous round: see ``dataparallel.config``.
 ROUND_ENV = "DP_RDZV_ROUND"
 
-#: The stored state: magic, format version, state length, the state, HMAC-SHA256 of all before.
+#: The stored state: magic, format version, generation (one more than that of the state it
+#: replaced), state length, the state, HMAC-SHA256 of all before.
 STATE_MAGIC = b"DPRZ"
-STATE_VERSION = 1
-_HEADER = struct.Struct(">4sBI")
+STATE_VERSION = 2  # 2: the generation
+_HEADER = struct.Struct(">4sBQI")
 _MAC = 32
 
 
-def frame_state(state: bytes, key: bytes) -> bytes:
-    body = _HEADER.pack(STATE_MAGIC, STATE_VERSION, len(state)) + state
+def frame_state(state: bytes, key: bytes, generation: int) -> bytes:
+    body = _HEADER.pack(STATE_MAGIC, STATE_VERSION, generation, len(state)) + state
     return body + hmac.digest(key, body, "sha256")
 
 
-def unframe_state(stored: bytes, key: bytes) -> bytes:
-    """The state inside ``stored``; :class:`RendezvousStateError` if this backend (with this
-    token) did not write it."""
+def unframe_state(stored: bytes, key: bytes) -> tuple[int, bytes]:
+    """The generation and the state inside ``stored``; :class:`RendezvousStateError` if this
+    backend (with this token) did not write it."""
     if len(stored) < _HEADER.size + _MAC:
         raise RendezvousStateError(f"the stored rendezvous state ({len(stored)} bytes) is not one this backend wrote")
-    magic, version, length = _HEADER.unpack_from(stored)
+    magic, version, generation, length = _HEADER.unpack_from(stored)
     if magic != STATE_MAGIC or version != STATE_VERSION or length != len(stored) - _HEADER.size - _MAC:
         raise RendezvousStateError(
             f"the stored rendezvous state is not one this backend wrote (magic {magic!r}, version {version}, "
@@ -89,14 +91,17 @@ def unframe_state(stored: bytes, key: bytes) -> bytes:
         )
     if not hmac.compare_digest(stored[-_MAC:], hmac.digest(key, stored[:-_MAC], "sha256")):
         raise RendezvousStateError("the stored rendezvous state is not signed with this job's token")
-    return stored[_HEADER.size : -_MAC]
+    return generation, stored[_HEADER.size : -_MAC]
 
 
 class ChannelRendezvousBackend(RendezvousBackend):
     """The state of a dynamic rendezvous in one channel key, replaced by ``compare_set``.
 
     The token of a state is the state's bytes (as in torch's ``c10d`` backend): ``set_state``
-    succeeds only if the stored state is still the one the caller read.
+    succeeds only if the stored state is still the one the caller read. Each state written
+    carries a generation above every one this backend has seen, and a stored state below that
+    is refused: whoever can write the store without the token can still write back a state
+    signed earlier, and the backend must not go back to it.
     """
 
     def __init__(self, channel: ControlChannel, run_id: str, name: str) -> None:
@@ -106,6 +111,7 @@ class ChannelRendezvousBackend(RendezvousBackend):
         self._name = name
         self._key = f"torch.rendezvous.{run_id}.state"
         self._mac_key = purpose_key(channel.token, "rendezvous-state")
+        self._seen = 0  # the highest generation read or written
 
     @property
     def name(self) -> str:
@@ -118,7 +124,7 @@ class ChannelRendezvousBackend(RendezvousBackend):
             return self._channel.get(self._key)
 
         stored = self._call(read)
-        return None if stored is None else (unframe_state(stored, self._mac_key), stored)
+        return None if stored is None else (self._open(stored), stored)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if len(state) > MAX_FRAME // 2:
@@ -126,10 +132,20 @@ class ChannelRendezvousBackend(RendezvousBackend):
         if token is not None and not isinstance(token, bytes):
             current = self.get_state()  # a token from elsewhere: report the state, change nothing
             return None if current is None else (*current, False)
-        framed = frame_state(state, self._mac_key)
+        framed = frame_state(state, self._mac_key, self._seen + 1)
         expected = token if token else b""  # b"": only if no state exists yet
         stored = self._call(lambda: self._channel.compare_set(self._key, expected, framed))
-        return unframe_state(stored, self._mac_key), stored, stored == framed
+        return self._open(stored), stored, stored == framed
+
+    def _open(self, stored: bytes) -> bytes:
+        generation, state = unframe_state(stored, self._mac_key)
+        if generation < self._seen:
+            raise RendezvousStateError(
+                f"the stored rendezvous state is of generation {generation}, older than generation "
+                f"{self._seen} which this agent has seen: an earlier state was written back (replayed)"
+            )
+        self._seen = generation
+        return state
 
     def _call(self, op: Callable[[], Any]) -> Any:
         try:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
 import dataparallel as dp
-from dataparallel.testing import run_all
+from dataparallel.testing import close_all, run_all
 
 FAST = {"heartbeat": 0.2, "liveness_timeout": 2}
 
@@ -37,3 +38,57 @@ def expect(kind: type[Exception], fn, *args) -> Exception:
 
 def spawn(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rss_mb(pid: int) -> float:
+    """The resident memory of process ``pid``, in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def mutate(frame: bytes, at: int, junk: bytes, cut: bool) -> bytes:
+    """``frame`` with ``junk`` written over it at ``at`` (or spliced in, dropping the rest, if ``cut``)."""
+    at %= max(len(frame), 1)
+    return frame[:at] + junk + (b"" if cut else frame[at + len(junk) :])
+
+
+class Bystander:
+    """A legitimate two-rank job doing barriers and set/get for as long as an attack lasts."""
+
+    def __init__(self, url: str, token: str | None, job: str = "bystander") -> None:
+        self.channels = open_job(url, 2, token=token, job=job)
+        self.rounds = 0
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(c,), daemon=True) for c in self.channels]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, ch: dp.ControlChannel) -> None:
+        i = 0
+        try:
+            while True:
+                ch.set(f"r{ch.rank}/{i}", str(i).encode())
+                assert ch.get(f"r{1 - ch.rank}/{i}", timeout=30) == str(i).encode()
+                stop = ch.broadcast("stop", b"1" if self._stop.is_set() else b"0", src=0, timeout=30) == b"1"
+                ch.barrier("round", timeout=30)
+                i += 1
+                if ch.rank == 0:
+                    self.rounds = i
+                if stop:
+                    return
+        except BaseException as err:
+            self.errors.append(err)
+
+    def finish(self) -> None:
+        """Stop, check that no round failed and that the job still works, and close it."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+        assert not self.errors, self.errors
+        assert self.rounds > 0
+        exercise(self.channels, "after-attack")
+        close_all(self.channels)

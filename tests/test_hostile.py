@@ -17,7 +17,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jobutil import exercise, open_job
+from jobutil import Bystander, exercise, mutate, open_job, rss_mb
 
 import dataparallel as dp
 from dataparallel.control.v1 import control_pb2_grpc
@@ -29,14 +29,6 @@ from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, open_f
 TOKEN = "fuzz-token"
 KEY = token_key(TOKEN)
 GRPC_KEY = purpose_key(TOKEN, "grpc-frame-mac")
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture(params=["zmq", "grpc"])
@@ -53,44 +45,6 @@ def served(request):
     yield scheme, url, proc
     proc.kill()
     proc.wait(timeout=10)
-
-
-class Bystander:
-    """A legitimate two-rank job doing barriers and set/get for as long as the attack lasts."""
-
-    def __init__(self, url: str) -> None:
-        self.channels = open_job(url, 2, token=TOKEN, job="bystander")
-        self.rounds = 0
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(c,), daemon=True) for c in self.channels]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, ch: dp.ControlChannel) -> None:
-        i = 0
-        try:
-            while True:
-                ch.set(f"r{ch.rank}/{i}", str(i).encode())
-                assert ch.get(f"r{1 - ch.rank}/{i}", timeout=30) == str(i).encode()
-                stop = ch.broadcast("stop", b"1" if self._stop.is_set() else b"0", src=0, timeout=30) == b"1"
-                ch.barrier("round", timeout=30)
-                i += 1
-                if ch.rank == 0:
-                    self.rounds = i
-                if stop:
-                    return
-        except BaseException as err:
-            self.errors.append(err)
-
-    def finish(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
-        assert not self.errors, self.errors
-        assert self.rounds > 0
-        exercise(self.channels, "after-attack")
-        close_all(self.channels)
 
 
 # ---------------------------------------------------------------------- strategies
@@ -142,11 +96,6 @@ def requests(session: bytes) -> st.SearchStrategy[pb.Request]:
     )
     sessions = st.sampled_from([session, b"", b"forged-session!!"]) | st.binary(max_size=32)
     return st.builds(lambda i, s, op: pb.Request(id=i, session=s, **op), st.integers(0, 2**64 - 1), sessions, ops)
-
-
-def mutate(frame: bytes, at: int, junk: bytes, cut: bool) -> bytes:
-    at %= max(len(frame), 1)
-    return frame[:at] + junk + (b"" if cut else frame[at + len(junk) :])
 
 
 # ---------------------------------------------------------------------- transports
@@ -213,7 +162,7 @@ def attacker_for(scheme: str, url: str):
 @pytest.mark.timeout(300)
 def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served):
     scheme, url, proc = served
-    bystander = Bystander(url)
+    bystander = Bystander(url, TOKEN)
     attacker = attacker_for(scheme, url)
     try:
         hello = pb.Request(

@@ -130,7 +130,7 @@ class ControlChannel(Collectives, abc.ABC):
         unknown = sorted(set(url.options) - set(allowed))
         if unknown:
             listing = "; ".join(f"{k}: {v}" for k, v in sorted(allowed.items()))
-            raise ConfigError(f"{url.raw!r}: unknown option(s) {', '.join(unknown)}; allowed: {listing}")
+            raise ConfigError(f"{url.shown!r}: unknown option(s) {', '.join(unknown)}; allowed: {listing}")
         for name in COMMON_OPTIONS:
             url.seconds(name, 1.0)
         if token is not None and not token:
@@ -348,7 +348,7 @@ class ControlChannel(Collectives, abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.url.raw} job={self.job!r} rank={self.rank}/{self.world_size}>"
+        return f"<{type(self).__name__} {self.url.shown} job={self.job!r} rank={self.rank}/{self.world_size}>"
 
     # ------------------------------------------------------------------ waiting
     def _budget(self, timeout: float | None) -> float:

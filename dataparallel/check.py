@@ -45,6 +45,7 @@ def check(
     report = CheckReport(url)
     try:
         parsed, cls = resolve(url, token, where=where)
+        report.url = parsed.shown
     except ConfigError as err:
         report.problem = str(err)
         return report
@@ -70,7 +71,7 @@ def check(
     try:
         channel = cls(parsed, rank=None, world_size=1, job=CHECK_JOB, token=token, timeout=timeout, serve=False)
     except AuthError as err:
-        report.problem = f"wrong token: {err}"
+        report.problem = f"wrong token: {err}" if cls.native_auth else str(err)
         return report
     except ControlError as err:
         report.problem = str(err)
@@ -86,7 +87,7 @@ def check(
             channel._check(["__dp/check"])
             report.round_trips_ms.append((time.perf_counter() - t0) * 1e3)
     except AuthError as err:
-        report.problem = f"wrong token: {err}"
+        report.problem = f"wrong token: {err}" if cls.native_auth else str(err)
     except ControlError as err:
         report.problem = str(err)
     finally:

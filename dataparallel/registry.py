@@ -9,6 +9,7 @@ Built-in and third-party transports register the same way: through the entry-poi
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -56,16 +57,21 @@ class ChannelURL:
     def port(self) -> int | None:
         return self.hosts[0][1]
 
+    @property
+    def shown(self) -> str:
+        """``raw`` for messages and logs: a ``password=`` option's value masked."""
+        return re.sub(r"(?<=[?&]password=)[^&]*", "***", self.raw)
+
     def require_port(self) -> int:
         if self.port is None:
-            raise ConfigError(f"{self.raw!r}: a port is required ({self.scheme}://HOST:PORT)")
+            raise ConfigError(f"{self.shown!r}: a port is required ({self.scheme}://HOST:PORT)")
         return self.port
 
     def flag(self, name: str) -> bool:
         """A yes/no option: ``1``/``true``/``yes`` or ``0``/``false``/``no``; absent is no."""
         value = self.options.get(name, "0").lower()
         if value not in _FLAGS:
-            raise ConfigError(f"{self.raw!r}: option {name} must be 1 or 0, got {value!r}")
+            raise ConfigError(f"{self.shown!r}: option {name} must be 1 or 0, got {value!r}")
         return _FLAGS[value]
 
     def seconds(self, name: str, default: float) -> float:
@@ -78,7 +84,7 @@ class ChannelURL:
         except ValueError:
             value = -1.0
         if not 0 < value < float("inf"):
-            raise ConfigError(f"{self.raw!r}: option {name}={text!r} must be a number of seconds > 0")
+            raise ConfigError(f"{self.shown!r}: option {name}={text!r} must be a number of seconds > 0")
         return value
 
     def file(self, name: str) -> bytes | None:
@@ -89,7 +95,7 @@ class ChannelURL:
         try:
             return Path(path).expanduser().read_bytes()
         except OSError as err:
-            raise ConfigError(f"{self.raw!r}: cannot read {name}={path!r}: {err.strerror or err}") from None
+            raise ConfigError(f"{self.shown!r}: cannot read {name}={path!r}: {err.strerror or err}") from None
 
     def needs(self, wanted: str, *names: str) -> None:
         """Options ``names`` mean nothing unless ``wanted`` is given: a URL with them and
@@ -97,7 +103,7 @@ class ChannelURL:
         given = [name for name in names if name in self.options]
         if given and not self.flag(wanted):
             raise ConfigError(
-                f"{self.raw!r}: {', '.join(f'{n}=' for n in given)} {'takes' if len(given) == 1 else 'take'} effect "
+                f"{self.shown!r}: {', '.join(f'{n}=' for n in given)} {'takes' if len(given) == 1 else 'take'} effect "
                 f"only with {wanted}=1: add {wanted}=1 "
                 f"(or drop {', '.join(given)})"
             )

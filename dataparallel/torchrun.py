@@ -31,6 +31,7 @@ import os
 import struct
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlencode
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
@@ -164,7 +165,7 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
         host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORTS.get(scheme, 29400))
         hosts.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     options = {key: str(value) for key, value in params.config.items() if key not in TORCH_RDZV_CONF}
-    query = "&".join(f"{key}={value}" for key, value in sorted(options.items()))
+    query = urlencode(sorted(options.items()))  # a password may hold & or %
     token = os.environ.get("DP_TOKEN") or None
     url, cls = resolve(f"{scheme}://{','.join(hosts)}" + (f"?{query}" if query else ""), token, where="--rdzv-conf")
     read_timeout = _read_timeout(params)
@@ -178,16 +179,20 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
             timeout=read_timeout,
         )
     except AuthError as err:
-        raise RendezvousConnectionError(f"dp-{scheme}: {url.raw} refused this agent's token (DP_TOKEN): {err}") from err
+        if not cls.native_auth:  # refused credentials of the URL's own (etcd's user=/password=)
+            raise RendezvousConnectionError(f"dp-{scheme}: {err}") from err
+        raise RendezvousConnectionError(
+            f"dp-{scheme}: {url.shown} refused this agent's token (DP_TOKEN): {err}"
+        ) from err
     except ControlError as err:
-        raise RendezvousConnectionError(f"dp-{scheme}: cannot reach {url.raw}: {err}") from err
+        raise RendezvousConnectionError(f"dp-{scheme}: cannot reach {url.shown}: {err}") from err
     try:
         if not channel.native_auth:
             channel._agree_on_token()  # as dp.connect does; the coordinators check it themselves
     except ControlError as err:
         channel.close()
         raise RendezvousConnectionError(
-            f"dp-{scheme}: {url.raw}: this agent's token (DP_TOKEN) differs from the job's: {err}"
+            f"dp-{scheme}: {url.shown}: this agent's token (DP_TOKEN) differs from the job's: {err}"
         ) from err
     backend = ChannelRendezvousBackend(channel, params.run_id, f"dp-{scheme}")
     handler = create_handler(channel.as_store(), backend, params)

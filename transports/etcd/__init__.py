@@ -143,11 +143,11 @@ class EtcdChannel(ControlChannel):
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         if any(port is None for _, port in url.hosts):
-            raise ConfigError(f"{url.raw!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (a port for each)")
+            raise ConfigError(f"{url.shown!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (a port for each)")
         if "password" in url.options and "user" not in url.options:
-            raise ConfigError(f"{url.raw!r}: password= without user=: add user=NAME")
+            raise ConfigError(f"{url.shown!r}: password= without user=: add user=NAME")
         if ("cert" in url.options) != ("key" in url.options):
-            raise ConfigError(f"{url.raw!r}: cert= and key= go together (a client certificate and its private key)")
+            raise ConfigError(f"{url.shown!r}: cert= and key= go together (a client certificate and its private key)")
         for name in ("ca", "cert", "key"):
             url.file(name)
 

@@ -7,6 +7,8 @@ etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
   an id bound to the first rank's lease, so a crashed job never leaks into a rerun). The empty
   segment ends PREFIX, which may itself hold ``/`` (a job name may not): so no job's keys lie
   under another's, not even those of job ``b`` of prefix ``p/a`` and job ``a`` of prefix ``p``.
+  The run id is at ``/PREFIX//JOB/\\0run``: an etcd role with readwrite on the prefix
+  ``/PREFIX//JOB/`` is all a job's user needs (``dataparallel check`` uses the job ``__dp-check``).
 - ``get`` of a missing key reads the key and its revision, then watches from the next
   revision: no polling, and no write can slip between the read and the watch.
 - ``add`` and ``compare_set`` are transactions guarded by the key's ``mod_revision``
@@ -20,7 +22,11 @@ etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
 - The last rank to close deletes the job's keys.
 - Several endpoints: a call that cannot reach one member is retried on the next.
 
-Options: ``user``, ``password``, ``ca``, ``cert``, ``key`` (passed to etcd).
+Options: ``user``/``password`` (etcd authentication; the token etcd drops after
+``--auth-token-ttl`` idle seconds is obtained again), ``ca`` (TLS, verifying etcd's
+certificate against that CA), ``cert``/``key`` (a client certificate, for etcd's
+``--client-cert-auth``). A session that cannot open looks at the server after a second: a
+TLS mismatch or a certificate refused is an error naming the fix within seconds.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigErro
 from dataparallel.liveness import Liveness, LostPeer
 from dataparallel.registry import ChannelURL
 
+from .client import EtcdClient, WatchRefused
+
 T = TypeVar("T")
 
 _ALIVE = "__dp/alive/"
@@ -58,6 +66,8 @@ _TXN_OPS = 128
 _KEEP_RECORDS = 256
 #: _cas_loop's "delete the key".
 _REMOVE = object()
+#: While a session cannot open: look at the server after this many seconds, then this often.
+_PROBE_AFTER, _PROBE_EVERY = 1.0, 2.0
 
 
 class EtcdChannel(ControlChannel):
@@ -78,6 +88,7 @@ class EtcdChannel(ControlChannel):
     def __init__(self, url: ChannelURL, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         self._endpoints = [(host, port or 2379) for host, port in url.hosts]
+        self._credentials = _credentials(url)
         prefix = "/".join(part for part in url.path.split("/") if part) or "dataparallel"
         self._job_root = f"/{prefix}//{self.job}/".encode()
         self._root = self._job_root  # becomes /PREFIX//JOB/RUN/ once the run is known
@@ -86,7 +97,7 @@ class EtcdChannel(ControlChannel):
         self._thread = threading.Thread(target=self._loop.run_forever, name="dp-etcd", daemon=True)
         self._thread.start()
         self._current = 0
-        self._client: aetcd.Client | None = None
+        self._client: EtcdClient | None = None
         self._lease = None
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
@@ -107,7 +118,7 @@ class EtcdChannel(ControlChannel):
         so a crashed job's run expires with it and a later job of the same name never sees
         its keys (starting a run deletes whatever a dead run left)."""
         self._lease = await self._call("lease", self._ttl)
-        run_key = self._job_root[:-1] + b"\x00run"  # outside the range the transaction wipes
+        run_key = self._job_root + b"\x00run"  # below every run id: outside the range wiped
         txn = self._client.transactions
         while True:
             fresh = uuid.uuid4().hex.encode()
@@ -115,7 +126,7 @@ class EtcdChannel(ControlChannel):
                 "transaction",
                 compare=[txn.version(run_key) == 0],
                 success=[
-                    txn.delete(self._job_root, _prefix_end(self._job_root)),
+                    txn.delete(self._job_root + b"\x01", _prefix_end(self._job_root)),
                     txn.put(run_key, fresh, lease=self._lease),
                 ],
                 failure=[],
@@ -148,6 +159,8 @@ class EtcdChannel(ControlChannel):
             raise ConfigError(f"{url.shown!r}: password= without user=: add user=NAME")
         if ("cert" in url.options) != ("key" in url.options):
             raise ConfigError(f"{url.shown!r}: cert= and key= go together (a client certificate and its private key)")
+        if "cert" in url.options and "ca" not in url.options:
+            raise ConfigError(f"{url.shown!r}: cert=/key= are for TLS, which ca=CA.pem turns on: add ca=")
         for name in ("ca", "cert", "key"):
             url.file(name)
 
@@ -157,29 +170,32 @@ class EtcdChannel(ControlChannel):
             url,
             want_tls="ca" in url.options,
             ca=url.options.get("ca"),
+            cert=url.options.get("cert"),
+            key=url.options.get("key"),
             alpn=["h2"],
             timeout=timeout,
             how_to_enable="ca=CA.pem (and cert=/key= if etcd wants client certificates)",
             how_to_disable="ca=",
         )
 
-    def _client_options(self) -> dict[str, Any]:
+    def _new_client(self) -> EtcdClient:
+        host, port = self._endpoints[self._current]
         opts = self.url.options
-        out: dict[str, Any] = {}
-        if "user" in opts:
-            out["username"], out["password"] = opts["user"], opts.get("password", "")
-        if "ca" in opts:
-            out["ca_cert"] = opts["ca"]
-        if "cert" in opts or "key" in opts:
-            out["cert_cert"], out["cert_key"] = opts.get("cert"), opts.get("key")
-        return out
+        user = opts.get("user")
+        return EtcdClient(
+            host,
+            port,
+            credentials=self._credentials,
+            username=user,
+            password=opts.get("password", "") if user else None,
+        )
 
     async def _connect(self) -> None:
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline, probe_at = start + self.timeout, start + _PROBE_AFTER
         last: Exception | None = None
         while time.monotonic() < deadline:
-            host, port = self._endpoints[self._current]
-            client = aetcd.Client(host=host, port=port, **self._client_options())
+            client = self._new_client()
             try:
                 await asyncio.wait_for(client.get(self._root + b"__dp/ping"), timeout=5)
                 self._client = client
@@ -191,32 +207,43 @@ class EtcdChannel(ControlChannel):
                     raise error from err  # refused credentials: no other member will take them
                 last = err  # unreachable member: try the next one
                 self._current = (self._current + 1) % len(self._endpoints)
-                await asyncio.sleep(0.1)
-        raise ChannelClosed(f"no etcd member reachable at {self.url.raw} within {self.timeout:g}s: {last}")
+            if time.monotonic() >= probe_at:  # unanswered: a TLS mismatch fails now, not at the timeout
+                problems = await asyncio.to_thread(type(self).diagnose, self.url, _PROBE_EVERY)
+                if problems:
+                    raise problems[0]
+                probe_at = time.monotonic() + _PROBE_EVERY
+            await asyncio.sleep(0.1)
+        raise ChannelClosed(f"no etcd member reachable at {self.url.shown} within {self.timeout:g}s: {last}")
 
     def _translate(self, err: BaseException, what: str) -> ControlError:
         """The one place where the etcd client's errors become the channel's."""
         if isinstance(err, ControlError):
             return err
         text = str(err) or type(err).__name__
-        cause = err.__cause__
-        code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
-        if (
-            isinstance(err, aetcd.exceptions.UnauthenticatedError)
-            or code == grpc.StatusCode.PERMISSION_DENIED
-            or (isinstance(err, aetcd.exceptions.InvalidArgumentError) and "authentication failed" in text)
-        ):
-            user = self.url.options.get("user")
-            who = f"user {user!r}" if user else "this client (no user= in the URL)"
+        user = self.url.options.get("user")
+        if _permission_denied(err):
+            who = f"user {user!r}" if user else "a client without user="
+            prefix = self._job_root.decode(errors="replace")
             return AuthError(
-                f"etcd at {self.url.raw} refused {who} ({what}): {text}; "
-                "check user=/password= and that the user's role covers this job's prefix"
+                f"etcd at {self.url.shown} refused {who} ({what}: {text}): its roles do not cover this job's keys; "
+                f"grant one of them readwrite on the key prefix {prefix}"
             )
+        if "authentication failed" in text:
+            return AuthError(
+                f"etcd at {self.url.shown} refused user {user!r} ({what}: {text}): wrong user name or password; "
+                "check user=/password="
+            )
+        if "user name is empty" in text or isinstance(err, aetcd.exceptions.UnauthenticatedError):
+            return AuthError(
+                f"etcd at {self.url.shown} requires authentication ({what}: {text}): add user=NAME&password=SECRET"
+            )
+        if "authentication is not enabled" in text:
+            return ConfigError(f"etcd at {self.url.shown} has authentication off ({text}): drop user=/password=")
         if _lease_gone(err):
             return ChannelClosed(self._fenced_message(text))
         if _too_large(err):
             return BadMessage(
-                f"etcd at {self.url.raw}: {what} too large: {text}; etcd takes requests up to its "
+                f"etcd at {self.url.shown}: {what} too large: {text}; etcd takes requests up to its "
                 "--max-request-bytes (1.5 MiB by default) and this client replies up to 4 MiB: keep "
                 "control-plane values small"
             )
@@ -228,8 +255,8 @@ class EtcdChannel(ControlChannel):
             | asyncio.TimeoutError
             | OSError,
         ):
-            return ChannelClosed(f"etcd at {self.url.raw} unreachable ({what}): {text}")
-        return ControlError(f"etcd at {self.url.raw}: {what} failed: {type(err).__name__}: {text}")
+            return ChannelClosed(f"etcd at {self.url.shown} unreachable ({what}): {text}")
+        return ControlError(f"etcd at {self.url.shown}: {what} failed: {type(err).__name__}: {text}")
 
     def _fenced_message(self, detail: str) -> str:
         return (
@@ -247,7 +274,7 @@ class EtcdChannel(ControlChannel):
             return future.result(timeout=wait)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
-            raise ChannelClosed(f"etcd at {self.url.raw} did not answer within {wait:g}s") from None
+            raise ChannelClosed(f"etcd at {self.url.shown} did not answer within {wait:g}s") from None
         except ValueError:
             raise  # _add found no number: the core's BadMessage
         except Exception as err:
@@ -257,21 +284,27 @@ class EtcdChannel(ControlChannel):
         """Call a client method; while a member is unreachable, fail over to the next endpoint
         and retry for up to ``liveness_timeout`` seconds (a restarting member, a new leader)."""
         deadline = time.monotonic() + self.liveness_timeout
+        renewed = False
         while True:
+            metadata = self._client.metadata
             try:
                 return await getattr(self._client, method)(*args, **kwargs)
             except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError) as err:
                 if time.monotonic() > deadline:
                     raise ChannelClosed(
-                        f"etcd at {self.url.raw} unreachable for {self.liveness_timeout:g}s: {err}"
+                        f"etcd at {self.url.shown} unreachable for {self.liveness_timeout:g}s: {err}"
                     ) from err
                 if len(self._endpoints) > 1:
                     await self._client.close()
                     self._current = (self._current + 1) % len(self._endpoints)
-                    host, port = self._endpoints[self._current]
-                    self._client = aetcd.Client(host=host, port=port, **self._client_options())
+                    self._client = self._new_client()
                 await asyncio.sleep(0.2)
             except aetcd.exceptions.ClientError as err:
+                if _token_dropped(err) and self._client.authenticates and not renewed:
+                    # etcd forgot the token (unused for --auth-token-ttl): get another, once.
+                    renewed = True
+                    await self._client.reauthenticate(metadata)
+                    continue
                 error = self._translate(err, method)
                 if _lease_gone(err):
                     self._fail(error)  # fenced: every later call says so at once
@@ -467,7 +500,7 @@ class EtcdChannel(ControlChannel):
                 if self._stop.is_set():
                     return
                 if time.monotonic() - last_ok > ttl:
-                    self._fail(ChannelClosed(f"lost etcd at {self.url.raw}: no lease refresh for {ttl}s: {err}"))
+                    self._fail(ChannelClosed(f"lost etcd at {self.url.shown}: no lease refresh for {ttl}s: {err}"))
                     return
 
     def _new_liveness(self) -> LeaseLiveness:
@@ -522,6 +555,29 @@ def _too_large(err: BaseException) -> bool:
         return False
     return cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
         cause.code() == grpc.StatusCode.INVALID_ARGUMENT and "request is too large" in (cause.details() or "")
+    )
+
+
+def _permission_denied(err: BaseException) -> bool:
+    """etcd refused this user an operation on a key (its roles do not cover it)."""
+    cause = err if isinstance(err, grpc.aio.AioRpcError) else err.__cause__
+    code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
+    return code == grpc.StatusCode.PERMISSION_DENIED or isinstance(err, WatchRefused)
+
+
+def _token_dropped(err: BaseException) -> bool:
+    """etcd no longer knows the auth token (unused for ``--auth-token-ttl``). A watch
+    refused is one too: etcd says "permission denied" for a watch with a dropped token."""
+    return "invalid auth token" in str(err) or isinstance(err, WatchRefused)
+
+
+def _credentials(url: ChannelURL) -> grpc.ChannelCredentials | None:
+    """TLS credentials from ca= (and cert=/key=), or None for plaintext (options checked by
+    :meth:`EtcdChannel._check_options`)."""
+    if "ca" not in url.options:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=url.file("ca"), private_key=url.file("key"), certificate_chain=url.file("cert")
     )
 
 

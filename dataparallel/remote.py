@@ -112,7 +112,7 @@ class CoordinatorLiveness(Liveness):
                     return
                 silent = time.monotonic() - last_answer
                 if isinstance(err, AuthError) or silent > ch.liveness_timeout:
-                    ch._fail(ChannelClosed(f"coordinator at {ch.url.raw} silent for {silent:.1f}s: {err}"))
+                    ch._fail(ChannelClosed(f"coordinator at {ch.url.shown} silent for {silent:.1f}s: {err}"))
                     return
                 continue
             last_answer = time.monotonic()
@@ -150,7 +150,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         url.require_port()
         if len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.raw!r}: expected {cls.scheme}://HOST:PORT (one coordinator)")
+            raise ConfigError(f"{url.shown!r}: expected {cls.scheme}://HOST:PORT (one coordinator)")
 
     def _new_liveness(self) -> CoordinatorLiveness:
         return CoordinatorLiveness(self)
@@ -257,7 +257,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
             problem = problems[0]
             if isinstance(problem, ControlError):
                 raise problem
-            raise ConfigError(f"cannot open a session with the coordinator at {self.url.raw}: {problem}")
+            raise ConfigError(f"cannot open a session with the coordinator at {self.url.shown}: {problem}")
 
     def _stop_hosting(self) -> None:
         if self._server is not None:

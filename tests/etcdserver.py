@@ -25,12 +25,24 @@ def _free_port() -> int:
 class EtcdServer:
     """One member; ``cluster`` lists every member's ``name=peer_url`` for a multi-member cluster."""
 
-    def __init__(self, data_dir: Path, name: str = "t", host: str = "127.0.0.1", wrap: list[str] = ()) -> None:
-        """``host``: the address to serve on; ``wrap``: a command prefix (``ip netns exec NS``)."""
+    def __init__(
+        self,
+        data_dir: Path,
+        name: str = "t",
+        host: str = "127.0.0.1",
+        wrap: list[str] = (),
+        args: list[str] = (),
+        https: bool = False,
+    ) -> None:
+        """``host``: the address to serve on; ``wrap``: a command prefix (``ip netns exec NS``);
+        ``args``: more etcd flags (certificates, ``--auth-token-ttl``); ``https``: clients
+        speak TLS (give the certificates in ``args``)."""
         self.data_dir = data_dir
         self.name = name
         self.host = host
         self.wrap = list(wrap)
+        self.args = list(args)
+        self.client_scheme = "https" if https else "http"
         if host == "127.0.0.1":
             self.client_port, self.peer_port = _free_port(), _free_port()
         else:  # a private namespace of its own: the standard ports are free
@@ -47,7 +59,8 @@ class EtcdServer:
         return f"etcd://{self.host}:{self.client_port}"
 
     def start(self) -> EtcdServer:
-        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
+        client = f"{self.client_scheme}://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         cmd = [
             *self.wrap,
             etcd_binary(),
@@ -69,6 +82,7 @@ class EtcdServer:
             "10",
             "--election-timeout",
             "100",
+            *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return self

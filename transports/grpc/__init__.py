@@ -44,11 +44,11 @@ def server_credentials(url: ChannelURL) -> grpc.ServerCredentials | None:
         return None
     cert, key = url.file("cert"), url.file("key")
     if not cert or not key:
-        raise ConfigError(f"{url.raw!r}: tls=1 needs cert= and key= on the process that hosts the coordinator")
+        raise ConfigError(f"{url.shown!r}: tls=1 needs cert= and key= on the process that hosts the coordinator")
     mtls = url.flag("mtls")
     ca = url.file("ca")
     if mtls and not ca:
-        raise ConfigError(f"{url.raw!r}: mtls=1 needs ca= to verify client certificates")
+        raise ConfigError(f"{url.shown!r}: mtls=1 needs ca= to verify client certificates")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=mtls)
 
 
@@ -100,7 +100,7 @@ class GrpcChannel(RemoteChannel):
         super()._check_options(url, token, serving)
         url.needs("tls", "ca", "cert", "key", "mtls", "server_name")
         if ("cert" in url.options) != ("key" in url.options):
-            raise ConfigError(f"{url.raw!r}: cert= and key= go together (a certificate and its private key)")
+            raise ConfigError(f"{url.shown!r}: cert= and key= go together (a certificate and its private key)")
         for name in ("ca", "cert", "key"):
             url.file(name)
         if serving:

@@ -43,7 +43,7 @@ class MemoryChannel(ControlChannel):
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         if url.port is not None or len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.raw!r}: expected memory://NAME")
+            raise ConfigError(f"{url.shown!r}: expected memory://NAME")
 
     @classmethod
     def security(cls, url: ChannelURL, token: str | None) -> str:

@@ -69,7 +69,7 @@ class ZmqChannel(RemoteChannel):
         super()._check_options(url, token, serving)
         if url.flag("curve") and not token:
             raise ConfigError(
-                f"{url.raw!r}: curve=1 derives its keys from the job token, and there is none: set DP_TOKEN or "
+                f"{url.shown!r}: curve=1 derives its keys from the job token, and there is none: set DP_TOKEN or "
                 "--token-file (token= in dp.connect)"
             )
         if url.flag("curve") and not zmq.has("curve"):

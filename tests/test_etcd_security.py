@@ -24,12 +24,12 @@ from dataparallel.testing import close_all, run_all, with_options
 from dataparallel.transports.etcd.client import EtcdClient
 
 TOKEN_TTL = 2  # etcd's --auth-token-ttl: a token unused this long is dropped
-PREFIX = "sec"  # the URL's path: a job JOB keeps its keys under /sec/JOB/
+PREFIX = "sec"  # the URL's path: a job JOB keeps its keys under /sec//JOB/
 USERS = {  # name: (password, key prefix its role may read and write; None: root's role)
     "root": ("root-pw", None),
-    "alice": ("alice-pw", f"/{PREFIX}/job1/"),
+    "alice": ("alice-pw", f"/{PREFIX}//job1/"),
     "bob": ("bob-pw", "/bobs/"),
-    "agent": ("p&w%d+x=y", "/dataparallel/torchrun.contract/"),  # torchrun's job; a password to quote
+    "agent": ("p&w%d+x=y", "/dataparallel//torchrun.contract/"),  # torchrun's job; a password to quote
 }
 
 
@@ -141,9 +141,9 @@ def test_tls_options_are_checked_before_connecting(pki, tmp_path):
     url = "etcd://127.0.0.1:1/x"
     for options, match in [
         ({"ca": tmp_path / "none.pem"}, "cannot read ca="),
-        ({"ca": pki["ca"], "cert": pki["cert"]}, "both cert= and key="),
+        ({"ca": pki["ca"], "cert": pki["cert"]}, "cert= and key= go together"),
         ({"cert": pki["cert"], "key": pki["key"]}, "which ca=CA.pem turns on"),
-        ({"password": "secret"}, "password= needs user="),
+        ({"password": "secret"}, "password= without user=: add user="),
     ]:
         with pytest.raises(dp.ConfigError, match=match) as info:
             dp.connect(with_options(url, **options), rank=0, world_size=1, timeout=2)
@@ -190,16 +190,16 @@ def test_wrong_credentials_are_auth_errors_within_seconds(auth_etcd):
 
 @pytest.mark.timeout(60)
 def test_a_user_whose_role_covers_another_prefix_cannot_touch_the_job(auth_etcd):
-    _refused_fast(_as(auth_etcd, "bob"), dp.AuthError, f"readwrite on the key prefix /{PREFIX}/job1/")
-    _refused_fast(_as(auth_etcd, "alice"), dp.AuthError, f"/{PREFIX}/job2/", job="job2")  # alice: job1 only
+    _refused_fast(_as(auth_etcd, "bob"), dp.AuthError, f"readwrite on the key prefix /{PREFIX}//job1/")
+    _refused_fast(_as(auth_etcd, "alice"), dp.AuthError, f"/{PREFIX}//job2/", job="job2")  # alice: job1 only
     with dp.connect(_as(auth_etcd, "bob", prefix="bobs"), rank=0, world_size=1, job="any", timeout=10) as own:
         own.set("k", b"bob's")  # bob's credentials work, on his own prefix
     with dp.connect(_as(auth_etcd, "alice"), rank=0, world_size=1, job="job1", timeout=10) as alice:
         alice.set("secret", b"alice's")
         # With a raw client too: etcd refuses bob alice's keys, reads and writes.
-        assert b"alice's" in [kv.value for kv in alice._run(alice._client.get_prefix(f"/{PREFIX}/job1/".encode()))]
+        assert b"alice's" in [kv.value for kv in alice._run(alice._client.get_prefix(f"/{PREFIX}//job1/".encode()))]
         bob = alice._run(_raw_client(auth_etcd, "bob"))
-        for op in (bob.get_prefix(f"/{PREFIX}/job1/".encode()), bob.put(f"/{PREFIX}/job1/x".encode(), b"bob's")):
+        for op in (bob.get_prefix(f"/{PREFIX}//job1/".encode()), bob.put(f"/{PREFIX}//job1/x".encode(), b"bob's")):
             with pytest.raises(dp.AuthError, match="do not cover this job's keys"):
                 alice._run(op)
         alice._run(bob.close())
@@ -221,7 +221,7 @@ def test_check_names_each_misconfiguration_and_the_fix(tls_etcd, auth_etcd, pki)
     wrong = _problem(_as(auth_etcd, "alice", password="wrong"))
     assert "wrong user name or password; check user=/password=" in wrong and "wrong token" not in wrong
     denied = _problem(_as(auth_etcd, "bob"))  # check's own job, __dp-check, is outside bob's role
-    assert f"grant one of them readwrite on the key prefix /{PREFIX}/__dp-check/" in denied
+    assert f"grant one of them readwrite on the key prefix /{PREFIX}//__dp-check/" in denied
     cli = subprocess.run(
         [sys.executable, "-m", "dataparallel", "check", _as(auth_etcd, "alice", "bad-pw-123"), "--timeout", "3"],
         capture_output=True,

@@ -889,8 +889,10 @@ class LinearizabilityTests(ChannelHarness):
     applied exactly once, and every read sees the latest write."""
 
     LIVENESS = FAST_LIVENESS
-    #: Operations a run must record, at the least.
-    MIN_OPERATIONS = 4000
+    #: Operations a run must record, at the least: the three clients that are neither killed
+    #: nor frozen do 1100 each whatever the machine's speed (the other two stop when their
+    #: fault strikes, after however many a loaded machine allowed).
+    MIN_OPERATIONS = 3300
 
     @pytest.mark.timeout(240)
     def test_store_is_linearizable_under_kills_freezes_and_connection_resets(self, channel_url, tmp_path):

@@ -9,6 +9,8 @@ Measures, in one run, on one machine:
   coordinator in another process — zmq (``dataparallel serve``), tcpstore (our adapter over
   a TCPStore hosted by another process), torch's TCPStore called directly, and a raw Python
   TCP echo (the floor: the least a Python request/reply over loopback can cost);
+* what authentication costs: the root key once per process, and sealing and opening a
+  request and its reply (HMAC-SHA256) as a share of the zmq and grpc round trips;
 * barrier latency for N processes: ``ch.barrier()`` over zmq and grpc (native, one round
   trip per rank) and tcpstore (the core's add+get barrier), against torch's TCPStore store-based
   barrier (add, then the last rank sets a key the others wait on — torch's
@@ -195,6 +197,32 @@ def round_trips(repeats: int, writes: dict[str, float] | None = None) -> dict[st
     return out
 
 
+def security_cost(repeats: int, rtt: dict[str, float]) -> dict[str, float]:
+    """What authentication costs: the token's root key (scrypt, once per process) and, per
+    request, sealing and opening the request and its reply (what a zmq or gRPC round trip
+    adds to the bytes on the wire), as a share of the measured round trips."""
+    import hashlib
+
+    from dataparallel.wire import SCRYPT, open_frame, pb, seal, token_key
+
+    start = time.perf_counter()
+    hashlib.scrypt(b"benchmark-token", salt=b"benchmark", dklen=32, maxmem=64 << 20, **SCRYPT)
+    kdf_ms = (time.perf_counter() - start) * 1e3
+    key = token_key("benchmark-token")
+    request = pb.Request(id=7, session=b"s" * 16, get=pb.Get(key="k", timeout=30))
+    reply = pb.Reply(id=7, value=PAYLOAD)
+
+    def one_exchange() -> None:
+        open_frame(key, seal(key, request), pb.Request)
+        open_frame(key, seal(key, reply), pb.Reply)
+
+    mac_us = time_ops(one_exchange, repeats)
+    out = {"root_key_ms": kdf_ms, "mac_per_request_us": mac_us}
+    for kind in ("zmq", "grpc"):
+        out[f"mac_share_of_{kind}_round_trip"] = mac_us / rtt[kind]
+    return out
+
+
 # ---------------------------------------------------------------------- barriers
 def barrier_worker(kind: str, port: int, rank: int, n: int, rounds: int) -> None:
     if kind in ("TCPStore add+wait", "TCPStore native"):
@@ -303,15 +331,23 @@ def main(argv: list[str] | None = None) -> int:
 
     writes: dict[str, float] = {}
     rtt = round_trips(args.repeats, writes)
+    security = security_cost(args.repeats, rtt)
     print(f"round trip (one get of an existing key) and set, median µs of {args.repeats}:")
     for name, us in rtt.items():
         print(f"  get {name:28s} {us:8.1f} us   {us / rtt['TCPStore (torch)']:5.2f}x TCPStore")
     for name, us in writes.items():
         print(f"  set {name:28s} {us:8.1f} us")
+    print(
+        f"authentication: root key (scrypt) {security['root_key_ms']:.0f} ms once per process; "
+        f"seal + open of a request and its reply {security['mac_per_request_us']:.1f} us = "
+        f"{100 * security['mac_share_of_zmq_round_trip']:.1f}% of a zmq round trip, "
+        f"{100 * security['mac_share_of_grpc_round_trip']:.1f}% of a grpc one"
+    )
     if args.round_trips_only:
         out = args.out or RESULTS / "round_trips.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"machine": machine(), "round_trip_us": rtt, "set_us": writes}, indent=2))
+        result = {"machine": machine(), "round_trip_us": rtt, "set_us": writes, "security": security}
+        out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
         return 0
     args.out = args.out or RESULTS / "control_plane.json"
@@ -338,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "round_trip_us": rtt,
         "set_us": writes,
+        "security": security,
         "barrier_ms": barriers,
         "rounds": args.rounds,
     }

@@ -18,10 +18,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jobutil import Bystander, exercise, mutate, open_job, rss_mb
+from pki import make_pki, tls_url
 
 import dataparallel as dp
 from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.coordinator import CoordinatorLimits
+from dataparallel.registry import parse_url
 from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.transports.zmq.server import ZmqCoordinatorServer
 from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, open_frame, pb, purpose_key, seal, token_key
@@ -32,9 +34,15 @@ GRPC_KEY = purpose_key(TOKEN, "grpc-frame-mac")
 
 
 @pytest.fixture(params=["zmq", "grpc"])
-def served(request):
-    scheme = request.param
-    url = f"{scheme}://127.0.0.1:{free_port()}"
+def served(request, tmp_path_factory):
+    """A standalone coordinator: ``zmq``, ``grpc``, or (where asked for) ``grpc+tls``, which
+    attackers reach through TLS: they trust its CA but have no token. (A CURVE coordinator
+    under attack: test_hostile_more.py.)"""
+    scheme = request.param.split("+")[0]
+    if request.param == "grpc+tls":
+        url = tls_url(free_port(), make_pki(tmp_path_factory.mktemp("pki")))
+    else:
+        url = f"{scheme}://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "dataparallel", "serve", url],
         env={**os.environ, "DP_TOKEN": TOKEN},
@@ -133,7 +141,14 @@ class GrpcAttacker:
     """Sends frames as the body of gRPC calls (a ``Frame``'s ``sealed`` field)."""
 
     def __init__(self, url: str) -> None:
-        self.channel = grpc.insecure_channel(url.split("://", 1)[1])
+        parsed = parse_url(url)
+        target = f"{parsed.host}:{parsed.port}"
+        if parsed.flag("tls"):  # an attacker who trusts the server's CA but has no token
+            self.channel = grpc.secure_channel(
+                target, grpc.ssl_channel_credentials(root_certificates=parsed.file("ca"))
+            )
+        else:
+            self.channel = grpc.insecure_channel(target)
         self.stub = control_pb2_grpc.ControlServiceStub(self.channel)
 
     def send_frames(self, frames: list[bytes]) -> None:
@@ -160,6 +175,7 @@ def attacker_for(scheme: str, url: str):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("served", ["zmq", "grpc", "grpc+tls"], indirect=True)
 def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served):
     scheme, url, proc = served
     bystander = Bystander(url, TOKEN)

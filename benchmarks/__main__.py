@@ -124,7 +124,7 @@ def summarize(out: Path) -> dict:
         targets.append(
             {"target": "training epoch <= 1.02x plain DDP", "measured": f"{ratio:.3f}x", "met": ratio <= 1.02}
         )
-    from benchmarks.control_plane import machine
+    from benchmarks.common import machine
 
     return {"machine": machine(), "targets": targets}
 

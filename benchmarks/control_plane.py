@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -34,13 +32,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from benchmarks.common import free_port, machine, percentile
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PAYLOAD = b"x" * 64
-
-
-def machine() -> str:
-    """The machine a result was measured on, for the result files."""
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def release_together(procs: list[subprocess.Popen], delay: float) -> float:
@@ -54,12 +49,6 @@ def release_together(procs: list[subprocess.Popen], delay: float) -> float:
         p.stdin.write(f"{start}\n")
         p.stdin.flush()
     return start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- servers (subprocesses)
@@ -145,25 +134,33 @@ def start_server(kind: str, port: int) -> subprocess.Popen:
 
 
 # ---------------------------------------------------------------------- round trip
-def time_ops(op, repeats: int) -> float:
+def time_ops(op, repeats: int) -> list[float]:
+    """µs of each of ``repeats`` calls of ``op`` (after a warm-up)."""
     for _ in range(min(200, repeats)):
         op()
     samples = []
     for _ in range(repeats):
         t = time.perf_counter()
         op()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
+        samples.append((time.perf_counter() - t) * 1e6)
+    return samples
 
 
-def round_trips(repeats: int, writes: dict[str, float] | None = None) -> dict[str, float]:
-    """Median µs of a get of an existing key per transport; ``writes`` gets the median µs of
-    a ``set`` (acknowledged on every transport; torch's own TCPStore set is not)."""
+def p50_p99(samples: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
+    return (
+        {k: statistics.median(v) for k, v in samples.items()},
+        {k: percentile(v, 99) for k, v in samples.items()},
+    )
+
+
+def round_trips(repeats: int, writes: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """µs of each get of an existing key, per transport; ``writes`` gets those of a ``set``
+    (acknowledged on every transport; torch's own TCPStore set is not)."""
     import torch.distributed as dist
 
     import dataparallel as dp
 
-    out: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
     port = free_port()
     proc = start_server("echo", port)
     try:
@@ -199,24 +196,27 @@ def round_trips(repeats: int, writes: dict[str, float] | None = None) -> dict[st
 
 def security_cost(repeats: int, rtt: dict[str, float]) -> dict[str, float]:
     """What authentication costs: the token's root key (scrypt, once per process) and, per
-    request, sealing and opening the request and its reply (what a zmq or gRPC round trip
-    adds to the bytes on the wire), as a share of the measured round trips."""
+    request, the MACs a round trip adds (the client seals its request, the coordinator
+    checks it and seals the reply, the client checks that: four HMAC-SHA256 over the encoded
+    messages, which are encoded either way), as a share of the measured round trips."""
     import hashlib
+    import hmac
 
-    from dataparallel.wire import SCRYPT, open_frame, pb, seal, token_key
+    from dataparallel.wire import SCRYPT, pb, token_key
 
     start = time.perf_counter()
     hashlib.scrypt(b"benchmark-token", salt=b"benchmark", dklen=32, maxmem=64 << 20, **SCRYPT)
     kdf_ms = (time.perf_counter() - start) * 1e3
     key = token_key("benchmark-token")
-    request = pb.Request(id=7, session=b"s" * 16, get=pb.Get(key="k", timeout=30))
-    reply = pb.Reply(id=7, value=PAYLOAD)
+    request = pb.Request(id=7, session=b"s" * 16, get=pb.Get(key="k", timeout=30)).SerializeToString()
+    reply = pb.Reply(id=7, value=PAYLOAD).SerializeToString()
 
-    def one_exchange() -> None:
-        open_frame(key, seal(key, request), pb.Request)
-        open_frame(key, seal(key, reply), pb.Reply)
+    def macs() -> None:
+        for body in (request, reply):
+            mac = hmac.digest(key, body, "sha256")  # sealed by the sender
+            hmac.compare_digest(mac, hmac.digest(key, body, "sha256"))  # checked by the receiver
 
-    mac_us = time_ops(one_exchange, repeats)
+    mac_us = statistics.median(time_ops(macs, repeats))
     out = {"root_key_ms": kdf_ms, "mac_per_request_us": mac_us}
     for kind in ("zmq", "grpc"):
         out[f"mac_share_of_{kind}_round_trip"] = mac_us / rtt[kind]
@@ -260,12 +260,14 @@ def barrier_worker(kind: str, port: int, rank: int, n: int, rounds: int) -> None
         samples.append(time.perf_counter() - t)
     barrier(rounds)  # nobody leaves (and takes a hosted server down) while others measure
     if rank == 0:
-        print(json.dumps({"median_ms": statistics.median(samples[rounds // 5 :]) * 1e3}), flush=True)
+        kept = [t * 1e3 for t in samples[rounds // 5 :]]  # the first fifth: warm-up
+        print(json.dumps({"median_ms": statistics.median(kept), "p99_ms": percentile(kept, 99)}), flush=True)
     if kind not in ("TCPStore add+wait", "TCPStore native"):
         ch.close()
 
 
-def barrier_latency(kind: str, n: int, rounds: int) -> float:
+def barrier_latency(kind: str, n: int, rounds: int) -> tuple[float, float]:
+    """(median, p99) ms of a barrier of ``n`` processes."""
     port = free_port()
     server = start_server("etcd", port) if kind == "etcd" else None  # the others are hosted by rank 0
     procs = [
@@ -297,7 +299,8 @@ def barrier_latency(kind: str, n: int, rounds: int) -> float:
     finally:
         for p in [*procs, *([server] if server else [])]:
             p.kill()
-    return json.loads(out.strip().splitlines()[-1])["median_ms"]
+    measured = json.loads(out.strip().splitlines()[-1])
+    return measured["median_ms"], measured["p99_ms"]
 
 
 BARRIER_KINDS = ["zmq", "grpc", "etcd", "tcpstore", "TCPStore add+wait", "TCPStore native"]
@@ -329,34 +332,46 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    writes: dict[str, float] = {}
-    rtt = round_trips(args.repeats, writes)
+    write_samples: dict[str, list[float]] = {}
+    rtt, rtt_p99 = p50_p99(round_trips(args.repeats, write_samples))
+    writes, writes_p99 = p50_p99(write_samples)
     security = security_cost(args.repeats, rtt)
     print(f"round trip (one get of an existing key) and set, median µs of {args.repeats}:")
     for name, us in rtt.items():
-        print(f"  get {name:28s} {us:8.1f} us   {us / rtt['TCPStore (torch)']:5.2f}x TCPStore")
+        print(
+            f"  get {name:28s} p50 {us:8.1f} us  p99 {rtt_p99[name]:8.1f} us"
+            f"   {us / rtt['TCPStore (torch)']:5.2f}x TCPStore"
+        )
     for name, us in writes.items():
-        print(f"  set {name:28s} {us:8.1f} us")
+        print(f"  set {name:28s} p50 {us:8.1f} us  p99 {writes_p99[name]:8.1f} us")
     print(
         f"authentication: root key (scrypt) {security['root_key_ms']:.0f} ms once per process; "
-        f"seal + open of a request and its reply {security['mac_per_request_us']:.1f} us = "
+        f"the MACs of a request and its reply {security['mac_per_request_us']:.1f} us = "
         f"{100 * security['mac_share_of_zmq_round_trip']:.1f}% of a zmq round trip, "
         f"{100 * security['mac_share_of_grpc_round_trip']:.1f}% of a grpc one"
     )
     if args.round_trips_only:
         out = args.out or RESULTS / "round_trips.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        result = {"machine": machine(), "round_trip_us": rtt, "set_us": writes, "security": security}
+        result = {
+            "machine": machine(),
+            "round_trip_us": rtt,
+            "round_trip_p99_us": rtt_p99,
+            "set_us": writes,
+            "set_p99_us": writes_p99,
+            "security": security,
+        }
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
         return 0
     args.out = args.out or RESULTS / "control_plane.json"
     barriers: dict[str, dict[int, float]] = {k: {} for k in BARRIER_KINDS}
+    barriers_p99: dict[str, dict[int, float]] = {k: {} for k in BARRIER_KINDS}
     with tqdm(total=len(args.sizes) * len(BARRIER_KINDS), desc="barriers", unit="run") as bar:
         for n in args.sizes:
             for kind in BARRIER_KINDS:
                 bar.set_postfix_str(f"{kind} N={n}")
-                barriers[kind][n] = barrier_latency(kind, n, args.rounds)
+                barriers[kind][n], barriers_p99[kind][n] = barrier_latency(kind, n, args.rounds)
                 bar.update()
 
     print(f"\nround trip (one get of an existing key), median of {args.repeats}:")
@@ -369,13 +384,19 @@ def main(argv: list[str] | None = None) -> int:
         base = barriers["TCPStore add+wait"][n]
         cells = "".join(f"{barriers[k][n]:>14.3f} ({barriers[k][n] / base:4.2f}x)" for k in BARRIER_KINDS)
         print(f"  {n:<4d} {cells}")
+    print("p99 ms:")
+    for n in args.sizes:
+        print(f"  {n:<4d} " + "".join(f"{barriers_p99[k][n]:>24.3f}" for k in BARRIER_KINDS))
 
     result = {
         "machine": machine(),
         "round_trip_us": rtt,
+        "round_trip_p99_us": rtt_p99,
         "set_us": writes,
+        "set_p99_us": writes_p99,
         "security": security,
         "barrier_ms": barriers,
+        "barrier_p99_ms": barriers_p99,
         "rounds": args.rounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -393,21 +414,32 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(result["round_trip_us"])
-    left.barh(names, [result["round_trip_us"][k] for k in names], color="tab:blue")
-    left.set_xlabel("µs (median)")
+    p99 = result.get("round_trip_p99_us", {})
+    left.barh(names, [p99.get(k, 0) for k in names], color="tab:blue", alpha=0.3, label="p99")
+    left.barh(names, [result["round_trip_us"][k] for k in names], color="tab:blue", label="median")
+    left.set_xlabel("µs")
+    left.legend()
     left.set_title("round trip: get of an existing key")
-    for kind, series in result["barrier_ms"].items():
+    tails = result.get("barrier_p99_ms", {})
+    for i, (kind, series) in enumerate(result["barrier_ms"].items()):
         sizes = sorted(int(n) for n in series)
-        right.plot(sizes, [series[n] if n in series else series[str(n)] for n in sizes], marker="o", label=kind)
+        color = f"C{i}"
+        right.plot(sizes, [_at(series, n) for n in sizes], marker="o", color=color, label=kind)
+        if kind in tails:
+            right.plot(sizes, [_at(tails[kind], n) for n in sizes], linestyle=":", color=color)
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xlabel("processes (N)")
-    right.set_ylabel("ms per barrier (median)")
+    right.set_ylabel("ms per barrier (median; dotted: p99)")
     right.set_title("barrier latency")
     right.legend()
     fig.suptitle(result["machine"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _at(series: dict, n: int) -> float:
+    return series[n] if n in series else series[str(n)]  # int keys in a run, str keys from JSON
 
 
 if __name__ == "__main__":

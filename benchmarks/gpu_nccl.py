@@ -20,7 +20,6 @@ import argparse
 import collections
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,11 +27,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.common import free_port
 
 
 def instrument_store_calls() -> collections.Counter:

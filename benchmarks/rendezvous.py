@@ -58,7 +58,8 @@ def worker(kind: str, port: int, rank: int, n: int) -> None:
 
 
 def measure(kind: str, n: int) -> float:
-    from benchmarks.control_plane import free_port, release_together, start_server
+    from benchmarks.common import free_port
+    from benchmarks.control_plane import release_together, start_server
 
     port = free_port()
     server = start_server("etcd", port) if kind == "etcd" else None
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = run(args.sizes, args.repeats)
     report(result)
-    from benchmarks.control_plane import machine
+    from benchmarks.common import machine
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "ms": result, "repeats": args.repeats}, indent=2))

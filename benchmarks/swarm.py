@@ -99,7 +99,8 @@ def start_coordinator(kind: str, port: int) -> subprocess.Popen | None:
 
 
 def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0) -> dict:
-    from benchmarks.control_plane import free_port, release_together
+    from benchmarks.common import free_port
+    from benchmarks.control_plane import release_together
 
     port = free_port()
     server = start_coordinator(kind, port)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 result[kind][n] = measure(kind, n, args.procs, args.barriers, args.cap)
                 bar.update()
     report(result)
-    from benchmarks.control_plane import machine
+    from benchmarks.common import machine
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "procs": args.procs, "result": result}, indent=2))

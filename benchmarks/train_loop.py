@@ -5,16 +5,17 @@
 Both sides: N processes, gloo on CPU, DistributedSampler, DDP, Adam, the same MLP on the same
 synthetic data. The plain loop initialises with ``env://`` (TCPStore) and does nothing else;
 ``dp.fit`` adds the control plane (epoch command, reports, validation, barrier) over zmq.
-Interleaved repeats; medians of per-epoch time (first epoch excluded as warm-up).
+Interleaved repeats; per-epoch time on rank 0, epoch 0 dropped on both sides as warm-up,
+median and p99, and where each epoch went: training steps, validation, and what is neither
+(the plain loop's end-of-epoch barrier; ``dp.fit``'s command, reports and state sync, from
+its ``EpochMetrics``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,13 +26,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from benchmarks.common import free_port, machine, percentile
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Where an epoch goes, on both sides (see the module docstring).
+PARTS = ("train", "val", "control")
 
 
 def setup() -> tuple[torch.nn.Module, TensorDataset, TensorDataset]:
@@ -51,7 +50,7 @@ def device_for(kind: str, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def plain(rank: int, world: int, port: int, epochs: int, device: torch.device) -> list[float]:
+def plain(rank: int, world: int, port: int, epochs: int, device: torch.device) -> list[dict]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -63,8 +62,9 @@ def plain(rank: int, world: int, port: int, epochs: int, device: torch.device) -
     model = model.to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-    stamps = [time.perf_counter()]
+    times = []
     for epoch in range(epochs):
+        started = time.perf_counter()
         sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=0)
         sampler.set_epoch(epoch)
         for x, y in DataLoader(train, batch_size=64, sampler=sampler):
@@ -73,23 +73,29 @@ def plain(rank: int, world: int, port: int, epochs: int, device: torch.device) -
             opt.zero_grad()
             loss.backward()
             opt.step()
+        trained = time.perf_counter()
         with torch.no_grad():
             for x, y in DataLoader(val, batch_size=64, sampler=range(rank, len(val), world)):
                 torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        validated = time.perf_counter()
         dist.barrier()
-        stamps.append(time.perf_counter())
+        done = time.perf_counter()
+        times.append(
+            {"epoch": epoch, "total": done - started, "train": trained - started, "val": validated - trained}
+            | {"control": done - validated}
+        )
     dist.destroy_process_group()
-    return [b - a for a, b in itertools.pairwise(stamps)]
+    return times
 
 
-def ours(rank: int, world: int, port: int, epochs: int, device: torch.device) -> list[float]:
+def ours(rank: int, world: int, port: int, epochs: int, device: torch.device) -> list[dict]:
     import dataparallel as dp
 
     ch = dp.connect(f"zmq://127.0.0.1:{port}", rank=rank, world_size=world, job="bench", timeout=120)
     model, train, val = setup()
     model = model.to(device)
-    stamps: list[float] = []
-    # Epoch to epoch on the driver: command, training, validation, reports, decision.
+    times: list[dict] = []
+    # On the driver: command, training, validation, reports (EpochMetrics says which took what).
     dp.fit(
         ch,
         model,
@@ -97,14 +103,19 @@ def ours(rank: int, world: int, port: int, epochs: int, device: torch.device) ->
         lambda p: torch.optim.Adam(p, lr=1e-3),
         train,
         val,
-        options=dp.TrainOptions(epochs=epochs + 1, batch_size=64, progress=False),
-        callbacks=[lambda m: stamps.append(time.perf_counter())],
+        options=dp.TrainOptions(epochs=epochs, batch_size=64, progress=False),
+        callbacks=[
+            lambda m: times.append(
+                {"epoch": m.epoch, "total": m.seconds, "train": m.train_seconds, "val": m.val_seconds}
+                | {"control": m.control_seconds}
+            )
+        ],
     )
     ch.close()
-    return [b - a for a, b in itertools.pairwise(stamps)]
+    return times
 
 
-def run(kind: str, world: int, epochs: int, device: str) -> list[float]:
+def run(kind: str, world: int, epochs: int, device: str) -> list[dict]:
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.train_loop", "--worker", kind, "--port", str(port), "--device", device]
     procs = [
@@ -136,20 +147,38 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tqdm import tqdm
 
-    epochs: dict[str, list[float]] = {"plain DDP": [], "dp.fit": []}
+    runs: dict[str, list[dict]] = {"plain DDP": [], "dp.fit": []}
     for _ in tqdm(range(args.repeats), desc="repeats"):
-        epochs["plain DDP"] += run("plain", args.nprocs, args.epochs, args.device)[1:]
-        epochs["dp.fit"] += run("ours", args.nprocs, args.epochs, args.device)[1:]
+        for name, kind in (("plain DDP", "plain"), ("dp.fit", "ours")):
+            runs[name] += [e for e in run(kind, args.nprocs, args.epochs, args.device) if e["epoch"] > 0]
+    epochs = {name: [e["total"] for e in rows] for name, rows in runs.items()}
+    parts = {name: {p: statistics.median(e[p] for e in rows) for p in PARTS} for name, rows in runs.items()}
     base = statistics.median(epochs["plain DDP"])
     backend = "nccl" if args.device == "cuda" else "gloo"
-    print(f"{args.nprocs} processes, {backend}, {args.epochs} epochs x {args.repeats} repeats (first epoch excluded):")
+    print(
+        f"{args.nprocs} processes, {backend}, {args.epochs} epochs x {args.repeats} repeats (epoch 0 dropped on both):"
+    )
     for name, times in epochs.items():
-        med = statistics.median(times)
-        print(f"  {name:10s} median epoch {med * 1e3:8.1f} ms   {med / base:5.3f}x plain DDP")
+        med, p99 = statistics.median(times), percentile(times, 99)
+        split = "  ".join(f"{p} {parts[name][p] * 1e3:6.1f}" for p in PARTS)
+        print(
+            f"  {name:10s} epoch p50 {med * 1e3:7.1f} ms  p99 {p99 * 1e3:7.1f} ms  {med / base:5.3f}x plain DDP"
+            f"   ({split} ms)"
+        )
     summary = {k: statistics.median(v) for k, v in epochs.items()}
+    p99s = {k: percentile(v, 99) for k, v in epochs.items()}
     out = args.out or RESULTS / f"train_loop_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": backend, "epoch_s": epochs, "median_s": summary}, indent=2))
+    result = {
+        "machine": machine(),
+        "backend": backend,
+        "world_size": args.nprocs,
+        "epoch_s": epochs,
+        "median_s": summary,
+        "p99_s": p99s,
+        "median_parts_s": parts,
+    }
+    out.write_text(json.dumps(result, indent=2))
     return 0
 
 

@@ -85,7 +85,12 @@ class EpochMetrics:
     val_samples: int = 0
     val_accuracy: float | None = None
     lr: float | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the epoch on the driver: training, validation and control plane
+    #: Where the driver's epoch went: its training steps (gradient all-reduce included), its
+    #: validation, and the control plane (the epoch's command, its reports, any state sync).
+    train_seconds: float = 0.0
+    val_seconds: float = 0.0
+    control_seconds: float = 0.0
 
 
 @dataclass
@@ -207,18 +212,21 @@ class _Trainer:
             self._maybe_resume()
             epoch = self.start_epoch
             while True:
+                started = time.perf_counter()
                 command = self._command(epoch)
                 if command["cmd"] == "stop":
                     self.history.stopped_early = command.get("early", False)
                     break
                 epoch = command["epoch"]
-                started = time.perf_counter()
+                stamps = [started, time.perf_counter()]
                 train = self._train_epoch(epoch)
+                stamps.append(time.perf_counter())
                 val = self._validate(epoch)
+                stamps.append(time.perf_counter())
                 lr = self.optimizer.param_groups[0]["lr"]
                 if self.scheduler is not None:
                     self.scheduler.step()
-                self._report(epoch, train, val, lr, time.perf_counter() - started)
+                self._report(epoch, train, val, lr, stamps)
                 epoch += 1
             self.ch.barrier("dp-fit-end", timeout=self.opts.collective_timeout)
         except (RuntimeError, ControlError) as err:
@@ -343,13 +351,18 @@ class _Trainer:
         return loss_sum, samples, correct
 
     # ------------------------------------------------------------------ reports, checkpoints
-    def _report(self, epoch: int, train: tuple, val: tuple, lr: float, seconds: float) -> None:
-        mine = {"train": train, "val": val, "rng": _rng_state()}
-        reports = self.ch.all_gather(
-            f"dp-report-{epoch}", json.dumps(mine).encode(), timeout=self.opts.collective_timeout
-        )
+    def _report(self, epoch: int, train: tuple, val: tuple, lr: float, stamps: list[float]) -> None:
+        """Every rank's loss sums and counts to every rank (each keeps the same history);
+        the RNG states only to the driver, and only when it writes a checkpoint."""
+        mine = {"train": train, "val": val}
+        timeout = self.opts.collective_timeout
+        reports = self.ch.all_gather(f"dp-report-{epoch}", json.dumps(mine).encode(), timeout=timeout)
+        rng_states = None
+        if self.opts.checkpoint is not None:
+            rng_states = self.ch.gather(f"dp-rng-{epoch}", _rng_state().encode(), dst=0, timeout=timeout)
         parsed = [json.loads(r) for r in reports]
         self._sync_after_join([p["train"][2] for p in parsed])
+        command, trained, validated, reported = stamps[1], stamps[2], stamps[3], time.perf_counter()
         t_loss, t_n, t_b = (sum(p["train"][i] for p in parsed) for i in range(3))
         v_loss, v_n, v_correct = (sum(p["val"][i] for p in parsed) for i in range(3))
         metrics = EpochMetrics(
@@ -361,7 +374,10 @@ class _Trainer:
             val_samples=v_n,
             val_accuracy=v_correct / v_n if v_n else None,
             lr=lr,
-            seconds=seconds,
+            seconds=reported - stamps[0],
+            train_seconds=trained - command,
+            val_seconds=validated - trained,
+            control_seconds=(command - stamps[0]) + (reported - validated),
         )
         self.history.epochs.append(metrics)
         if metrics.val_loss is not None and metrics.val_loss < self.best[0]:
@@ -369,8 +385,8 @@ class _Trainer:
         if self.rank == 0:
             for callback in self.callbacks:
                 callback(metrics)
-            if self.opts.checkpoint is not None:
-                self._save(epoch, [p["rng"] for p in parsed])
+            if rng_states is not None:
+                self._save(epoch, [state.decode() for state in rng_states])
 
     def _sync_after_join(self, batches: list[int]) -> None:
         """After an epoch of uneven batch counts, Join gave every rank the parameters of the

@@ -101,6 +101,9 @@ def test_patience_stops_early_when_validation_stops_improving(tmp_path):
     assert len(result["epochs"]) == 3, [e["epoch"] for e in result["epochs"]]
     trained = run_job(tmp_path, "zmq", 2, "improving", epochs=3, patience=2)
     assert trained["stopped_early"] is False and len(trained["epochs"]) == 3
+    for e in trained["epochs"]:  # where each epoch went adds up to the epoch
+        parts = e["train_seconds"], e["val_seconds"], e["control_seconds"]
+        assert min(parts) > 0 and sum(parts) == pytest.approx(e["seconds"], rel=1e-6), e
 
 
 @pytest.mark.timeout(300)

@@ -28,7 +28,7 @@ KINDS = ["zmq", "grpc", "etcd", "TCPStore add+wait"]
 WORKER = [sys.executable, "-m", "benchmarks.swarm", "--worker"]
 
 
-def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int) -> None:
+def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int, options: str) -> None:
     import dataparallel as dp
 
     if kind.startswith("TCPStore"):
@@ -53,7 +53,7 @@ def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int) -> Non
                 barrier(-1)  # the rendezvous: everyone is connected
                 ch = None
             else:
-                url = f"{kind}://127.0.0.1:{port}?liveness_timeout=60&heartbeat=5"
+                url = f"{kind}://127.0.0.1:{port}" + (f"?{options}" if options else "")
                 ch = dp.connect(url, rank=rank, world_size=n, job="swarm", timeout=300)
                 ch.rendezvous()
 
@@ -98,16 +98,17 @@ def start_coordinator(kind: str, port: int) -> subprocess.Popen | None:
     return start_server(kind, port)
 
 
-def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0) -> dict:
-    from benchmarks.common import free_port
+def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0, options: str = "") -> dict:
+    from benchmarks.common import free_port, percentile
     from benchmarks.control_plane import release_together
 
     port = free_port()
     server = start_coordinator(kind, port)
     shares = [list(range(p, n, procs)) for p in range(procs)]
+    common = ["--port", str(port), "--n", str(n), "--barriers", str(barriers), "--options", options]
     workers = [
         subprocess.Popen(
-            [*WORKER, kind, "--port", str(port), "--n", str(n), "--barriers", str(barriers), "--ranks", _ranks(share)],
+            [*WORKER, kind, *common, "--ranks", _ranks(share)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -138,7 +139,8 @@ def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0) ->
     rendezvous = max(r["ready"] for r in merged.values()) - start
     # A barrier completes for everyone at once: its time is the slowest rank's, per round.
     rounds = [max(r["barriers"][i] for r in merged.values()) for i in range(barriers)]
-    return {"rendezvous_s": rendezvous, "barrier_ms": statistics.median(rounds) * 1e3}
+    ms = [r * 1e3 for r in rounds]
+    return {"rendezvous_s": rendezvous, "barrier_ms": statistics.median(ms), "barrier_p99_ms": percentile(ms, 99)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,13 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=KINDS)
     parser.add_argument("--cap", type=float, default=300, help="seconds a run may take before it is stopped")
     parser.add_argument("--out", type=Path, default=RESULTS / "swarm.json")
+    parser.add_argument(
+        "--options",
+        default="",
+        help="URL options of our channels, e.g. heartbeat=5&liveness_timeout=60 (default: none, the defaults: "
+        "a heartbeat a second, lost after 10 s)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ranks", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.port, [int(r) for r in args.ranks.split(",")], args.n, args.barriers)
+        worker(args.worker, args.port, [int(r) for r in args.ranks.split(",")], args.n, args.barriers, args.options)
         return 0
     from tqdm import tqdm
 
@@ -164,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.sizes:
             for kind in args.kinds:
                 bar.set_postfix_str(f"{kind} N={n}")
-                result[kind][n] = measure(kind, n, args.procs, args.barriers, args.cap)
+                result[kind][n] = measure(kind, n, args.procs, args.barriers, args.cap, args.options)
                 bar.update()
     report(result)
     from benchmarks.common import machine
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "procs": args.procs, "result": result}, indent=2))
+    summary = {"machine": machine(), "procs": args.procs, "options": args.options or "defaults", "result": result}
+    args.out.write_text(json.dumps(summary, indent=2))
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
@@ -183,8 +192,11 @@ def report(result: dict[str, dict[int, dict]]) -> None:
             if "error" in r:
                 print(f"  {kind:20s} N={n:<5d} FAILED: {r['error']}")
             else:
-                rdzv, barrier = r["rendezvous_s"], r["barrier_ms"]
-                print(f"  {kind:20s} N={n:<5d} rendezvous {rdzv:7.2f} s   barrier {barrier:8.1f} ms")
+                rdzv, barrier, tail = r["rendezvous_s"], r["barrier_ms"], r.get("barrier_p99_ms", float("nan"))
+                print(
+                    f"  {kind:20s} N={n:<5d} rendezvous {rdzv:7.2f} s   barrier p50 {barrier:8.1f} ms"
+                    f"  p99 {tail:8.1f} ms"
+                )
 
 
 def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
@@ -198,8 +210,11 @@ def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
         ok = {int(n): r for n, r in by_n.items() if "error" not in r}
         sizes = sorted(ok)
         axes[0].plot(sizes, [ok[n]["rendezvous_s"] for n in sizes], marker="o", label=kind)
-        axes[1].plot(sizes, [ok[n]["barrier_ms"] for n in sizes], marker="o", label=kind)
-    for ax, label in zip(axes, ["rendezvous of all ranks, s", "barrier, ms"], strict=True):
+        line = axes[1].plot(sizes, [ok[n]["barrier_ms"] for n in sizes], marker="o", label=kind)[0]
+        tails = [ok[n].get("barrier_p99_ms") for n in sizes]
+        if all(t is not None for t in tails):
+            axes[1].plot(sizes, tails, linestyle=":", color=line.get_color())
+    for ax, label in zip(axes, ["rendezvous of all ranks, s", "barrier, ms (median; dotted: p99)"], strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks N (threads)")

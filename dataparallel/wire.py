@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import threading
 
 from .control.v1 import control_pb2 as pb
 from .errors import AuthError, BadMessage
@@ -47,10 +48,21 @@ _SALT = b"dataparallel/control/v1"
 PURPOSES = ("frame-mac", "curve-server", "grpc-frame-mac", "rendezvous-state", "token-check")
 
 
-@functools.lru_cache(maxsize=32)
+_root_keys: dict[str | None, bytes] = {}
+_root_lock = threading.Lock()
+
+
 def root_key(token: str | None) -> bytes:
-    """The job token's root key (``None`` and ``""`` give the same, public, key)."""
-    return hashlib.scrypt((token or "").encode(), salt=_SALT, dklen=32, maxmem=64 << 20, **SCRYPT)
+    """The job token's root key (``None`` and ``""`` give the same, public, key). Computed
+    once per process and token: threads that ask at once wait for the one computation."""
+    key = _root_keys.get(token)
+    if key is None:
+        with _root_lock:
+            key = _root_keys.get(token)
+            if key is None:
+                key = hashlib.scrypt((token or "").encode(), salt=_SALT, dklen=32, maxmem=64 << 20, **SCRYPT)
+                _root_keys[token] = key
+    return key
 
 
 @functools.lru_cache(maxsize=128)

@@ -110,3 +110,22 @@ def test_a_grpc_call_sends_no_credential_and_cannot_be_altered():
             assert open_frame(purpose_key(token, "grpc-frame-mac"), reply.sealed, pb.Reply).status == pb.AUTH_FAILED
     finally:
         close_all(grpc_job)
+
+
+def test_the_root_key_is_computed_once_however_many_threads_ask(monkeypatch):
+    """Ranks that are threads of one process (and a coordinator beside them) share one scrypt:
+    32 threads computing it at once took seconds of CPU before any rank could connect."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dataparallel import wire
+
+    calls, scrypt = [], hashlib.scrypt
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return scrypt(*args, **kwargs)
+
+    monkeypatch.setattr(wire.hashlib, "scrypt", counted)
+    with ThreadPoolExecutor(16) as pool:
+        keys = set(pool.map(lambda _: root_key("asked-by-many-threads"), range(32)))
+    assert len(keys) == 1 and len(calls) == 1

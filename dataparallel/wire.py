@@ -48,19 +48,23 @@ _SALT = b"dataparallel/control/v1"
 PURPOSES = ("frame-mac", "curve-server", "grpc-frame-mac", "rendezvous-state", "token-check")
 
 
-_root_keys: dict[str | None, bytes] = {}
+_root_keys: dict[str, bytes] = {}
+_NO_TOKEN = hashlib.sha256(_SALT + b"/no-token").digest()
 _root_lock = threading.Lock()
 
 
 def root_key(token: str | None) -> bytes:
-    """The job token's root key (``None`` and ``""`` give the same, public, key). Computed
-    once per process and token: threads that ask at once wait for the one computation."""
+    """The job token's root key. Computed once per process and token: threads that ask at
+    once wait for the one computation. Without a token (``None`` or ``""``) the key is public
+    anyway: a constant, with no KDF to pay for."""
+    if not token:
+        return _NO_TOKEN
     key = _root_keys.get(token)
     if key is None:
         with _root_lock:
             key = _root_keys.get(token)
             if key is None:
-                key = hashlib.scrypt((token or "").encode(), salt=_SALT, dklen=32, maxmem=64 << 20, **SCRYPT)
+                key = hashlib.scrypt(token.encode(), salt=_SALT, dklen=32, maxmem=64 << 20, **SCRYPT)
                 _root_keys[token] = key
     return key
 

@@ -83,32 +83,37 @@ def measure(kind: str, n: int) -> float:
     return max(times)
 
 
-def run(sizes: list[int], repeats: int) -> dict:
+def run(sizes: list[int], repeats: int, kinds: list[str] = KINDS) -> tuple[dict, dict]:
+    """(median ms, p99 ms) per kind and N."""
     from tqdm import tqdm
 
-    out: dict[str, dict[int, float]] = {k: {} for k in KINDS}
-    with tqdm(total=len(sizes) * len(KINDS) * repeats, desc="rendezvous+init", unit="run") as bar:
+    from benchmarks.common import percentile
+
+    out: dict[str, dict[int, float]] = {k: {} for k in kinds}
+    tails: dict[str, dict[int, float]] = {k: {} for k in kinds}
+    with tqdm(total=len(sizes) * len(kinds) * repeats, desc="rendezvous+init", unit="run") as bar:
         for n in sizes:
-            samples: dict[str, list[float]] = {k: [] for k in KINDS}
+            samples: dict[str, list[float]] = {k: [] for k in kinds}
             for _ in range(repeats):  # interleaved, so drift hits every kind alike
-                for kind in KINDS:
+                for kind in kinds:
                     bar.set_postfix_str(f"{kind} N={n}")
-                    samples[kind].append(measure(kind, n))
+                    samples[kind].append(measure(kind, n) * 1e3)
                     bar.update()
-            for kind in KINDS:
-                out[kind][n] = statistics.median(samples[kind]) * 1e3
-    return out
+            for kind in kinds:
+                out[kind][n] = statistics.median(samples[kind])
+                tails[kind][n] = percentile(samples[kind], 99)
+    return out, tails
 
 
 def report(result: dict[str, dict[int, float]]) -> None:
     print("\nrendezvous + init_process_group('gloo') + one barrier, ms (median; ratio to torch tcp://):")
-    print("  N    " + "".join(f"{k:>22s}" for k in KINDS))
-    for n in result[KINDS[0]]:
+    print("  N    " + "".join(f"{k:>22s}" for k in result))
+    for n in result["torch tcp://"]:
         base = result["torch tcp://"][n]
-        print(f"  {n:<4d} " + "".join(f"{result[k][n]:>12.1f} ({result[k][n] / base:4.2f}x)" for k in KINDS))
+        print(f"  {n:<4d} " + "".join(f"{result[k][n]:>12.1f} ({result[k][n] / base:4.2f}x)" for k in result))
 
 
-def plot(result: dict[str, dict[int, float]], path: Path) -> None:
+def plot(result: dict[str, dict[int, float]], tails: dict[str, dict[int, float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,12 +121,13 @@ def plot(result: dict[str, dict[int, float]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, values in result.items():
-        sizes = sorted(int(n) for n in values)
-        ax.plot(sizes, [values[n] for n in sizes], marker="o", label=kind)
+        sizes = sorted(values)
+        line = ax.plot(sizes, [values[n] for n in sizes], marker="o", label=kind)[0]
+        ax.plot(sizes, [tails[kind][n] for n in sizes], linestyle=":", color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("processes N")
-    ax.set_ylabel("rendezvous + gloo init, ms")
+    ax.set_ylabel("rendezvous + gloo init, ms (dotted: p99)")
     ax.set_title("time to a ready gloo process group")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "rendezvous.json")
+    parser.add_argument("--kinds", nargs="+", default=KINDS, help="default: all (torch tcp:// is always run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -142,13 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker, args.port, args.rank, args.n)
         return 0
-    result = run(args.sizes, args.repeats)
+    kinds = [k for k in args.kinds if k != "torch tcp://"] + ["torch tcp://"]
+    result, tails = run(args.sizes, args.repeats, kinds)
     report(result)
     from benchmarks.common import machine
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "ms": result, "repeats": args.repeats}, indent=2))
-    plot(result, args.out.with_suffix(".png"))
+    summary = {"machine": machine(), "ms": result, "p99_ms": tails, "repeats": args.repeats}
+    args.out.write_text(json.dumps(summary, indent=2))
+    plot(result, tails, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

@@ -31,9 +31,9 @@ def connect(
     names it and where it came from), :class:`AuthError` for a token that does not match the
     job's, and :class:`ControlError` when the rank is taken or the job is full.
     """
-    from .config import load_config
-
     if url is None or rank is _FROM_CONFIG or world_size is None:
+        from .config import load_config  # not imported (TOML parser and all) when all is given
+
         config = load_config()
         url = url if url is not None else config.require("url")
         rank = config.rank if rank is _FROM_CONFIG else rank

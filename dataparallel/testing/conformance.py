@@ -498,6 +498,41 @@ class CollectiveTests(ChannelHarness):
 
         run_all([lambda c=c: body(c) for c in channels], timeout=120)
 
+    def test_rounds_of_one_name_back_to_back_with_a_slow_rank(self, open_ranks):
+        """A name reused at once while a different rank lags in each round: each round's
+        barrier, all_gather and broadcast see that round's values, never a neighbour's."""
+        channels = open_ranks(4)
+
+        def body(ch: dp.ControlChannel) -> list:
+            got = []
+            for r in range(6):
+                if ch.rank == r % 4:
+                    time.sleep(0.05)
+                ch.barrier("again", timeout=20)
+                got.append(ch.all_gather("again", f"{r}:{ch.rank}".encode(), timeout=20))
+                got.append(ch.broadcast("again", f"b{r}".encode() if ch.rank == r % 4 else None, src=r % 4, timeout=20))
+            return got
+
+        results = run_all([lambda c=c: body(c) for c in channels], timeout=120)
+        expected = []
+        for r in range(6):
+            expected += [[f"{r}:{rank}".encode() for rank in range(4)], f"b{r}".encode()]
+        assert results == [expected] * 4
+
+    def test_many_ranks_meet_in_every_collective(self, open_ranks):
+        channels = open_ranks(12)
+
+        def body(ch: dp.ControlChannel) -> tuple:
+            for _ in range(3):
+                ch.barrier("crowd", timeout=60)
+            mine = str(ch.rank).encode()
+            return ch.all_gather("crowd", mine, timeout=60), ch.gather("crowd", mine, dst=11, timeout=60)
+
+        results = run_all([lambda c=c: body(c) for c in channels], timeout=120)
+        values = [str(r).encode() for r in range(12)]
+        assert all(r[0] == values for r in results)
+        assert [r[1] for r in results] == [None] * 11 + [values]
+
     def test_barrier_timeout_says_how_many_arrived(self, open_ranks):
         channels = open_ranks(3)
         with ThreadPoolExecutor(1) as pool:

@@ -19,7 +19,10 @@ etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
   ``__dp/alive/RANK`` (bound to the lease) and ``__dp/joined/RANK`` (not). A watch on the
   alive keys sees a joined rank's key vanish when its lease expires (killed, frozen, or cut
   off): ``PeerLost`` for everyone waiting. A rank that closes writes ``__dp/left/RANK`` first: a clean departure.
-- The last rank to close deletes the job's keys.
+- Collectives: the transport's own (:mod:`.collectives`): an arrival key per rank, one
+  release key per round, one watch per channel on the release keys.
+- Each joined rank holds ``__dp/open/RANK``; the rank whose departure leaves none deletes
+  the job's keys.
 - Several endpoints: a call that cannot reach one member is retried on the next.
 
 Options: ``user``/``password`` (etcd authentication; the token etcd drops after
@@ -51,13 +54,14 @@ from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigErro
 from dataparallel.liveness import Liveness, LostPeer
 from dataparallel.registry import ChannelURL
 
-from .client import EtcdClient, WatchRefused
+from .client import Count, EtcdClient, WatchRefused
+from .collectives import EtcdCollectives, ReleaseWatch, _prefix_end
 
 T = TypeVar("T")
 
 _ALIVE = "__dp/alive/"
 _LEFT = "__dp/left/"
-_OPEN = "__dp/open"
+_OPEN = "__dp/open/"
 _JOINED = "__dp/joined/"
 _OPS = "__dp/ops/"
 #: Operations per transaction (etcd's default --max-txn-ops is 128).
@@ -70,7 +74,7 @@ _REMOVE = object()
 _PROBE_AFTER, _PROBE_EVERY = 1.0, 2.0
 
 
-class EtcdChannel(ControlChannel):
+class EtcdChannel(EtcdCollectives, ControlChannel):
     scheme = "etcd"
     OPTIONS = {
         "user": "etcd user name",
@@ -103,6 +107,7 @@ class EtcdChannel(ControlChannel):
         self._stop = threading.Event()
         self._registered = False
         self._op_seq = itertools.count()
+        self._releases = ReleaseWatch(self)
         try:
             self._run(self._connect(), self.timeout)
             self._run(self._open_run(), self.timeout)
@@ -258,6 +263,11 @@ class EtcdChannel(ControlChannel):
             return ChannelClosed(f"etcd at {self.url.shown} unreachable ({what}): {text}")
         return ControlError(f"etcd at {self.url.shown}: {what} failed: {type(err).__name__}: {text}")
 
+    def _fail(self, error: ControlError) -> None:
+        super()._fail(error)
+        if self._loop.is_running():  # wake the collectives' waiters: they raise it
+            self._loop.call_soon_threadsafe(self._releases.interrupt)
+
     def _fenced_message(self, detail: str) -> str:
         return (
             f"rank {self.rank} of job {self.job!r} was declared lost: its etcd lease expired "
@@ -363,6 +373,12 @@ class EtcdChannel(ControlChannel):
         """Commit ``ops(txn)`` (plus the record of ``result``) if ``guard`` holds, exactly
         once. Returns (True, result) once committed, by this call or by an earlier attempt of
         it whose reply was lost; (False, b"") if the guard failed."""
+        return await self._commit(ops, guard, result)
+
+    async def _commit(self, ops, guard=(), result: bytes = b"", reads=()) -> Any:
+        """:meth:`_once`; with ``reads`` (operations run after ``ops`` in the same
+        transaction) returns their results, or None where an earlier attempt committed (its
+        reads are lost with its reply)."""
         txn = self._client.transactions
         seq = next(self._op_seq)
         record = self._record_key(seq)
@@ -370,9 +386,11 @@ class EtcdChannel(ControlChannel):
         ok, found = await self._call(
             "transaction",
             compare=[txn.version(record) == 0, *guard],
-            success=[*ops(txn), txn.put(record, result, lease=self._lease), *prune],
+            success=[*ops(txn), txn.put(record, result, lease=self._lease), *prune, *reads],
             failure=[txn.get(record)],
         )
+        if reads:
+            return found[len(found) - len(reads) :] if ok else None
         if ok:
             return True, result
         if found[0]:
@@ -476,12 +494,12 @@ class EtcdChannel(ControlChannel):
                 success=[
                     txn.put(self._k(f"{_ALIVE}{self.rank}"), b"1", lease=self._lease),
                     txn.put(self._k(f"{_JOINED}{self.rank}"), b"1"),
+                    txn.put(self._k(f"{_OPEN}{self.rank}"), b"1"),
                 ],
                 failure=[],
             )
         )
         self._registered = True
-        self._add(_OPEN, 1)
 
     def _keep_alive(self, ttl: int) -> None:
         # As often as the heartbeat option asks (at least three times a TTL): a stall of the
@@ -519,14 +537,21 @@ class EtcdChannel(ControlChannel):
     async def _leave(self) -> None:
         remaining = 1
         if self._registered:
-            await self._once(lambda txn: [txn.put(self._k(f"{_LEFT}{self.rank}"), b"1")])
-            remaining = int(await self._cas_loop(self._k(_OPEN), lambda v: (str(int(v or b"1") - 1).encode(),) * 2))
+            # One key per open rank, not a shared counter: ranks leaving together never retry.
+            opened = self._k(_OPEN)
+            count = Count(opened, _prefix_end(opened))
+            left, mine = self._k(f"{_LEFT}{self.rank}"), self._k(f"{_OPEN}{self.rank}")
+            reads = await self._commit(lambda txn: [txn.put(left, b"1"), txn.delete(mine)], reads=[count])
+            if reads is None:  # applied by an attempt whose reply was lost: count again
+                _, reads = await self._call("transaction", compare=[], success=[count], failure=[])
+            remaining = reads[0]
         if self._lease is not None:
             await self._call("revoke_lease", self._lease.id)
         if self._registered and remaining <= 0:
             await self._call("delete_prefix", self._root)  # the last one out cleans up
         if isinstance(self._liveness, LeaseLiveness):
             await self._liveness.cancel()
+        await self._releases.cancel()
 
     def _shutdown(self) -> None:
         if self._client is not None:
@@ -579,10 +604,6 @@ def _credentials(url: ChannelURL) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(
         root_certificates=url.file("ca"), private_key=url.file("key"), certificate_chain=url.file("cert")
     )
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 class LeaseLiveness(Liveness):
@@ -657,3 +678,4 @@ class LeaseLiveness(Liveness):
             return
         reason = f"its etcd lease expired (no keep-alive for {ch.liveness_timeout:g}s)"
         self._record(LostPeer(rank, time.time() - ch.liveness_timeout, reason))
+        ch._releases.interrupt()  # blocked collectives raise PeerLost now

@@ -485,6 +485,8 @@ class Coordinator:
     def _remember(self, session: Session, reply: pb.Reply) -> None:
         """Cache ``reply`` for resends, evicting the oldest past the limits (the newest reply
         of a session always stays)."""
+        if self._sessions.get(session.id) is not session:
+            return  # it left or was dropped (its leave, or a parked request failed after): no resends to answer
         size = reply.ByteSize()
         session.replies[reply.id] = reply
         session.reply_bytes += size

@@ -524,7 +524,9 @@ class Coordinator:
                 del job.ranks[rank]
                 self._drop_session(session)
                 self._fail_parked(job)
-        for session in [s for s in job.sessions if s.rank is None]:
+        # A session with requests waiting is not idle (they hold it, and count against its limit,
+        # until answered or timed out); dropped with them, they would outlive every bound.
+        for session in [s for s in job.sessions if s.rank is None and not s.parked]:
             if now - session.last_seen > max(self.limits.idle_session_timeout, 3 * job.liveness_timeout):
                 self._drop_session(session)
 

@@ -414,6 +414,7 @@ class Coordinator:
         crowded = state is None and len(job.collectives) >= self.limits.max_parked_per_session
         if crowded or len(s.parked) >= self.limits.max_parked_per_session:
             return _reply(r.id, pb.FAILED, f"job {job.name!r}: too many collectives open at once")
+        wait = _timeout(c.timeout) if c.want else 0.0  # checked before anything changes
         if state is None:
             state = job.collectives[c.name] = Collective(sources)
         elif state.sources != sources:
@@ -442,7 +443,7 @@ class Coordinator:
                 timeout.arrived.extend(arrived)
                 return timeout
 
-            parked = Parked(s, route, r.id, self._clock() + _timeout(c.timeout), on_timeout)
+            parked = Parked(s, route, r.id, self._clock() + wait, on_timeout)
             parked.release = lambda: state.waiting.pop(rank, None)
             state.waiting[rank] = parked
             self._park(parked)

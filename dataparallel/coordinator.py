@@ -35,6 +35,7 @@ Send = Callable[[Route, pb.Reply], None]
 
 #: Operations that change nothing: a resend is served again instead of from the reply cache.
 READ_ONLY = frozenset({"get", "multi_get", "check", "num_keys"})
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: Longest gap between sweeps: a newly parked request's timeout fires at most this late.
 SWEEP_INTERVAL = 0.1
 
@@ -298,10 +299,19 @@ class Coordinator:
         return None
 
     def _add(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
-        full = self._over_budget(s.job, r.add.key, 20)  # an int64 in decimal
+        key, amount = r.add.key, r.add.amount
+        full = self._over_budget(s.job, key, 20)  # an int64 in decimal
         if full:
             return _reply(r.id, pb.FAILED, full)
-        return _reply(r.id, number=s.job.space.add(r.add.key, r.add.amount))
+        # The reply carries an int64: a sum past it is refused before it is stored, not after.
+        current = s.job.space.get(key)
+        try:
+            total = int(b"0" if current is None else current) + amount
+        except ValueError:
+            total = 0  # not a decimal integer: space.add says so
+        if not INT64_MIN <= total <= INT64_MAX:
+            raise BadMessage(f"add({key!r}, {amount}): the sum {total} is out of the int64 range")
+        return _reply(r.id, number=s.job.space.add(key, amount))
 
     def _compare_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
         cs = r.compare_set

@@ -485,6 +485,9 @@ class Coordinator:
             return
         parked.done = True
         parked.release()
+        # Its release closes over the job and over itself: a cycle that, left in place, holds an
+        # ended job's keys and values until the garbage collector's next full pass.
+        parked.release = _withdrawn
         self._parked.discard(parked)
         session = parked.session
         session.parked.pop(parked.request_id, None)
@@ -585,6 +588,10 @@ class Coordinator:
         "heartbeat": _heartbeat,
         "leave": _leave,
     }
+
+
+def _withdrawn() -> None:
+    pass
 
 
 def _reply(request_id: int, status: int = pb.OK, error: str = "", **fields) -> pb.Reply:

@@ -79,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         faults.main(["--out", str(out / "faults.json")])
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\ntargets (ratios measured in the same run):")
+    previous = _load(RESULTS / "previous" / "summary.json") or {"targets": []}
+    before = {row["target"]: row["measured"] for row in previous["targets"]}
+    print("\ntargets (ratios measured in the same run; before: benchmarks/results/previous/):")
+    print(f"  {'target':58s} {'before':>34s} {'now':>34s}")
     for row in summary["targets"]:
-        print(f"  {row['target']:58s} {row['measured']:>34s}  {'met' if row['met'] else 'MISSED'}")
+        was = before.get(row["target"], "-")
+        print(f"  {row['target']:58s} {was:>34s} {row['measured']:>34s}  {'met' if row['met'] else 'MISSED'}")
     print(f"\nresults in {out}")
     return 0
 

@@ -102,6 +102,14 @@ def summarize(out: Path) -> dict:
     def row(target: str, measured: str, met: bool | None) -> None:
         targets.append({"target": target, "measured": measured, "met": met})
 
+    def ratio_rows(what, against, values, tails, n, base_kind, limits, unit) -> None:
+        base = values[base_kind][n]
+        for kind, limit in limits.items():
+            ratio = values[kind][n] / base
+            p99 = f", p99 {unit.format(tails[kind][n])}" if n in tails.get(kind, {}) else ""
+            measured = f"{ratio:.2f}x ({unit.format(values[kind][n])}{p99})"
+            row(f"{kind} {what} <= {limit:g}x {against}", measured, ratio <= limit)
+
     control = _load(out / "control_plane.json")
     if control:
         rtt, tails, base = control["round_trip_us"], control.get("round_trip_p99_us", {}), None
@@ -115,27 +123,14 @@ def summarize(out: Path) -> dict:
             )
         barriers, tails = control["barrier_ms"], control.get("barrier_p99_ms", {})
         n = "32" if "32" in barriers["zmq"] else max(barriers["zmq"], key=int)
-        base = barriers["TCPStore add+wait"][n]
-        for kind, limit in (("zmq", 1.0), ("grpc", 2.0), ("etcd", 5.0)):
-            ratio = barriers[kind][n] / base
-            p99 = f", p99 {tails[kind][n]:.2f} ms" if n in tails.get(kind, {}) else ""
-            row(
-                f"{kind} barrier at N={n} <= {limit:g}x TCPStore",
-                f"{ratio:.2f}x ({barriers[kind][n]:.2f} ms{p99})",
-                ratio <= limit,
-            )
+        limits = {"zmq": 1.0, "grpc": 2.0, "etcd": 5.0}
+        ratio_rows(f"barrier at N={n}", "TCPStore", barriers, tails, n, "TCPStore add+wait", limits, "{:.2f} ms")
     rendezvous = _load(out / "rendezvous.json")
     if rendezvous:
-        ms = rendezvous["ms"]
+        ms, tails = rendezvous["ms"], rendezvous.get("p99_ms", {})
         n = "16" if "16" in ms["zmq"] else max(ms["zmq"], key=int)
-        base = ms["torch tcp://"][n]
-        for kind, limit in (("zmq", 1.5), ("grpc", 2.0), ("etcd", 2.0)):
-            ratio = ms[kind][n] / base
-            row(
-                f"{kind} rendezvous + gloo init N={n} <= {limit:g}x torch tcp://",
-                f"{ratio:.2f}x ({ms[kind][n]:.0f} ms)",
-                ratio <= limit,
-            )
+        limits = {"zmq": 1.5, "grpc": 2.0, "etcd": 2.0}
+        ratio_rows(f"rendezvous + gloo init N={n}", "torch tcp://", ms, tails, n, "torch tcp://", limits, "{:.0f} ms")
     swarm_result = _load(out / "swarm.json")
     if swarm_result:
         for kind, by_n in swarm_result["result"].items():

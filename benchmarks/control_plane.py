@@ -350,17 +350,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{100 * security['mac_share_of_zmq_round_trip']:.1f}% of a zmq round trip, "
         f"{100 * security['mac_share_of_grpc_round_trip']:.1f}% of a grpc one"
     )
+    result = {
+        "machine": machine(),
+        "round_trip_us": rtt,
+        "round_trip_p99_us": rtt_p99,
+        "set_us": writes,
+        "set_p99_us": writes_p99,
+        "security": security,
+    }
     if args.round_trips_only:
         out = args.out or RESULTS / "round_trips.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "machine": machine(),
-            "round_trip_us": rtt,
-            "round_trip_p99_us": rtt_p99,
-            "set_us": writes,
-            "set_p99_us": writes_p99,
-            "security": security,
-        }
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
         return 0
@@ -388,13 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.sizes:
         print(f"  {n:<4d} " + "".join(f"{barriers_p99[k][n]:>24.3f}" for k in BARRIER_KINDS))
 
-    result = {
-        "machine": machine(),
-        "round_trip_us": rtt,
-        "round_trip_p99_us": rtt_p99,
-        "set_us": writes,
-        "set_p99_us": writes_p99,
-        "security": security,
+    result |= {
         "barrier_ms": barriers,
         "barrier_p99_ms": barriers_p99,
         "rounds": args.rounds,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -34,6 +37,22 @@ def expect(kind: type[Exception], fn, *args) -> Exception:
     with pytest.raises(kind) as info:
         fn(*args)
     return info.value
+
+
+@contextlib.contextmanager
+def standalone(url: str, token: str | None) -> Iterator[subprocess.Popen]:
+    """A coordinator served by ``dataparallel serve URL`` in a process of its own (so that its
+    liveness and memory can be watched), killed at the end."""
+    env = {k: v for k, v in os.environ.items() if k != "DP_TOKEN"} | ({"DP_TOKEN": token} if token else {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dataparallel", "serve", url], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert "serving" in proc.stdout.readline()
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def spawn(args: list[str]) -> subprocess.Popen:

@@ -17,9 +17,7 @@ with sealed frames (frames at and past the size limit, reconnects), whose RSS st
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +35,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from jobutil import rss_mb, standalone
 
 from dataparallel.coordinator import READ_ONLY, Coordinator, CoordinatorLimits
 from dataparallel.testing import free_port
@@ -307,14 +306,6 @@ def framed(request: pb.Request, size: int) -> bytes:
     frame = seal(KEY, request)
     assert len(frame) == size, len(frame)
     return frame
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 # ---------------------------------------------------------------------- the machine
@@ -1054,16 +1045,8 @@ class OverTheWire(CoordinatorMachine):
 @pytest.fixture
 def served():
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dataparallel", "serve", f"zmq://127.0.0.1:{port}"],
-        env={**os.environ, "DP_TOKEN": TOKEN},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert "serving" in proc.stdout.readline()
-    yield proc, port
-    proc.kill()
-    proc.wait(timeout=10)
+    with standalone(f"zmq://127.0.0.1:{port}", TOKEN) as proc:
+        yield proc, port
 
 
 @pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jobutil import Bystander, exercise, mutate, open_job, rss_mb
+from jobutil import Bystander, exercise, mutate, open_job, rss_mb, standalone
 from pki import make_pki, tls_url
 
 import dataparallel as dp
@@ -43,16 +43,8 @@ def served(request, tmp_path_factory):
         url = tls_url(free_port(), make_pki(tmp_path_factory.mktemp("pki")))
     else:
         url = f"{scheme}://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dataparallel", "serve", url],
-        env={**os.environ, "DP_TOKEN": TOKEN},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert "serving" in proc.stdout.readline()
-    yield scheme, url, proc
-    proc.kill()
-    proc.wait(timeout=10)
+    with standalone(url, TOKEN) as proc:
+        yield scheme, url, proc
 
 
 # ---------------------------------------------------------------------- strategies

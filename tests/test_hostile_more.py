@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +16,7 @@ import zmq.utils.monitor
 from etcdserver import EtcdServer, require_etcd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jobutil import Bystander, exercise, mutate, open_job, rss_mb
+from jobutil import Bystander, exercise, mutate, open_job, rss_mb, standalone
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters, RendezvousStateError
 
 import dataparallel as dp
@@ -304,16 +302,8 @@ def test_a_replayed_older_rendezvous_state_is_refused(rendezvous):
 def curve_served():
     port = free_port()
     url = f"zmq://127.0.0.1:{port}?curve=1"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dataparallel", "serve", url],
-        env={**os.environ, "DP_TOKEN": TOKEN},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert "serving" in proc.stdout.readline()
-    yield url, port, proc
-    proc.kill()
-    proc.wait(timeout=10)
+    with standalone(url, TOKEN) as proc:
+        yield url, port, proc
 
 
 def _dealer(ctx: zmq.Context, port: int, server_key: bytes | None) -> tuple[zmq.Socket, zmq.Socket]:

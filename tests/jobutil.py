@@ -111,3 +111,21 @@ class Bystander:
         assert self.rounds > 0
         exercise(self.channels, "after-attack")
         close_all(self.channels)
+
+
+GRPC_STREAM = "/dataparallel.control.v1.ControlService/Stream"
+
+
+def grpc_stream(channel, bodies: list[bytes], timeout: float = 5) -> list[bytes]:
+    """Send ``bodies`` (serialized ``Frame``s, or anything else) on one gRPC ``Stream`` of a
+    ``grpc.Channel`` and half-close it: the serialized ``Frame``s the coordinator answers before
+    it ends the stream (a parked request's reply never comes)."""
+    return list(channel.stream_stream(GRPC_STREAM)(iter(bodies), timeout=timeout))
+
+
+def grpc_call(channel, sealed: bytes, timeout: float = 5) -> bytes:
+    """One sealed request on a gRPC stream of its own: its sealed reply."""
+    from dataparallel.wire import pb
+
+    [reply] = grpc_stream(channel, [pb.Frame(sealed=sealed).SerializeToString()], timeout)
+    return pb.Frame.FromString(reply).sealed

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from jobutil import exercise, open_job
+from jobutil import exercise, grpc_stream, open_job
 from pki import make_pki, tls_url
 
 import dataparallel as dp
@@ -79,14 +79,14 @@ def test_hostile_calls_get_errors_and_the_job_carries_on():
     key = frame_key("t")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{channels[0].port}") as raw:
-            call = raw.unary_unary("/dataparallel.control.v1.ControlService/Call", request_serializer=lambda b: b)
 
             def reply_to(body: bytes) -> pb.Reply:
-                return open_frame(key, pb.Frame.FromString(call(body, timeout=5)).sealed, pb.Reply)
+                [reply] = grpc_stream(raw, [body])
+                return open_frame(key, pb.Frame.FromString(reply).sealed, pb.Reply)
 
             for garbage in (b"\x0a\x7f" + os.urandom(8), b"\xff" * 64):  # not a Frame: truncated, bad tag
                 with pytest.raises(grpc.RpcError) as info:
-                    call(garbage, timeout=5)
+                    grpc_stream(raw, [garbage])
                 assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), info.value
             for sealed in (b"", os.urandom(512), b"\xff" * 64):  # a Frame, but no sealed request
                 assert reply_to(pb.Frame(sealed=sealed).SerializeToString()).status in (pb.AUTH_FAILED, pb.BAD_MESSAGE)
@@ -95,7 +95,7 @@ def test_hostile_calls_get_errors_and_the_job_carries_on():
             unsealed = pb.Frame(sealed=bytes(MAC_SIZE) + forged.SerializeToString()).SerializeToString()
             assert reply_to(unsealed).status == pb.AUTH_FAILED  # no token
             with pytest.raises(grpc.RpcError) as info:
-                call(b"\x00" * (65 << 20), timeout=10)  # over the size limit
+                grpc_stream(raw, [b"\x00" * (65 << 20)], timeout=10)  # over the size limit
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         exercise(channels, "after-hostile")
     finally:

@@ -9,10 +9,9 @@ from concurrent import futures
 import grpc
 import pytest
 import zmq
-from jobutil import open_job
+from jobutil import grpc_call, open_job
 
 import dataparallel as dp
-from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.testing import close_all, free_port
 from dataparallel.wire import PROTOCOL_VERSION, PURPOSES, SCRYPT, open_frame, pb, purpose_key, root_key, seal, token_key
 
@@ -59,12 +58,11 @@ def test_the_zmq_and_grpc_frame_keys_do_not_stand_in_for_each_other():
     grpc_job = open_job(f"grpc://127.0.0.1:{free_port()}", 2, token=token)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_job[0].port}") as raw:
-            stub = control_pb2_grpc.ControlServiceStub(raw)
             for key in (zmq_key, root_key(token)):
-                reply = stub.Call(pb.Frame(sealed=seal(key, _hello())), timeout=5)
-                assert open_frame(grpc_key, reply.sealed, pb.Reply).status == pb.AUTH_FAILED
-            genuine = stub.Call(pb.Frame(sealed=seal(grpc_key, _hello())), timeout=5)
-            assert open_frame(grpc_key, genuine.sealed, pb.Reply).status == pb.OK
+                reply = grpc_call(raw, seal(key, _hello()))
+                assert open_frame(grpc_key, reply, pb.Reply).status == pb.AUTH_FAILED
+            genuine = grpc_call(raw, seal(grpc_key, _hello()))
+            assert open_frame(grpc_key, genuine, pb.Reply).status == pb.OK
     finally:
         close_all(grpc_job)
 
@@ -76,14 +74,15 @@ def test_a_grpc_call_sends_no_credential_and_cannot_be_altered():
     token = "s3cret"
     seen: list[tuple[dict, bytes]] = []
 
-    def record(frame: bytes, context: grpc.ServicerContext) -> bytes:
-        seen.append((dict(context.invocation_metadata()), frame))
+    def record(frames, context: grpc.ServicerContext):
+        seen.append((dict(context.invocation_metadata()), next(frames)))
         context.abort(grpc.StatusCode.UNAVAILABLE, "recorded")
+        yield b""  # a stream handler; never reached
 
-    eavesdropper = grpc.server(futures.ThreadPoolExecutor(2))
-    handler = grpc.unary_unary_rpc_method_handler(record)  # raw bytes in, nothing out
+    eavesdropper = grpc.server(futures.ThreadPoolExecutor(4))
+    handler = grpc.stream_stream_rpc_method_handler(record)  # raw bytes in, nothing out
     eavesdropper.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler("dataparallel.control.v1.ControlService", {"Call": handler})]
+        [grpc.method_handlers_generic_handler("dataparallel.control.v1.ControlService", {"Stream": handler})]
     )
     port = eavesdropper.add_insecure_port("127.0.0.1:0")
     eavesdropper.start()
@@ -106,8 +105,8 @@ def test_a_grpc_call_sends_no_credential_and_cannot_be_altered():
     grpc_job = open_job(f"grpc://127.0.0.1:{free_port()}", 2, token=token)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_job[0].port}") as raw:
-            reply = control_pb2_grpc.ControlServiceStub(raw).Call(pb.Frame(sealed=altered), timeout=5)
-            assert open_frame(purpose_key(token, "grpc-frame-mac"), reply.sealed, pb.Reply).status == pb.AUTH_FAILED
+            reply = grpc_call(raw, altered)
+            assert open_frame(purpose_key(token, "grpc-frame-mac"), reply, pb.Reply).status == pb.AUTH_FAILED
     finally:
         close_all(grpc_job)
 

@@ -2,11 +2,12 @@
 need TLS with certificates, or sit behind HTTP/2 proxies.
 
 Same protocol, coordinator and client logic as ZeroMQ (``dataparallel.coordinator``,
-``dataparallel.remote``); this package only carries requests as unary ``Call``s. Rank 0
-(or the first ``rank=None`` process to bind) hosts the server; ``dataparallel serve
-grpc://...`` runs it standalone. Every call carries a request sealed with a key derived from the
-job token (its own, not the ZeroMQ frame key), and its reply comes back sealed: no key or token
-ever travels, and without TLS a stranger can read calls but neither forge nor replay one.
+``dataparallel.remote``); this package only carries requests, on one bidirectional ``Stream``
+per channel (:mod:`.stream`). Rank 0 (or the first ``rank=None`` process to bind) hosts the
+server; ``dataparallel serve grpc://...`` runs it standalone. Every request is sealed with a key
+derived from the job token (its own, not the ZeroMQ frame key), and its reply comes back
+sealed: no key or token ever travels, and without TLS a stranger can read the stream but
+neither forge nor replay a request.
 
 Options:
   tls=1          use TLS (needs ca=, and cert=/key= on the hosting rank)
@@ -19,19 +20,18 @@ Options:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import grpc
 
 from dataparallel.check import tls_diagnosis
-from dataparallel.control.v1 import control_pb2_grpc
-from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlError
+from dataparallel.errors import ConfigError, ControlError
 from dataparallel.registry import ChannelURL
-from dataparallel.remote import Exchange, RemoteChannel
+from dataparallel.remote import RemoteChannel
 from dataparallel.wire import pb, purpose_key, seal
 
 from .server import GRPC_OPTIONS, GrpcCoordinatorServer
+from .stream import FrameStream, GrpcExchange
 
 
 def frame_key(token: str | None) -> bytes:
@@ -77,7 +77,7 @@ class GrpcChannel(RemoteChannel):
         )
         self._target = f"{host}:{port}"
         self._channel = self._open_channel(url)
-        self._stub = control_pb2_grpc.ControlServiceStub(self._channel)
+        self._stream = FrameStream(self._channel, self._target, self._open_reply)
         try:
             self._init_remote()
         except BaseException:
@@ -118,9 +118,10 @@ class GrpcChannel(RemoteChannel):
         return grpc.secure_channel(self._target, credentials, options=options)
 
     def _exchange(self, request: pb.Request) -> GrpcExchange:
-        return GrpcExchange(self, request)
+        return GrpcExchange(self._stream, request, seal(self._frame_key, request), self._open_reply)
 
     def _close_transport(self) -> None:
+        self._stream.close()
         self._channel.close()
         self._stop_hosting()
 
@@ -142,51 +143,3 @@ class GrpcChannel(RemoteChannel):
         """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
         server = GrpcCoordinatorServer(url.host, url.require_port(), frame_key(token), server_credentials(url))
         server.serve(ready)
-
-
-class GrpcExchange(Exchange):
-    """A request as unary ``Call``s: an unreachable server fails a call at once, and it is
-    made again (same id) after a short pause, keeping the reason (connection refused, TLS
-    handshake failure...) for the message when no reply comes."""
-
-    def __init__(self, channel: GrpcChannel, request: pb.Request) -> None:
-        self._ch, self._frame = channel, pb.Frame(sealed=seal(channel._frame_key, request))
-        self._retry = request.WhichOneof("op") not in ("heartbeat", "leave")
-        self._future: grpc.Future | None = None
-        self._again_at = 0.0
-
-    def poll(self, wait: float) -> pb.Reply | None:
-        end = time.monotonic() + wait
-        while True:
-            if self._future is None:
-                pause = self._again_at - time.monotonic()
-                if pause > 0:
-                    time.sleep(min(pause, max(end - time.monotonic(), 0)))
-                    if time.monotonic() < self._again_at:
-                        return None
-                # The whole remaining wait is the loop's to bound: a deadline far enough out.
-                self._future = self._ch._stub.Call.future(self._frame, timeout=3600)
-            try:
-                return self._ch._open_reply(self._future.result(timeout=max(end - time.monotonic(), 0)).sealed)
-            except grpc.FutureTimeoutError:
-                return None
-            except grpc.RpcError as err:
-                self._future = None
-                self._failed(err)
-                if time.monotonic() >= end:
-                    return None
-
-    def _failed(self, err: grpc.RpcError) -> None:
-        code, details = err.code(), err.details() or ""
-        target = self._ch._target
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            raise BadMessage(f"coordinator at {target}: {details}") from None
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self._retry:
-            self.reason = details
-            self._again_at = time.monotonic() + 0.1
-            return
-        raise ChannelClosed(f"coordinator at {target}: {code.name}: {details}") from None
-
-    def cancel(self) -> None:
-        if self._future is not None:
-            self._future.cancel()

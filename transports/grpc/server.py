@@ -1,11 +1,15 @@
 """The gRPC coordinator: an asyncio gRPC server in front of a :class:`Coordinator`.
 
-Every request is one unary ``Call`` carrying a sealed request frame, answered with a sealed
-reply (:mod:`dataparallel.wire`, the same frames as ZeroMQ's, under the gRPC frame key): a
-call proves knowledge of the token without sending it, and a replayed call is the
-coordinator's to refuse (one answer per session and id). A parked request is an awaited future, not a thread,
-so thousands of blocked ``get``s and barriers cost no threads. The coordinator runs on the
-event loop's thread only (requests and the periodic sweep), so nothing races inside it.
+Each client channel keeps one bidirectional ``Stream`` open and sends sealed request frames
+on it; the replies go back on the same stream, sealed (:mod:`dataparallel.wire`, the same
+frames as ZeroMQ's, under the gRPC frame key), in the order requests complete. A request
+proves knowledge of the token without sending it, and a replayed one is the coordinator's to
+refuse (one answer per session and id). The stream is the coordinator's route: a parked
+request (a ``get`` of a missing key, an incomplete collective) costs no thread and no task,
+and its reply is written to the stream its latest copy came in on; once a stream ends, replies
+routed to it are dropped (the client resends on its next stream). The coordinator runs on the
+event loop's thread only (requests, parked replies and the periodic sweep), so nothing races
+inside it.
 """
 
 from __future__ import annotations
@@ -38,22 +42,55 @@ GRPC_OPTIONS = [
 ]
 
 
+class _Stream:
+    """One client's stream, the coordinator's route to it: writes replies one at a time, in
+    the order they are given, until the stream ends."""
+
+    __slots__ = ("_context", "_key", "_lock", "_writes")
+
+    def __init__(self, context: grpc.aio.ServicerContext, key: bytes) -> None:
+        self._context: grpc.aio.ServicerContext | None = context
+        self._key = key
+        self._lock = asyncio.Lock()
+        self._writes: set[asyncio.Task] = set()
+
+    async def write(self, reply: pb.Reply) -> None:
+        async with self._lock:
+            if self._context is None:
+                return
+            try:
+                await self._context.write(pb.Frame(sealed=seal(self._key, reply)))
+            except Exception as err:  # the stream ended meanwhile; the client resends on its next one
+                log.debug("reply %d dropped: %s", reply.id, err)
+                self.end()
+
+    def deliver(self, reply: pb.Reply) -> None:
+        """A parked request's reply (called by the coordinator, on the event loop's thread)."""
+        if self._context is not None:
+            task = asyncio.ensure_future(self.write(reply))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    def end(self) -> None:
+        # Parked requests routed here may outlive the stream (until answered, re-routed by a
+        # resend, or timed out): they keep this small object, not the call.
+        self._context = None
+
+
 class _Servicer(control_pb2_grpc.ControlServiceServicer):
     def __init__(self, coordinator: Coordinator, key: bytes) -> None:
         self._coordinator = coordinator
         self._key = key
 
-    async def Call(self, frame: pb.Frame, context: grpc.aio.ServicerContext) -> pb.Frame:  # noqa: N802
-        route = asyncio.get_running_loop().create_future()
-        reply = self._coordinator.handle_frame(route, self._key, frame.sealed)
-        if reply is None:
-            reply = await route
-        return pb.Frame(sealed=seal(self._key, reply))
-
-
-def _deliver(route: asyncio.Future, reply: pb.Reply) -> None:
-    if not route.done():  # the call may have been cancelled (client gone or resent elsewhere)
-        route.set_result(reply)
+    async def Stream(self, frames: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        stream = _Stream(context, self._key)
+        try:
+            while (frame := await context.read()) is not grpc.aio.EOF:
+                reply = self._coordinator.handle_frame(stream, self._key, frame.sealed)
+                if reply is not None:
+                    await stream.write(reply)
+        finally:
+            stream.end()
 
 
 class GrpcCoordinatorServer:
@@ -67,7 +104,7 @@ class GrpcCoordinatorServer:
         credentials: grpc.ServerCredentials | None,
         limits: CoordinatorLimits | None = None,
     ) -> None:
-        self.coordinator = Coordinator(_deliver, limits=limits)
+        self.coordinator = Coordinator(_Stream.deliver, limits=limits)
         self._key = key
         self._credentials = credentials
         self._address = f"{'[::]' if host in ('0.0.0.0', '*', '') else host}:{port}"

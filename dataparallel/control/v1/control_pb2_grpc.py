@@ -26,9 +26,13 @@ if _version_not_supported:
 
 
 class ControlServiceStub:
-    """The gRPC face of the same protocol: one unary call per request, a sealed Request in, a
-    sealed Reply out. The coordinator holds a parked request (a get of a missing key, an
-    incomplete collective) until it can answer or its timeout passes.
+    """The gRPC face of the same protocol: one long-lived bidirectional stream per channel, sealed
+    Requests one way and sealed Replies the other, matched by request id (replies come in the
+    order requests complete, not the order they were sent). The coordinator holds a parked
+    request (a get of a missing key, an incomplete collective) until it can answer or its
+    timeout passes, and answers on the stream its latest copy came in on; a request resent on
+    a new stream after the old one broke is answered once. The stream ends when the client
+    half-closes it.
     """
 
     def __init__(self, channel):
@@ -37,20 +41,24 @@ class ControlServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Call = channel.unary_unary(
-                '/dataparallel.control.v1.ControlService/Call',
+        self.Stream = channel.stream_stream(
+                '/dataparallel.control.v1.ControlService/Stream',
                 request_serializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.SerializeToString,
                 response_deserializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.FromString,
                 _registered_method=True)
 
 
 class ControlServiceServicer:
-    """The gRPC face of the same protocol: one unary call per request, a sealed Request in, a
-    sealed Reply out. The coordinator holds a parked request (a get of a missing key, an
-    incomplete collective) until it can answer or its timeout passes.
+    """The gRPC face of the same protocol: one long-lived bidirectional stream per channel, sealed
+    Requests one way and sealed Replies the other, matched by request id (replies come in the
+    order requests complete, not the order they were sent). The coordinator holds a parked
+    request (a get of a missing key, an incomplete collective) until it can answer or its
+    timeout passes, and answers on the stream its latest copy came in on; a request resent on
+    a new stream after the old one broke is answered once. The stream ends when the client
+    half-closes it.
     """
 
-    def Call(self, request, context):
+    def Stream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -59,8 +67,8 @@ class ControlServiceServicer:
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Call': grpc.unary_unary_rpc_method_handler(
-                    servicer.Call,
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
                     request_deserializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.FromString,
                     response_serializer=dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.SerializeToString,
             ),
@@ -73,13 +81,17 @@ def add_ControlServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ControlService:
-    """The gRPC face of the same protocol: one unary call per request, a sealed Request in, a
-    sealed Reply out. The coordinator holds a parked request (a get of a missing key, an
-    incomplete collective) until it can answer or its timeout passes.
+    """The gRPC face of the same protocol: one long-lived bidirectional stream per channel, sealed
+    Requests one way and sealed Replies the other, matched by request id (replies come in the
+    order requests complete, not the order they were sent). The coordinator holds a parked
+    request (a get of a missing key, an incomplete collective) until it can answer or its
+    timeout passes, and answers on the stream its latest copy came in on; a request resent on
+    a new stream after the old one broke is answered once. The stream ends when the client
+    half-closes it.
     """
 
     @staticmethod
-    def Call(request,
+    def Stream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -89,10 +101,10 @@ class ControlService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/dataparallel.control.v1.ControlService/Call',
+            '/dataparallel.control.v1.ControlService/Stream',
             dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.SerializeToString,
             dataparallel_dot_control_dot_v1_dot_control__pb2.Frame.FromString,
             options,

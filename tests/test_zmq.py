@@ -4,16 +4,19 @@ reconnects (coordinator death: test_coordinator_death.py). Every wait is bounded
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import threading
 import time
 
 import pytest
 import zmq
-from jobutil import exercise, open_job
+from jobutil import exercise, open_job, spawn
 
 import dataparallel as dp
 from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.testing.netproxy import TcpProxy
+from dataparallel.transports.zmq import ZmqChannel, curve_handshake, zmtp_mechanism
 from dataparallel.wire import MAC_SIZE, MAX_FRAME, PROTOCOL_VERSION, pb, seal, token_key
 
 
@@ -168,11 +171,51 @@ def test_a_silent_client_does_not_disturb_the_job():
     url = f"zmq://127.0.0.1:{free_port()}"
     channels = open_job(url, 2)
     try:
-        import socket
-
         idle = [socket.create_connection(("127.0.0.1", channels[0].port), timeout=5) for _ in range(20)]
         exercise(channels, "with-idle-clients")
         for s in idle:
             s.close()
     finally:
         close_all(channels)
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_coordinator_is_waited_for_not_diagnosed_as_misconfigured(monkeypatch):
+    """A coordinator too starved (or stopped) to say its ZMTP greeting for a while is slow,
+    not another server on the port: the hello's misconfiguration probes find nothing, and
+    the hello is answered once it runs again."""
+    port = free_port()
+    monkeypatch.setenv("DP_TOKEN", "t")
+    server = spawn(["-m", "dataparallel", "serve", f"zmq://127.0.0.1:{port}?curve=1"])
+    try:
+        assert "serving" in server.stdout.readline()
+        found: list[list] = []
+        diagnose = ZmqChannel.diagnose.__func__
+
+        def probe(cls, url, timeout, token=None):
+            found.append(diagnose(cls, url, timeout, token))
+            if len(found) == 2:  # two probes have met the frozen coordinator (each timed out)
+                os.kill(server.pid, signal.SIGCONT)
+            return found[-1]
+
+        monkeypatch.setattr(ZmqChannel, "diagnose", classmethod(probe))
+        os.kill(server.pid, signal.SIGSTOP)
+        ch = dp.connect(f"zmq://127.0.0.1:{port}?curve=1", rank=0, world_size=1, token="t", timeout=60)
+        ch.close()
+        assert len(found) >= 2 and not any(found), found
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.communicate(timeout=10)
+
+
+def test_a_silent_port_gives_no_verdict_on_the_greeting_or_the_curve_handshake():
+    # What a frozen coordinator's port looks like: the kernel accepts, nothing is said.
+    silent = socket.create_server(("127.0.0.1", 0))
+    port = silent.getsockname()[1]
+    try:
+        with pytest.raises(TimeoutError):
+            zmtp_mechanism("127.0.0.1", port, 0.3)
+        assert curve_handshake("127.0.0.1", port, "t", 0.3) is None
+    finally:
+        silent.close()

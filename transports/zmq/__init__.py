@@ -113,7 +113,7 @@ class ZmqChannel(RemoteChannel):
         curve = url.flag("curve")
         try:
             mechanism = zmtp_mechanism(url.host, url.require_port(), timeout)
-        except OSError:
+        except OSError:  # refused, unreachable, or no verdict in time (a busy coordinator)
             return []  # the session attempt will say what is wrong
         if mechanism is None:
             return [
@@ -129,7 +129,7 @@ class ZmqChannel(RemoteChannel):
             return [
                 ConfigError("encryption mismatch: the URL asks for CURVE, the coordinator is unencrypted: drop curve=1")
             ]
-        if curve and token and not curve_handshake(url.host, url.require_port(), token, timeout):
+        if curve and token and curve_handshake(url.host, url.require_port(), token, timeout) is False:
             return [
                 AuthError(
                     "wrong token: the CURVE handshake fails (the coordinator's key is derived from a different token)"
@@ -186,28 +186,35 @@ class ZmqExchange(Exchange):
 
 def zmtp_mechanism(host: str, port: int, timeout: float) -> bytes | None:
     """The security mechanism in the ZMTP 3 greeting of the peer at host:port (``b"NULL"``,
-    ``b"CURVE"``...), or None if it does not answer with a ZMTP greeting."""
+    ``b"CURVE"``...), or None if it does not answer with a ZMTP greeting. Raises
+    :class:`TimeoutError` if the peer says nothing that rules ZeroMQ out within ``timeout``
+    (a coordinator too busy or stopped to answer yet is not another server)."""
     # Signature and major version only: the peer answers with its whole greeting, and a
     # mechanism of ours that it does not share would make it hang up first.
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.sendall(b"\xff" + bytes(8) + b"\x7f\x03")
         got = b""
         deadline = time.monotonic() + timeout
+        hung_up = False
         while len(got) < 64 and time.monotonic() < deadline:
             try:
                 chunk = s.recv(64 - len(got))
             except TimeoutError:
                 break
             if not chunk:
+                hung_up = True
                 break
             got += chunk
+    if len(got) < 32 and not hung_up and (not got or (got[0] == 0xFF and (len(got) < 10 or got[9] == 0x7F))):
+        raise TimeoutError(f"{host}:{port} sent {len(got)} bytes of a ZMTP greeting within {timeout:g}s")
     if len(got) < 32 or got[0] != 0xFF or got[9] != 0x7F:
         return None
     return got[12:32].rstrip(b"\0")
 
 
-def curve_handshake(host: str, port: int, token: str, timeout: float) -> bool:
-    """Whether a CURVE handshake with the server key derived from ``token`` succeeds."""
+def curve_handshake(host: str, port: int, token: str, timeout: float) -> bool | None:
+    """Whether a CURVE handshake with the server key derived from ``token`` succeeds; None
+    if the server neither completes nor refuses it within ``timeout``."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
@@ -225,7 +232,7 @@ def curve_handshake(host: str, port: int, token: str, timeout: float) -> bool:
                 return True
             if event == zmq.EVENT_DISCONNECTED:
                 return False  # the server hung up on our HELLO
-        return False
+        return None  # no verdict: a busy server is not a wrong token
     finally:
         ctx.destroy(linger=0)
 

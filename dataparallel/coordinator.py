@@ -81,6 +81,8 @@ class Session:
     replies: OrderedDict[int, pb.Reply] = field(default_factory=OrderedDict)
     reply_bytes: int = 0
     parked: dict[int, Parked] = field(default_factory=dict)
+    #: The hello's nonce: a resent hello (its reply lost) gets this session again, not another.
+    nonce: bytes = b""
     #: Highest request id accepted, and the ids accepted within the replay window below it.
     high: int = -1
     seen: set[int] = field(default_factory=set)
@@ -145,6 +147,7 @@ class Coordinator:
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._sessions: dict[bytes, Session] = {}
+        self._by_nonce: dict[bytes, Session] = {}
         self._parked: set[Parked] = set()
         #: Every session's cached replies, oldest first: (session, request id) -> bytes.
         self._cached: OrderedDict[tuple[bytes, int], int] = OrderedDict()
@@ -251,6 +254,11 @@ class Coordinator:
             )
         if not hello.job or not 1 <= hello.world_size <= MAX_WORLD_SIZE or not 0 < hello.liveness_timeout < 1e6:
             raise BadMessage(f"hello needs a job name, 1 <= world_size <= {MAX_WORLD_SIZE} and a liveness timeout > 0")
+        nonce = hello.nonce[:64]
+        again = self._by_nonce.get(nonce) if nonce else None
+        if again is not None and again.job.name == hello.job:
+            again.last_seen = self._clock()
+            return _reply(request.id, session=again.id)  # a resend: one hello, one session
         job = self._jobs.get(hello.job)
         if job is None:
             job = self._jobs[hello.job] = Job(hello.job, hello.world_size, hello.liveness_timeout)
@@ -260,12 +268,12 @@ class Coordinator:
             if not job.sessions:
                 del self._jobs[hello.job]
             return _reply(request.id, pb.FAILED, f"coordinator full: {self.limits.max_sessions} sessions open")
-        session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock())
+        session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock(), nonce=nonce)
         self._sessions[session.id] = session
+        if session.nonce:
+            self._by_nonce[session.nonce] = session
         job.sessions.add(session)
-        reply = _reply(request.id)
-        reply.session = session.id
-        return reply
+        return _reply(request.id, session=session.id)
 
     # ------------------------------------------------------------------ key/value
     def _set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
@@ -405,6 +413,8 @@ class Coordinator:
 
     def _drop_session(self, s: Session) -> None:
         self._sessions.pop(s.id, None)
+        if self._by_nonce.get(s.nonce) is s:
+            del self._by_nonce[s.nonce]
         for request_id in list(s.replies):
             self._forget(s, request_id)
         job = s.job

@@ -1054,3 +1054,21 @@ def test_coordinator_state_machine_over_zmq(served):
     OverTheWire.server, OverTheWire.port = served
     OverTheWire.baseline = rss_mb(OverTheWire.server.pid)
     run_state_machine_as_test(OverTheWire, settings=fuzz_settings(6, 25))
+
+
+def test_a_resent_hello_gets_its_session_again_and_leaves_nothing_behind():
+    """A hello whose reply was lost is resent with its nonce: it gets the same session, so
+    when the rank leaves no orphan session keeps the job (and its keys) alive."""
+    from dataparallel.coordinator import Coordinator
+
+    coordinator = Coordinator(lambda route, reply: None)
+    hello = pb.Hello(protocol=PROTOCOL_VERSION, job="j", world_size=1, liveness_timeout=5, nonce=b"n" * 16)
+    first = coordinator.handle("a", pb.Request(id=1, hello=hello))
+    again = coordinator.handle("b", pb.Request(id=1, hello=hello))  # another connection, same hello
+    assert first.status == again.status == pb.OK and first.session == again.session
+    other = pb.Hello(protocol=PROTOCOL_VERSION, job="j", world_size=1, liveness_timeout=5, nonce=b"m" * 16)
+    second = coordinator.handle("c", pb.Request(id=1, hello=other))
+    assert second.session != first.session
+    for session in (first.session, second.session):
+        assert coordinator.handle("a", pb.Request(id=2, session=session, leave=pb.Empty())).status == pb.OK
+    assert not coordinator._jobs and not coordinator._sessions and not coordinator._by_nonce

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import statistics
 import subprocess
@@ -267,7 +268,8 @@ def barrier_worker(kind: str, port: int, rank: int, n: int, rounds: int) -> None
 
 
 def barrier_latency(kind: str, n: int, rounds: int) -> tuple[float, float]:
-    """(median, p99) ms of a barrier of ``n`` processes."""
+    """(median, p99) ms of a barrier of ``n`` processes; NaN when the run failed (its
+    workers' errors are on stderr)."""
     port = free_port()
     server = start_server("etcd", port) if kind == "etcd" else None  # the others are hosted by rank 0
     procs = [
@@ -292,14 +294,21 @@ def barrier_latency(kind: str, n: int, rounds: int) -> tuple[float, float]:
         )
         for r in range(n)
     ]
+    out = ""
     try:
         out, _ = procs[0].communicate(timeout=300)
         for p in procs[1:]:
             p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass  # a hung run: reported as failed below
     finally:
         for p in [*procs, *([server] if server else [])]:
             p.kill()
-    measured = json.loads(out.strip().splitlines()[-1])
+    lines = out.strip().splitlines()
+    if not lines:
+        print(f"{kind} N={n}: the run failed (see the errors above)", file=sys.stderr)
+        return math.nan, math.nan
+    measured = json.loads(lines[-1])
     return measured["median_ms"], measured["p99_ms"]
 
 

@@ -23,7 +23,7 @@ import dataparallel as dp
 from dataparallel.channel import RESERVED_PREFIX
 from dataparallel.registry import parse_url
 from dataparallel.testing import close_all, free_port, run_all, with_options
-from dataparallel.torchrun import create_rdzv_handler, frame_state
+from dataparallel.torchrun import ROUND_ENV, create_rdzv_handler, frame_state
 from dataparallel.transports.etcd import EtcdChannel
 from dataparallel.transports.zmq.server import curve_server_keys
 from dataparallel.wire import MAC_SIZE, PROTOCOL_VERSION, open_frame, pb, purpose_key, seal, token_key
@@ -242,6 +242,9 @@ def rendezvous(etcd, monkeypatch):
     monkeypatch.setenv("DP_TOKEN", TOKEN)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     monkeypatch.delenv("DP_HOSTILE_PWNED", raising=False)
+    # The handler sets it in this process: recorded here (set, then removed) so it is undone after.
+    monkeypatch.setenv(ROUND_ENV, "")
+    monkeypatch.delenv(ROUND_ENV)
     endpoint = f"127.0.0.1:{etcd.client_port}"
     run_id = f"rdzv{free_port()}"
     params = RendezvousParameters("dp-etcd", endpoint, run_id, 1, 1, read_timeout="10", join_timeout="30")

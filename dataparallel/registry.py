@@ -97,6 +97,13 @@ class ChannelURL:
         except OSError as err:
             raise ConfigError(f"{self.shown!r}: cannot read {name}={path!r}: {err.strerror or err}") from None
 
+    def certificate_files(self) -> None:
+        """``cert=`` and ``key=`` come together, and ``ca=``, ``cert=``, ``key=`` are readable."""
+        if ("cert" in self.options) != ("key" in self.options):
+            raise ConfigError(f"{self.shown!r}: cert= and key= go together (a certificate and its private key)")
+        for name in ("ca", "cert", "key"):
+            self.file(name)
+
     def needs(self, wanted: str, *names: str) -> None:
         """Options ``names`` mean nothing unless ``wanted`` is given: a URL with them and
         without it would quietly do less than it says (e.g. certificates, but no TLS)."""

@@ -170,12 +170,9 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             raise ConfigError(f"{url.shown!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (a port for each)")
         if "password" in url.options and "user" not in url.options:
             raise ConfigError(f"{url.shown!r}: password= without user=: add user=NAME")
-        if ("cert" in url.options) != ("key" in url.options):
-            raise ConfigError(f"{url.shown!r}: cert= and key= go together (a client certificate and its private key)")
         if "cert" in url.options and "ca" not in url.options:
             raise ConfigError(f"{url.shown!r}: cert=/key= are for TLS, which ca=CA.pem turns on: add ca=")
-        for name in ("ca", "cert", "key"):
-            url.file(name)
+        url.certificate_files()
 
     @classmethod
     def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError]:

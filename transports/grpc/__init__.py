@@ -99,10 +99,7 @@ class GrpcChannel(RemoteChannel):
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         super()._check_options(url, token, serving)
         url.needs("tls", "ca", "cert", "key", "mtls", "server_name")
-        if ("cert" in url.options) != ("key" in url.options):
-            raise ConfigError(f"{url.shown!r}: cert= and key= go together (a certificate and its private key)")
-        for name in ("ca", "cert", "key"):
-            url.file(name)
+        url.certificate_files()
         if serving:
             server_credentials(url)
 

@@ -70,6 +70,13 @@ class ControlChannel(Collectives, abc.ABC):
 
     #: URL scheme this class serves (informational; the registry maps schemes to classes).
     scheme: ClassVar[str] = ""
+    #: The shape of this transport's URL, shown in every message about a malformed one
+    #: (``{scheme}`` is filled in): e.g. ``"{scheme}:///ABSOLUTE/PATH"`` for a file store.
+    URL_FORM: ClassVar[str] = "{scheme}://HOST:PORT"
+    #: Whether the URL names hosts: True (one is required), False (``scheme:///PATH``: a host
+    #: is refused). Ports, path and their values are the transport's to check
+    #: (:meth:`_check_options`, :meth:`ChannelURL.require_port`).
+    URL_HOST: ClassVar[bool] = True
     #: Extra query-string options this transport accepts: name -> meaning.
     OPTIONS: ClassVar[dict[str, str]] = {}
     #: True when the transport authenticates the token itself (so the core need not).
@@ -126,6 +133,11 @@ class ControlChannel(Collectives, abc.ABC):
         needs (``curve=1`` without a token, certificates without ``tls=1``...) or an empty
         token is a :class:`ConfigError` that says what to add. ``serving``: this process is
         about to host a coordinator (``dataparallel serve``)."""
+        form = cls.url_form(url)
+        if cls.URL_HOST and not url.hosts:
+            raise ConfigError(f"{url.shown!r}: missing host (expected {form})")
+        if not cls.URL_HOST and url.hosts:
+            raise ConfigError(f"{url.shown!r}: {url.scheme}:// names no host, got {url.host!r} (expected {form})")
         allowed = {**COMMON_OPTIONS, **cls.OPTIONS}
         unknown = sorted(set(url.options) - set(allowed))
         if unknown:
@@ -136,6 +148,11 @@ class ControlChannel(Collectives, abc.ABC):
         if token is not None and not token:
             raise ConfigError("the job token is empty: give a token (DP_TOKEN, --token-file) or none at all")
         cls._check_options(url, token, serving)
+
+    @classmethod
+    def url_form(cls, url: ChannelURL | None = None) -> str:
+        """:attr:`URL_FORM` with the scheme filled in, for messages."""
+        return cls.URL_FORM.format(scheme=url.scheme if url is not None else cls.scheme)
 
     @classmethod
     def security(cls, url: ChannelURL, token: str | None) -> str:

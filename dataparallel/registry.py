@@ -38,9 +38,13 @@ _entry_points_loaded = False
 
 @dataclass(frozen=True)
 class ChannelURL:
-    """A parsed channel URL: ``scheme://HOST:PORT[,HOST:PORT...][/PATH][?OPTIONS]``.
+    """A parsed channel URL: ``scheme://[HOST[:PORT][,HOST[:PORT]...]][/PATH][?OPTIONS]``.
 
-    ``memory://NAME`` puts NAME in ``hosts`` with no port.
+    ``memory://NAME`` puts NAME in ``hosts`` with no port; ``fsdir:///srv/job`` has no host
+    (``hosts`` is empty) and the ``path`` ``/srv/job``. ``path`` is the path as given, leading
+    ``/`` included, or ``""`` when there is none (or only ``/``). Which parts a scheme takes
+    is its transport's to say (:attr:`ControlChannel.URL_FORM`,
+    :attr:`ControlChannel.URL_HOST`); parsing only splits.
     """
 
     raw: str
@@ -51,11 +55,12 @@ class ChannelURL:
 
     @property
     def host(self) -> str:
-        return self.hosts[0][0]
+        """The first host, ``""`` when the URL names none."""
+        return self.hosts[0][0] if self.hosts else ""
 
     @property
     def port(self) -> int | None:
-        return self.hosts[0][1]
+        return self.hosts[0][1] if self.hosts else None
 
     @property
     def shown(self) -> str:
@@ -119,25 +124,29 @@ class ChannelURL:
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def parse_url(url: str) -> ChannelURL:
-    """Split a channel URL; raise :class:`ConfigError` naming what is wrong."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(
-            f"not a channel URL: {url!r}; expected SCHEME://HOST:PORT, known schemes: {', '.join(known_schemes())}"
-        )
+def parse_url(url: str, form: str | None = None) -> ChannelURL:
+    """Split a channel URL; raise :class:`ConfigError` naming what is wrong (and ``form``,
+    the URL's expected shape, when the caller knows its transport)."""
+    scheme = url_scheme(url)
+    expected = f" (expected {form})" if form else ""
     parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if not parts.netloc:
-        raise ConfigError(f"{url!r}: missing host (expected {scheme}://HOST:PORT)")
-    hosts = []
-    for item in parts.netloc.split(","):
-        hosts.append(_split_host_port(url, item))
+    hosts = tuple(_split_host_port(url, item, expected) for item in parts.netloc.split(",")) if parts.netloc else ()
     options: dict[str, str] = {}
     for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
         if key in options:
             raise ConfigError(f"{url!r}: option {key!r} given twice")
         options[key] = value
-    return ChannelURL(url, scheme, tuple(hosts), parts.path.strip("/"), options)
+    path = parts.path if parts.path.strip("/") else ""
+    return ChannelURL(url, scheme, hosts, path, options)
+
+
+def url_scheme(url: str) -> str:
+    """The scheme of a channel URL (lower case); :class:`ConfigError` if it is none."""
+    if not isinstance(url, str) or "://" not in url or not urlsplit(url).scheme:
+        raise ConfigError(
+            f"not a channel URL: {url!r}; expected SCHEME://..., known schemes: {', '.join(known_schemes())}"
+        )
+    return urlsplit(url).scheme.lower()
 
 
 def resolve(
@@ -148,8 +157,9 @@ def resolve(
     (:meth:`ControlChannel.check_url`). A :class:`ConfigError` names ``where`` the URL came
     from (``DP_URL``, ``--url``, the TOML file) when given."""
     try:
-        parsed = parse_url(url)
-        cls = transport_class(parsed.scheme)
+        scheme = url_scheme(url)
+        cls = transport_class(scheme)
+        parsed = parse_url(url, cls.URL_FORM.format(scheme=scheme))
         cls.check_url(parsed, token, serving=serving)
     except ConfigError as err:
         if where is None:
@@ -158,7 +168,7 @@ def resolve(
     return parsed, cls
 
 
-def _split_host_port(url: str, item: str) -> tuple[str, int | None]:
+def _split_host_port(url: str, item: str, expected: str) -> tuple[str, int | None]:
     if item.startswith("["):  # [ipv6]:port
         host, _, rest = item[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""
@@ -167,11 +177,11 @@ def _split_host_port(url: str, item: str) -> tuple[str, int | None]:
     else:
         host, port_text = item, ""
     if not host:
-        raise ConfigError(f"{url!r}: empty host in {item!r}")
+        raise ConfigError(f"{url!r}: empty host in {item!r}{expected}")
     if not port_text:
         return host, None
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f"{url!r}: bad port {port_text!r} (an integer 0..65535)")
+        raise ConfigError(f"{url!r}: bad port {port_text!r} (an integer 0..65535){expected}")
     return host, int(port_text)
 
 

@@ -150,7 +150,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         url.require_port()
         if len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.shown!r}: expected {cls.scheme}://HOST:PORT (one coordinator)")
+            raise ConfigError(f"{url.shown!r}: expected {cls.url_form(url)} (one coordinator)")
 
     def _new_liveness(self) -> CoordinatorLiveness:
         return CoordinatorLiveness(self)

@@ -1,7 +1,7 @@
 import pytest
 
 import dataparallel as dp
-from dataparallel.registry import parse_url
+from dataparallel.registry import parse_url, resolve
 from dataparallel.transports.memory import MemoryChannel
 
 
@@ -9,9 +9,12 @@ def test_url_parsing_splits_hosts_ports_path_and_options():
     url = parse_url("etcd://a:2379,b:2380,[::1]:2381/prefix/x?tls=1&user=u")
     assert url.scheme == "etcd"
     assert url.hosts == (("a", 2379), ("b", 2380), ("::1", 2381))
-    assert url.path == "prefix/x"
+    assert url.path == "/prefix/x"
     assert url.options == {"tls": "1", "user": "u"}
     assert parse_url("memory://name").hosts == (("name", None),)
+    assert parse_url("zmq://h:1/").path == ""
+    no_host = parse_url("fsdir:///srv/jobs/x?poll=1")
+    assert (no_host.hosts, no_host.host, no_host.port, no_host.path) == ((), "", None, "/srv/jobs/x")
 
 
 @pytest.mark.parametrize(
@@ -20,13 +23,15 @@ def test_url_parsing_splits_hosts_ports_path_and_options():
         ("127.0.0.1:29500", "known schemes: .*memory.*tcpstore"),
         ("zmq://host:99999", "bad port"),
         ("zmq://host:abc", "bad port"),
-        ("zmq://", "missing host"),
+        ("zmq://", r"missing host \(expected zmq://HOST:PORT\)"),
+        ("memory://", r"missing host \(expected memory://NAME\)"),
+        ("etcd://h:x", r"bad port 'x' .*expected etcd://HOST:PORT\[,HOST:PORT...\]\[/PREFIX\]"),
         ("zmq://h:1?a=1&a=2", "given twice"),
     ],
 )
 def test_malformed_urls_are_refused_with_a_reason(bad, message):
     with pytest.raises(dp.ConfigError, match=message):
-        parse_url(bad)
+        resolve(bad)
 
 
 def test_unknown_scheme_lists_the_known_ones():
@@ -101,3 +106,29 @@ def test_dp_launch_stays_the_function_after_every_submodule_is_imported():
             importlib.import_module(info.name)
     assert callable(dp.launch) and dp.launch.__module__ == "dataparallel.launcher"
     assert callable(dp.in_worker) and callable(dp.relaunch)
+
+
+class _PathChannel(MemoryChannel):
+    """A transport whose URL names a path and no host (``path:///DIR``)."""
+
+    URL_FORM = "{scheme}:///ABSOLUTE/DIR"
+    URL_HOST = False
+
+    @classmethod
+    def _check_options(cls, url, token, serving):
+        if not url.path.startswith("/"):
+            raise dp.ConfigError(f"{url.shown!r}: expected {cls.url_form(url)}")
+
+
+def test_a_transport_declares_a_url_without_host_and_gets_the_path_as_given():
+    dp.register_transport("pathonly", _PathChannel, replace=True)
+    parsed, cls = resolve("pathonly:///srv/shared/job")
+    assert cls is _PathChannel and parsed.path == "/srv/shared/job" and parsed.hosts == ()
+    with dp.connect("pathonly:///srv/shared/job", rank=0, world_size=1, timeout=5) as ch:
+        ch.set("k", b"v")
+    with pytest.raises(dp.ConfigError, match=r"names no host, got 'localhost' \(expected pathonly:///ABSOLUTE/DIR\)"):
+        resolve("pathonly://localhost/srv")
+    with pytest.raises(
+        dp.ConfigError, match=r"^url \(from DP_URL\): .*bad port 'x'.*expected pathonly:///ABSOLUTE/DIR"
+    ):
+        resolve("pathonly://h:x/srv", where="url (from DP_URL)")

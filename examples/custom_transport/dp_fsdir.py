@@ -1,4 +1,4 @@
-"""A third-party control channel: ``fsdir://localhost/ABSOLUTE/DIR``.
+"""A third-party control channel: ``fsdir:///ABSOLUTE/DIR``.
 
 Ranks share a directory (a local disk, or NFS between hosts): one file per key, written
 atomically (temp file + rename), with ``add``/``compare_set`` under an ``flock``. It is
@@ -28,15 +28,21 @@ from dataparallel import ChannelURL, ConfigError, ControlChannel
 
 class FsDirChannel(ControlChannel):
     scheme = "fsdir"
+    URL_FORM = "{scheme}:///ABSOLUTE/DIR"
+    URL_HOST = False  # a directory on this machine (or a shared mount): no host in the URL
     OPTIONS = {"poll": "seconds between checks of a missing key (default 0.002, backing off to 0.05)"}
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        if not url.path:
-            raise ConfigError(f"{url.raw!r}: expected fsdir://localhost/ABSOLUTE/DIR")
-        self._dir = Path("/" + url.path) / self.job
+        self._dir = Path(url.path) / self.job
         self._dir.mkdir(parents=True, exist_ok=True)
-        self._poll = float(url.options.get("poll", 0.002))
+        self._poll = url.seconds("poll", 0.002)
+
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        if not url.path:
+            raise ConfigError(f"{url.shown!r}: no directory given (expected {cls.url_form(url)})")
+        url.seconds("poll", 0.002)
 
     def _path(self, key: str) -> Path:
         return self._dir / base64.urlsafe_b64encode(key.encode()).decode()

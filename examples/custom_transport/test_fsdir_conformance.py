@@ -8,4 +8,4 @@ from dataparallel.testing import ChannelConformance
 class TestFsDirChannel(ChannelConformance):
     @pytest.fixture
     def channel_url(self, tmp_path):
-        return f"fsdir://localhost{tmp_path}/shared"
+        return f"fsdir://{tmp_path}/shared"

@@ -84,6 +84,7 @@ _TRANSIENT = (
 
 class EtcdChannel(EtcdCollectives, ControlChannel):
     scheme = "etcd"
+    URL_FORM = "{scheme}://HOST:PORT[,HOST:PORT...][/PREFIX]"
     OPTIONS = {
         "user": "etcd user name",
         "password": "etcd password",
@@ -167,7 +168,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         if any(port is None for _, port in url.hosts):
-            raise ConfigError(f"{url.shown!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (a port for each)")
+            raise ConfigError(f"{url.shown!r}: expected {cls.url_form(url)} (a port for each)")
         if "password" in url.options and "user" not in url.options:
             raise ConfigError(f"{url.shown!r}: password= without user=: add user=NAME")
         if "cert" in url.options and "ca" not in url.options:

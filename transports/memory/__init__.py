@@ -39,11 +39,12 @@ def _release(name: str, job: str) -> None:
 
 class MemoryChannel(ControlChannel):
     scheme = "memory"
+    URL_FORM = "{scheme}://NAME"
 
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         if url.port is not None or len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.shown!r}: expected memory://NAME")
+            raise ConfigError(f"{url.shown!r}: expected {cls.url_form(url)}")
 
     @classmethod
     def security(cls, url: ChannelURL, token: str | None) -> str:

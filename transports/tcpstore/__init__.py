@@ -47,7 +47,7 @@ class TCPStoreChannel(ControlChannel):
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
         url.require_port()
         if len(url.hosts) != 1 or url.path:
-            raise ConfigError(f"{url.shown!r}: expected tcpstore://HOST:PORT (one store)")
+            raise ConfigError(f"{url.shown!r}: expected {cls.url_form(url)} (one store)")
 
     def _open(self, host: str, port: int) -> dist.TCPStore:
         wait = timedelta(seconds=self.timeout)

@@ -12,7 +12,9 @@ fixture that returns the URL of a fresh, isolated coordinator for each test::
 
 Set ``cross_process = False`` for a transport whose ranks can only be threads of one
 process (``memory://``): the tests that need separate processes then run their
-in-process equivalent (gloo on threads; a frozen heartbeat for a frozen process).
+in-process equivalent (gloo on threads; a frozen heartbeat for a frozen process; concurrent
+``add`` and ``compare_set`` from threads only, where they otherwise race from several
+processes, several threads in each).
 Every test is bounded in time; a hang is a failure, never a stuck run.
 """
 
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -128,6 +131,44 @@ class ChannelHarness:
 class PrimitiveTests(ChannelHarness):
     """set / get / add / compare_set / delete / check / num_keys / wait / close."""
 
+    #: Where ranks are processes, the concurrent add and compare_set tests run their
+    #: contenders in this many processes, with this many threads in each.
+    CONTENDING_PROCESSES: ClassVar[int] = 3
+    CONTENDING_THREADS: ClassVar[int] = 4
+
+    def _contend_in_processes(self, role: str, channel_url: str, key: str, rounds: int) -> tuple[list[dict], bytes]:
+        """Rank 0 here; ranks 1.. each a worker process running ``role`` on
+        :attr:`CONTENDING_THREADS` threads, all released at one instant once every worker is
+        at the start line (set and get only, so a broken add cannot hang it). Returns the
+        workers' results and the value of ``key`` once they are done."""
+        from .worker import GO_KEY, READY_KEY
+
+        n = self.CONTENDING_PROCESSES + 1
+        job = f"contend-{role}"
+        host = dp.connect(channel_url, rank=0, world_size=n, job=job, timeout=30)
+        procs: list[subprocess.Popen] = []
+        try:
+            extra = ["--threads", str(self.CONTENDING_THREADS), "--rounds", str(rounds), "--key", key]
+            procs = [self.spawn_rank(role, channel_url, r, n, job, *extra, "--timeout", "30") for r in range(1, n)]
+            ready = [READY_KEY.format(rank=r) for r in range(1, n)]
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while not host.check(ready):
+                for proc in procs:
+                    if proc.poll() is not None:
+                        _finish(proc, 10)  # fails, with its stderr
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the {role} workers did not reach the start line within {STEP_TIMEOUT:g}s")
+                time.sleep(0.02)
+            host.set(GO_KEY, repr(time.time() + 0.3).encode())
+            results = [_finish(proc, max(deadline - time.monotonic(), 1.0)) for proc in procs]
+            return results, host.get(key, timeout=5) if host.check([key]) else b""
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate(timeout=10)
+            host.close()
+
     def test_set_then_get_returns_the_exact_bytes(self, open_ranks):
         a, b = open_ranks(2)
         for key, value in [
@@ -183,17 +224,28 @@ class PrimitiveTests(ChannelHarness):
         assert a.add("n", 0) == 3
         assert b.get("n", timeout=5) == b"3"
 
-    def test_concurrent_adds_give_an_exact_count(self, open_ranks):
-        channels = open_ranks(4)
-        per_thread, threads_per_rank = 50, 3
-        jobs = [
-            lambda c=c: [c.add("hits", 1) for _ in range(per_thread)] for c in channels for _ in range(threads_per_rank)
-        ]
-        results = run_all(jobs)
-        seen = sorted(v for r in results for v in r)
-        total = len(channels) * threads_per_rank * per_thread
-        assert seen == list(range(1, total + 1)), "every add must return a distinct value"
-        assert channels[0].get("hits", timeout=5) == str(total).encode()
+    def test_concurrent_adds_give_an_exact_count(self, open_ranks, channel_url):
+        """Every add returns a distinct value and none is lost, with the contenders in
+        several processes (several threads in each) where ranks are processes: a transport
+        atomic only within a process (a ``threading.Lock``) fails here, not later as a hang."""
+        from .worker import count_adds
+
+        per_thread = 50
+        if self.cross_process:
+            results, final = self._contend_in_processes("adds", channel_url, "hits", per_thread)
+            values = [v for res in results for thread in res["values"] for v in thread]
+            where = f"processes ({len(results)} processes x {self.CONTENDING_THREADS} threads)"
+        else:
+            channels = open_ranks(4)
+            threads_per_rank = 3
+            values = [
+                v
+                for r in run_all([lambda c=c: count_adds(c, "hits", per_thread) for c in channels] * threads_per_rank)
+                for v in r
+            ]
+            final = channels[0].get("hits", timeout=5)
+            where = f"threads ({len(channels)} ranks x {threads_per_rank} threads)"
+        _check_adds(values, final, where)
 
     def test_add_to_a_value_that_is_no_number_is_bad_message(self, open_ranks):
         a, b = open_ranks(2)
@@ -220,11 +272,29 @@ class PrimitiveTests(ChannelHarness):
         assert a.compare_set("cs", b"first", b"second") == b"second"
         assert a.get("cs", timeout=5) == b"second"
 
-    def test_concurrent_compare_set_has_one_winner(self, open_ranks):
-        channels = open_ranks(4)
-        results = run_all([lambda c=c: c.compare_set("claim", b"", f"r{c.rank}".encode()) for c in channels])
-        assert len(set(results)) == 1
-        assert results[0] in {f"r{c.rank}".encode() for c in channels}
+    def test_concurrent_compare_set_has_one_winner(self, open_ranks, channel_url):
+        """In each of several rounds, contenders race to claim a fresh key with
+        ``compare_set(key, b"", me)``: exactly one wins and every one gets the winner's value
+        back. Contenders are in several processes (several threads in each) where ranks are
+        processes."""
+        from .worker import claim_rounds, contender_name
+
+        rounds = 20
+        if self.cross_process:
+            results, _ = self._contend_in_processes("compare-set", channel_url, "claim/", rounds)
+            contenders = [c for res in results for c in res["contenders"]]
+            where = f"processes ({len(results)} processes x {self.CONTENDING_THREADS} threads)"
+        else:
+            channels = open_ranks(4)
+            threads_per_rank = 3
+
+            def work(ch: dp.ControlChannel, thread: int) -> dict:
+                me = contender_name(ch.rank, thread)
+                return {"contender": me, "got": claim_rounds(ch, "claim/", me, rounds)}
+
+            contenders = run_all([lambda c=c, t=t: work(c, t) for c in channels for t in range(threads_per_rank)])
+            where = f"threads ({len(channels)} ranks x {threads_per_rank} threads)"
+        _check_claims(contenders, "claim/", rounds, where)
 
     def test_compare_set_releases_a_waiting_get(self, open_ranks):
         a, b = open_ranks(2)
@@ -904,6 +974,49 @@ def _count_multi_gets(channels: Sequence[dp.ControlChannel]) -> dict[int, int]:
 
         ch.multi_get = counting
     return counted
+
+
+def _check_adds(values: list[int], final: bytes, where: str) -> None:
+    """Concurrent ``add(key, 1)`` calls returned ``values`` and left ``final`` at the key:
+    each must have returned a distinct value of 1..N, and the key must read N."""
+    total, counts = len(values), Counter(values)
+    duplicates = sorted((v, c) for v, c in counts.items() if c > 1)
+    if duplicates:
+        shown = ", ".join(f"{v} returned {c} times" for v, c in duplicates[:8])
+        more = f", and {len(duplicates) - 8} more" if len(duplicates) > 8 else ""
+        pytest.fail(
+            f"add is not atomic across {where}: {total} adds returned {len(counts)} distinct values "
+            f"(duplicates: {shown}{more}); the counter ended at {final.decode(errors='replace')!r}"
+        )
+    if sorted(values) != list(range(1, total + 1)):
+        outside = sorted(v for v in counts if not 1 <= v <= total)
+        pytest.fail(f"add across {where}: {total} adds on a new key returned values outside 1..{total}: {outside[:8]}")
+    if final != str(total).encode():
+        pytest.fail(f"add lost updates across {where}: the counter reads {final!r} after {total} adds")
+
+
+def _check_claims(contenders: list[dict], prefix: str, rounds: int, where: str) -> None:
+    """Each contender ``{"contender": name, "got": [...]}`` called ``compare_set(prefix + i,
+    b"", name)`` in round ``i`` and got ``got[i]`` back: exactly one may win each round, and
+    every contender must get the winner's name."""
+    bad = []
+    for i in range(rounds):
+        got = {c["contender"]: c["got"][i] for c in contenders}
+        winners = sorted(name for name, value in got.items() if value == name)
+        if len(winners) != 1 or len(set(got.values())) != 1:
+            bad.append((i, winners, got))
+    if bad:
+        i, winners, got = bad[0]
+        by_value: dict[str, list[str]] = {}
+        for name, value in sorted(got.items()):
+            by_value.setdefault(value, []).append(name)
+        told = "; ".join(f"{value!r} to {', '.join(names)}" for value, names in by_value.items())
+        verdict = f"let {len(winners)} contenders win" if winners else "let no contender win"
+        pytest.fail(
+            f"compare_set {verdict} a race across {where} for {prefix}{i!s} "
+            f"(winners: {', '.join(winners) or 'none'}; {len(bad)} of {rounds} rounds went wrong). "
+            f"What compare_set returned: {told}"
+        )
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> dict:

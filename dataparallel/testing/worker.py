@@ -10,7 +10,11 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import dataparallel as dp
 
@@ -95,7 +99,75 @@ def _barriers(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     return timed_barriers(ch, args.rounds, args.timeout)
 
 
-ROLES = {"barriers": _barriers, "gloo": _gloo, "hold": _hold, "write": _write}
+#: Keys of the contenders' start line (see :func:`start_line`).
+READY_KEY = "start-line/ready/{rank}"
+GO_KEY = "start-line/go"
+
+
+def start_line(ch: dp.ControlChannel, timeout: float) -> float:
+    """Say this rank is ready, then wait for the wall-clock instant the test sets at
+    :data:`GO_KEY` once every contender is ready. Only ``set`` and ``get``: a broken ``add``
+    or ``compare_set`` (what the contenders test) cannot hang it, as it would a barrier."""
+    ch.set(READY_KEY.format(rank=ch.rank), str(os.getpid()).encode())
+    return float(ch.get(GO_KEY, timeout=timeout))
+
+
+def contend(work: Callable[[int], Any], threads: int, start_at: float, timeout: float) -> list[Any]:
+    """``work(thread_index)`` on ``threads`` threads, all released at ``start_at``
+    (``time.time()``: one clock for every process on this machine); the results in order."""
+    gate = threading.Barrier(threads, timeout=timeout)
+
+    def run(index: int) -> Any:
+        gate.wait()
+        time.sleep(max(0.0, start_at - time.time()))
+        return work(index)
+
+    with ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(run, i) for i in range(threads)]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+def count_adds(ch: dp.ControlChannel, key: str, times: int) -> list[int]:
+    """``add(key, 1)`` ``times`` times; what each returned."""
+    return [ch.add(key, 1) for _ in range(times)]
+
+
+def claim_rounds(ch: dp.ControlChannel, prefix: str, me: str, rounds: int) -> list[str]:
+    """``compare_set(prefix + str(i), b"", me)`` for each round ``i``; what each returned."""
+    return [ch.compare_set(f"{prefix}{i}", b"", me.encode()).decode(errors="replace") for i in range(rounds)]
+
+
+def contender_name(rank: int | None, thread: int) -> str:
+    return f"rank{rank}/pid{os.getpid()}/thread{thread}"
+
+
+def _adds(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+    start_at = start_line(ch, args.timeout)
+    values = contend(lambda _: count_adds(ch, args.key, args.rounds), args.threads, start_at, args.timeout)
+    return {"rank": ch.rank, "pid": os.getpid(), "values": values}
+
+
+def _compare_set(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+    start_at = start_line(ch, args.timeout)
+
+    def work(thread: int) -> dict:
+        me = contender_name(ch.rank, thread)
+        return {"contender": me, "got": claim_rounds(ch, args.key, me, args.rounds)}
+
+    return {"rank": ch.rank, "pid": os.getpid(), "contenders": contend(work, args.threads, start_at, args.timeout)}
+
+
+ROLES = {
+    "adds": _adds,
+    "barriers": _barriers,
+    "compare-set": _compare_set,
+    "gloo": _gloo,
+    "hold": _hold,
+    "write": _write,
+}
+#: Roles that wait at their own start line instead of the rendezvous (a barrier, built on
+#: ``add``: the primitive they test).
+OWN_START_LINE = {"adds", "compare-set"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,14 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--hold", type=float, default=60.0, help="seconds the hold role stays")
-    parser.add_argument("--rounds", type=int, default=50, help="barriers the barriers role makes")
+    parser.add_argument(
+        "--rounds", type=int, default=50, help="barriers, adds per thread, compare_set rounds the roles make"
+    )
+    parser.add_argument("--threads", type=int, default=4, help="threads of the adds and compare-set roles")
+    parser.add_argument("--key", default="contended", help="the key (prefix) the adds and compare-set roles use")
     parser.add_argument("--no-rendezvous", action="store_true", help="start the role right after connect")
     args = parser.parse_args(argv)
     ch = dp.connect(
         args.url, rank=args.rank, world_size=args.world_size, job=args.job, token=args.token, timeout=args.timeout
     )
     try:
-        if not args.no_rendezvous:
+        if not args.no_rendezvous and args.role not in OWN_START_LINE:
             ch.rendezvous()
         result = ROLES[args.role](ch, args)
         if args.role == "gloo":

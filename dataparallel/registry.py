@@ -9,7 +9,9 @@ Built-in and third-party transports register the same way: through the entry-poi
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -232,18 +234,65 @@ def transport_class(scheme: str) -> type[ControlChannel]:
 
 
 def _import_target(scheme: str, target: str) -> type[ControlChannel]:
+    """Import ``"module:Class"``. A :class:`ConfigError` names the file the module came from
+    when it is not what the entry point meant (a local file or folder of the same name
+    shadowing the installed package is the usual cause)."""
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        hint = _INSTALL_HINTS.get(scheme, f"install the package that provides {module_name!r}")
+        missing = err.name or module_name
+        if missing == module_name or module_name.startswith(missing + "."):
+            # A part of the module's own name: absent, or its parent came from elsewhere.
+            hint = _INSTALL_HINTS.get(scheme, f"install the package that provides {module_name!r}")
+            parent, _, last = missing.rpartition(".")
+            origin = _origin(parent) if parent else None
+            found = f" ({parent!r} was imported from {origin}, which has no submodule {last!r})" if origin else ""
+        else:  # something the module itself imports
+            hint = _INSTALL_HINTS.get(scheme, f"install the package that provides {missing!r}")
+            origin = _origin(module_name)
+            found = f" (imported by {module_name!r} from {origin})" if origin else ""
         raise ConfigError(
-            f"transport {scheme!r} needs the module {err.name!r}, which is not installed; {hint}"
+            f"transport {scheme!r} needs the module {missing!r}, which is not installed{found}; {hint}"
+        ) from err
+    except Exception as err:
+        origin = _origin(module_name)
+        source = f" from {origin}" if origin else ""
+        raise ConfigError(
+            f"transport {scheme!r}: importing {module_name!r}{source} failed: {type(err).__name__}: {err}"
         ) from err
     try:
         return getattr(module, attr)
     except AttributeError as err:
-        raise ConfigError(f"transport {scheme!r}: {module_name!r} has no attribute {attr!r}") from err
+        origin = _origin(module_name)
+        source = f"; it was imported from {origin}" if origin else ""
+        raise ConfigError(
+            f"transport {scheme!r}: module {module_name!r} has no attribute {attr!r}{source} "
+            "(a local file or folder of that name shadowing the installed package?)"
+        ) from err
+
+
+def _origin(name: str) -> str | None:
+    """Where module ``name`` was (or would be) imported from, for messages: its file, or the
+    folders of a namespace package; None when that cannot be told."""
+    module = sys.modules.get(name)
+    if module is not None:
+        file = getattr(module, "__file__", None)
+        folders = list(getattr(module, "__path__", None) or [])
+    else:
+        try:
+            spec = importlib.util.find_spec(name)
+        except Exception:  # a parent package that fails to import
+            return None
+        if spec is None:
+            return None
+        file = spec.origin if spec.has_location else None
+        folders = list(spec.submodule_search_locations or [])
+    if file:
+        return file
+    if folders:
+        return f"a folder with no __init__.py (a namespace package): {', '.join(folders)}"
+    return None
 
 
 def _load_entry_points_locked() -> None:

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 import dataparallel as dp
@@ -132,3 +134,48 @@ def test_a_transport_declares_a_url_without_host_and_gets_the_path_as_given():
         dp.ConfigError, match=r"^url \(from DP_URL\): .*bad port 'x'.*expected pathonly:///ABSOLUTE/DIR"
     ):
         resolve("pathonly://h:x/srv", where="url (from DP_URL)")
+
+
+@pytest.fixture
+def local_modules(tmp_path, monkeypatch):
+    """``tmp_path`` first on sys.path (as a script's folder is); the modules imported from it
+    are forgotten afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def test_a_folder_shadowing_the_plugin_is_named_in_the_error(local_modules):
+    (local_modules / "dp_fake_ns").mkdir()  # no __init__.py: imports as a namespace package
+    (local_modules / "dp_fake_ns" / "notes.txt").write_text("not the plugin")
+    dp.register_transport("fakens", "dp_fake_ns:Channel")
+    with pytest.raises(dp.ConfigError) as info:
+        dp.connect("fakens://h:1", rank=0, world_size=1)
+    message = str(info.value)
+    assert "has no attribute 'Channel'" in message
+    assert "no __init__.py" in message and str(local_modules / "dp_fake_ns") in message, message
+
+
+def test_a_file_shadowing_the_plugin_is_named_in_the_error(local_modules):
+    (local_modules / "dp_fake_file.py").write_text("# a local script, not the plugin\n")
+    dp.register_transport("fakefile", "dp_fake_file:Channel")
+    with pytest.raises(dp.ConfigError, match="has no attribute 'Channel'") as info:
+        dp.connect("fakefile://h:1", rank=0, world_size=1)
+    assert str(local_modules / "dp_fake_file.py") in str(info.value)
+
+
+def test_a_plugin_module_that_fails_to_import_is_named_with_its_error(local_modules):
+    (local_modules / "dp_fake_broken.py").write_text("raise RuntimeError('half-written plugin')\n")
+    (local_modules / "dp_fake_pkg").mkdir()
+    (local_modules / "dp_fake_pkg" / "__init__.py").write_text("")
+    dp.register_transport("fakebroken", "dp_fake_broken:Channel")
+    dp.register_transport("fakepkg", "dp_fake_pkg.transport:Channel")
+    with pytest.raises(dp.ConfigError, match="RuntimeError: half-written plugin") as info:
+        dp.connect("fakebroken://h:1", rank=0, world_size=1)
+    assert str(local_modules / "dp_fake_broken.py") in str(info.value)
+    # A package that has no such submodule: where the package came from is named.
+    with pytest.raises(dp.ConfigError, match=r"'dp_fake_pkg\.transport', which is not installed") as info:
+        dp.connect("fakepkg://h:1", rank=0, world_size=1)
+    assert str(local_modules / "dp_fake_pkg" / "__init__.py") in str(info.value)

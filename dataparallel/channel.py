@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .collectives import Collectives, _value
 from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
+from .liveness import _CLOSED as _CLOSED_BEAT
+from .liveness import _HB as _HB_KEY
+from .liveness import _LOST as _LOST_KEY
 from .liveness import Liveness, StoreHeartbeats
 from .registry import ChannelURL
 from .wire import MAX_WORLD_SIZE, purpose_key
@@ -32,6 +35,9 @@ T = TypeVar("T")
 
 #: Keys the core uses for its own bookkeeping live under this prefix.
 RESERVED_PREFIX = "__dp/"
+
+#: The job's run pointer (see ControlChannel._enter_run); the runs' keys live below it.
+_RUN = f"{RESERVED_PREFIX}run"
 
 #: Query-string options every transport accepts, with their meaning.
 COMMON_OPTIONS = {
@@ -124,6 +130,14 @@ class ControlChannel(Collectives, abc.ABC):
         self._store: torch.distributed.Store | None = None
         self._seq_lock = threading.Lock()
         self._seq: dict[tuple[str, str], int] = {}
+        #: Where the current run's keys live (the core's runs; "" where the transport has its own).
+        self._run_prefix = ""
+        self._run_id = b""
+        #: What this process saw of the current run's ranks while judging it: rank -> (heartbeat
+        #: value, monotonic time first seen), and the ranks seen alive.
+        self._run_seen: dict[int, tuple[bytes | None, float]] = {}
+        self._run_alive: dict[int, float] = {}
+        self._run_verdict = ""
 
     @classmethod
     def check_url(cls, url: ChannelURL, token: str | None = None, *, serving: bool = False) -> None:
@@ -244,12 +258,12 @@ class ControlChannel(Collectives, abc.ABC):
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (overwriting), releasing every ``get`` waiting on it."""
         self._usable()
-        self._set(_writable(key), _value(value))
+        self._set(self._scoped(_writable(key)), _value(value))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """Return the value of ``key``, blocking until some rank sets it."""
         self._usable()
-        return self._await(_key(key), timeout, f"key {key!r}")
+        return self._await(self._scoped(_key(key)), timeout, f"key {key!r}")
 
     def add(self, key: str, amount: int = 1) -> int:
         """Atomically add ``amount`` to the decimal integer at ``key`` (missing = 0); return
@@ -257,7 +271,7 @@ class ControlChannel(Collectives, abc.ABC):
         self._usable()
         if not isinstance(amount, int):
             raise TypeError(f"amount must be an int, got {type(amount).__name__}")
-        name = _writable(key)
+        name = self._scoped(_writable(key))
         try:
             return self._add(name, amount)
         except ValueError as err:  # a transport's _add found no number there
@@ -268,17 +282,17 @@ class ControlChannel(Collectives, abc.ABC):
         matches ``b""``). Returns the value stored afterwards; for a missing key and a
         non-empty ``expected``, returns ``expected`` and creates nothing (TCPStore semantics)."""
         self._usable()
-        return self._compare_set(_writable(key), _value(expected), _value(desired))
+        return self._compare_set(self._scoped(_writable(key)), _value(expected), _value(desired))
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it existed."""
         self._usable()
-        return self._delete(_writable(key))
+        return self._delete(self._scoped(_writable(key)))
 
     def check(self, keys: Iterable[str]) -> bool:
         """True if every key exists; never blocks."""
         self._usable()
-        return self._check([_key(k) for k in keys])
+        return self._check([self._scoped(_key(k)) for k in keys])
 
     def num_keys(self) -> int:
         """Number of keys held for this job (core bookkeeping keys included)."""
@@ -295,16 +309,17 @@ class ControlChannel(Collectives, abc.ABC):
         self._usable()
         deadline = time.monotonic() + self._budget(timeout)
         for key in keys:
-            self._await(_key(key), max(deadline - time.monotonic(), 1e-3), f"key {key!r}")
+            self._await(self._scoped(_key(key)), max(deadline - time.monotonic(), 1e-3), f"key {key!r}")
 
     def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
         """The values of ``keys``, in order, blocking until every one exists (one deadline;
         one round trip when they do, on every built-in transport)."""
         self._usable()
-        wanted = [_key(k) for k in keys]
-        if not wanted:
+        names = [_key(k) for k in keys]
+        if not names:
             return []
-        what = f"keys {wanted[:3]!r}{' ...' if len(wanted) > 3 else ''}"
+        wanted = [self._scoped(k) for k in names]
+        what = f"keys {names[:3]!r}{' ...' if len(names) > 3 else ''}"
         return self._await_with(lambda slice_: self._multi_get(wanted, slice_), timeout, what)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
@@ -313,14 +328,14 @@ class ControlChannel(Collectives, abc.ABC):
         self._usable()
         if isinstance(keys, str) or len(keys) != len(values):
             raise TypeError(f"multi_set needs equal-length sequences of keys and values, got {keys!r}")
-        items = [(_writable(k), _value(v)) for k, v in zip(keys, values, strict=True)]
+        items = [(self._scoped(_writable(k)), _value(v)) for k, v in zip(keys, values, strict=True)]
         if items:
             self._multi_set(items)
 
     def append(self, key: str, value: bytes) -> None:
         """Atomically append ``value`` to the bytes at ``key`` (a missing key is created)."""
         self._usable()
-        self._append(_writable(key), _value(value))
+        self._append(self._scoped(_writable(key)), _value(value))
 
     def close(self) -> None:
         """Leave the job: stop heartbeats (peers see a clean departure, not a loss) and
@@ -424,44 +439,162 @@ class ControlChannel(Collectives, abc.ABC):
             self._broken = error
 
     # ------------------------------------------------------------------ membership
+    # A job's state belongs to a *run*: the ranks that joined it together. A later run of the
+    # same job name (a rerun after a crash) starts clean once every rank of the previous one
+    # is gone (closed, or silent for the liveness timeout), whatever that run left behind.
+    # Transports with their own runs (a coordinator drops a job with its last session; etcd
+    # binds the run to a lease) override _enter_run and _run_state; for the others the core
+    # keeps each run's keys under a prefix of its own, named by the job's run pointer.
+
+    def _scoped(self, key: str) -> str:
+        """``key`` inside the current run (the core's calls to the hooks all go through it)."""
+        return self._run_prefix + key
+
+    def _enter_run(self, retry: bool) -> None:
+        """Attach to the job's current run, or start one (called by the core before the rank
+        is claimed). ``retry``: claiming in the run attached to last time conflicted, and the
+        core waits for that run to end: look again. A transport whose server knows when a
+        run's ranks are gone (sessions, leases) overrides this and :meth:`_run_state`.
+
+        Default: the run pointer ``__dp/run`` names the run; its keys live under
+        ``__dp/run/ID/``. A run that :meth:`_run_state` found over is replaced (atomically,
+        with ``_compare_set``: one rank replaces it, the others follow)."""
+        fresh = uuid.uuid4().hex[:16].encode()
+        expected = self._run_id if retry and self._run_verdict == "over" else b""
+        current = self._compare_set(_RUN, expected, fresh)
+        if current != self._run_id:
+            self._run_seen, self._run_alive = {}, {}
+        self._run_id = current
+        self._run_prefix = f"{_RUN}/{current.decode(errors='replace')}/"
+        self._run_verdict = ""
+
+    def _run_state(self, holder: int | None) -> tuple[str, str] | None:
+        """Judge the current run after a conflict over rank ``holder`` (None: the job was
+        full): ``"alive"`` (the holder, or with None every rank that joined, showed life),
+        ``"over"`` (a rank of it was declared lost, or all its ranks closed or stayed silent
+        for the liveness timeout) or ``"unknown"`` (not yet), with what was seen, for the
+        message; None where the transport ends dead runs itself. Looks at the run's heartbeat
+        counters; repeated calls watch them move, by this process's clock."""
+        if self._check([self._scoped(_LOST_KEY)]):
+            return "over", "a rank of it was declared lost"
+        now = time.monotonic()
+        present: list[int] = []
+        silent: dict[int, float] = {}
+        for rank in range(self.world_size):
+            if not self._check([self._scoped(f"{RESERVED_PREFIX}claim/{rank}")]):
+                continue
+            beat = self._scoped(f"{_HB_KEY}{rank}")
+            value = self._get(beat, 1e-3) if self._check([beat]) else None
+            if value == _CLOSED_BEAT:
+                continue
+            present.append(rank)
+            seen = self._run_seen.get(rank)
+            if seen is None or seen[0] != value:
+                if seen is not None:
+                    self._run_alive[rank] = now
+                self._run_seen[rank] = (value, now)
+            else:
+                silent[rank] = now - seen[1]
+        wanted = present if holder is None else [holder]
+        if wanted and all(r in self._run_alive for r in wanted):
+            who = "it is" if holder is not None else "all its ranks are"
+            return "alive", f"{who} alive (heartbeats seen){self._who(wanted)}"
+        if all(silent.get(r, 0.0) > self.liveness_timeout for r in present):
+            return "over", "its ranks closed or fell silent"
+        quiet = {r: t for r, t in silent.items() if r in wanted}
+        about = ", ".join(f"rank {r} silent for {t:.0f}s" for r, t in sorted(quiet.items())) or "not yet seen to beat"
+        others = sorted(set(self._run_alive) - set(wanted))
+        live = f"; rank(s) {', '.join(map(str, others))} of its run are alive{self._who(others)}" if others else ""
+        return "unknown", f"{about}{live}"
+
+    def _who(self, ranks: Sequence[int]) -> str:
+        infos = [self.peer_info(r) for r in ranks[:3]]
+        shown = [f"pid {i.get('pid')} on {i.get('host')}" for i in infos if i]
+        return f" ({'; '.join(shown)})" if shown else ""
+
     def _join(self) -> None:
-        """Check the job token and claim a rank (assigning one if ``rank`` is None)."""
-        if not self.native_auth:
-            self._agree_on_token()
-        me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
-        if self.rank is not None:
-            owner = self._compare_set(f"{RESERVED_PREFIX}claim/{self.rank}", b"", me)
-            if owner != me:
-                raise ControlError(
-                    f"rank {self.rank} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
-                    "give each process its own rank, or rank=None to be assigned one"
-                )
-        else:
-            while True:
-                rank = self._add(f"{RESERVED_PREFIX}next_rank", 1) - 1
-                if rank >= self.world_size:
-                    raise ControlError(f"job {self.job!r} is full: all {self.world_size} ranks are taken")
-                if self._compare_set(f"{RESERVED_PREFIX}claim/{rank}", b"", me) == me:
-                    self.rank = rank
-                    break
+        """Enter the job's current run, check the token and claim a rank (assigning one if
+        ``rank`` is None). A rank (or a full job) held by a run whose ranks are all gone is
+        no conflict: once they have been silent for the liveness timeout the run gives way to
+        a fresh one. One held by a live rank is refused, saying so."""
+        self._enter_run(retry=False)
+        start = time.monotonic()
+        settle = self.liveness_timeout + 2 * self.heartbeat_interval + 2.0
+        pause = min(0.5, self.heartbeat_interval / 2)
+        while True:
+            conflict = self._try_join()
+            if conflict is None:
+                break
+            error, message, patient, holder = conflict
+            state = self._run_state(holder)
+            self._run_verdict = state[0] if state else ""
+            waited = time.monotonic() - start
+            if state is not None and state[0] == "alive":
+                raise error(f"{message}; {state[1]}")
+            if state is None and not patient:
+                raise error(message)
+            if waited >= min(settle, self.timeout):
+                if state is not None:
+                    how = (
+                        f"its run is not over after {waited:.0f}s ({state[1]}): stop that run's processes "
+                        "(the next run then starts clean) or use another job name"
+                    )
+                elif waited >= settle:
+                    how = (
+                        f"still held after {waited:.0f}s, longer than a dead holder keeps it (the liveness timeout, "
+                        f"{self.liveness_timeout:g}s): it is alive"
+                    )
+                else:
+                    how = (
+                        f"still held when this channel's timeout ran out ({waited:.0f}s); a dead holder gives it up "
+                        f"within the liveness timeout ({self.liveness_timeout:g}s): retry with a longer timeout"
+                    )
+                raise error(f"{message}; {how}")
+            time.sleep(pause if self._run_verdict != "over" else 0)
+            self._enter_run(retry=True)
         self._claimed()
         self._publish_self()
         # Joined: from here until close() this rank watches and is watched.
         self._start_liveness()
 
-    def _agree_on_token(self) -> None:
-        # Not authentication (the store itself is open): it stops a misconfigured process
-        # from joining a job started with another token.
-        # A MAC of the job name under the token's own key: the store is readable by anyone who
-        # reaches it, and a plain hash of the token there could be brute-forced offline.
+    def _try_join(self) -> tuple[type[ControlError], str, bool, int | None] | None:
+        """Check the token and claim the rank in the current run: None when done, else the
+        error to raise, why, whether waiting for the run to end may help, and the rank held
+        (None: all of them)."""
+        if not self.native_auth and not self._agree_on_token():
+            why = f"job {self.job!r}: this process's token differs from the one the job was started with"
+            return AuthError, why, False, None
+        me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
+        if self.rank is not None:
+            owner = self._compare_set(self._scoped(f"{RESERVED_PREFIX}claim/{self.rank}"), b"", me)
+            if owner == me:
+                return None
+            why = (
+                f"rank {self.rank} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
+                "give each process its own rank, or rank=None to be assigned one"
+            )
+            return ControlError, why, True, self.rank
+        while True:
+            rank = self._add(self._scoped(f"{RESERVED_PREFIX}next_rank"), 1) - 1
+            if rank >= self.world_size:
+                return ControlError, f"job {self.job!r} is full: all {self.world_size} ranks are taken", True, None
+            if self._compare_set(self._scoped(f"{RESERVED_PREFIX}claim/{rank}"), b"", me) == me:
+                self.rank = rank
+                return None
+
+    def _agree_on_token(self) -> bool:
+        """Whether this process's token is the one the run was started with.
+
+        Not authentication (the store itself is open): it stops a misconfigured process from
+        joining a job started with another token. A MAC of the job name under the token's own
+        key: the store is readable by anyone who reaches it, and a plain hash of the token
+        there could be brute-forced offline."""
         digest = hmac.digest(purpose_key(self.token, "token-check"), self.job.encode(), "sha256").hex().encode()
-        found = self._compare_set(f"{RESERVED_PREFIX}token", b"", digest)
-        if found != digest:
-            raise AuthError(f"job {self.job!r}: this process's token differs from the one the job was started with")
+        return self._compare_set(self._scoped(f"{RESERVED_PREFIX}token"), b"", digest) == digest
 
     def peer_info(self, rank: int) -> dict[str, Any] | None:
         """What a rank published at rendezvous (host, pid), or None if not (yet) known."""
-        key = f"{RESERVED_PREFIX}peer/{rank}"
+        key = self._scoped(f"{RESERVED_PREFIX}peer/{rank}")
         try:
             if not self._check([key]):
                 return None
@@ -491,7 +624,7 @@ class ControlChannel(Collectives, abc.ABC):
 
     def _publish_self(self) -> None:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-        self._set(f"{RESERVED_PREFIX}peer/{self.rank}", json.dumps(info).encode())
+        self._set(self._scoped(f"{RESERVED_PREFIX}peer/{self.rank}"), json.dumps(info).encode())
 
     # ------------------------------------------------------------------ torch
     def as_store(self) -> torch.distributed.Store:

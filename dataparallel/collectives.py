@@ -36,7 +36,7 @@ class Collectives:
         Two round trips per rank (add, then get); reusable forever.
         """
         self._usable()
-        base = f"{_C}barrier/{name}"
+        base = self._scoped(f"{_C}barrier/{name}")
         arrived = self._add(f"{base}/count", 1)
         round_, position = divmod(arrived - 1, self.world_size)
         done = f"{base}/done/{round_}"
@@ -69,7 +69,7 @@ class Collectives:
         """
         self._usable()
         self._check_rank(src, "src")
-        base = f"{_C}bcast/{name}/{self._next_seq('bcast', name)}"
+        base = self._scoped(f"{_C}bcast/{name}/{self._next_seq('bcast', name)}")
         if self.rank == src:
             if value is None:
                 raise TypeError(f"broadcast {name!r}: rank {src} is the source and must pass a value")
@@ -91,7 +91,7 @@ class Collectives:
         """
         self._usable()
         self._check_rank(dst, "dst")
-        base = f"{_C}gather/{name}/{self._next_seq('gather', name)}"
+        base = self._scoped(f"{_C}gather/{name}/{self._next_seq('gather', name)}")
         if self.rank != dst:
             self._set(f"{base}/{self.rank}", _value(value))
             return None
@@ -107,7 +107,7 @@ class Collectives:
     def all_gather(self: ControlChannel, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
         self._usable()
-        base = f"{_C}allgather/{name}/{self._next_seq('allgather', name)}"
+        base = self._scoped(f"{_C}allgather/{name}/{self._next_seq('allgather', name)}")
         self._set(f"{base}/{self.rank}", _value(value))
         out = [
             self._await(f"{base}/{rank}", timeout, f"all_gather {name!r}: value of rank {rank}")

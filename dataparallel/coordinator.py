@@ -183,7 +183,8 @@ class Coordinator:
             now = self._clock()
             for parked in [p for p in self._parked if p.deadline <= now]:
                 self._finish(parked, parked.on_timeout())
-            for job in list(self._jobs.values()):
+            # Ended runs that still have sessions are watched too (they are no longer _jobs').
+            for job in {*self._jobs.values(), *(s.job for s in self._sessions.values())}:
                 self._watch(job, now)
             next_deadline = min((p.deadline for p in self._parked), default=now + SWEEP_INTERVAL)
             return max(0.0, min(next_deadline - now, SWEEP_INTERVAL))
@@ -260,12 +261,13 @@ class Coordinator:
             again.last_seen = self._clock()
             return _reply(request.id, session=again.id)  # a resend: one hello, one session
         job = self._jobs.get(hello.job)
-        if job is None:
+        if job is None or job.lost:
+            # A run that lost a rank is over: its sessions keep it until they go; a new one starts.
             job = self._jobs[hello.job] = Job(hello.job, hello.world_size, hello.liveness_timeout)
         elif job.world_size != hello.world_size:
             raise BadMessage(f"job {hello.job!r} has world size {job.world_size}, this process said {hello.world_size}")
         if len(self._sessions) >= self.limits.max_sessions:
-            if not job.sessions:
+            if not job.sessions and self._jobs.get(hello.job) is job:
                 del self._jobs[hello.job]
             return _reply(request.id, pb.FAILED, f"coordinator full: {self.limits.max_sessions} sessions open")
         session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock(), nonce=nonce)
@@ -397,7 +399,8 @@ class Coordinator:
         return _reply(r.id)
 
     def _heartbeat(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
-        if s.job.lost:
+        # Losses are news to the run's ranks only: a session still joining moves on to a new run.
+        if s.job.lost and s.rank is not None:
             return self._lost_reply(r.id, s.job, status=pb.OK)
         return _reply(r.id)
 

@@ -118,8 +118,7 @@ class StoreHeartbeats(Liveness):
         self._seen: dict[int, tuple[bytes, float, float]] = {}
 
     def start(self) -> None:
-        if self._ch.world_size == 1:
-            return  # no peers: nothing to tell, nobody to watch
+        # Even alone a rank beats: a later process claiming its rank must see it is alive.
         self._beat()
         self._watch()
         self._thread.start()
@@ -128,9 +127,9 @@ class StoreHeartbeats(Liveness):
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self._interval * 4)
-        if announce and self._ch.world_size > 1:
+        if announce:
             try:
-                self._ch._set(f"{_HB}{self._ch.rank}", _CLOSED)
+                self._ch._set(self._key(_HB, self._ch.rank), _CLOSED)
             except Exception as err:  # leaving anyway; the coordinator may be gone
                 log.debug("could not announce departure: %s", err)
 
@@ -142,7 +141,7 @@ class StoreHeartbeats(Liveness):
         while time.monotonic() < deadline:
             gone = set(self._lost)
             for rank in others:
-                key = f"{_HB}{rank}"
+                key = self._key(_HB, rank)
                 try:
                     if rank not in gone and (not self._ch._check([key]) or self._ch._get(key, 1.0) == _CLOSED):
                         gone.add(rank)
@@ -151,6 +150,9 @@ class StoreHeartbeats(Liveness):
             if gone.issuperset(others):
                 return
             time.sleep(min(0.05, self._interval))
+
+    def _key(self, name: str, rank: int | str = "") -> str:
+        return self._ch._scoped(f"{name}{rank}")
 
     def left(self) -> set[int]:
         return set(self._left)
@@ -184,14 +186,14 @@ class StoreHeartbeats(Liveness):
                 return
 
     def _beat(self) -> None:
-        self._ch._add(f"{_HB}{self._ch.rank}", 1)
+        self._ch._add(self._key(_HB, self._ch.rank), 1)
 
     def _watch(self) -> None:
         now = time.monotonic()
         for rank in self._watched():
             if rank in self._lost or rank in self._left:
                 continue
-            key = f"{_HB}{rank}"
+            key = self._key(_HB, rank)
             value = self._ch._get(key, self._interval) if self._ch._check([key]) else None
             seen = self._seen.get(rank)
             if value == _CLOSED:
@@ -208,14 +210,14 @@ class StoreHeartbeats(Liveness):
         if info:
             reason = f"{reason}; it ran as pid {info.get('pid')} on {info.get('host')}"
         report = json.dumps({"rank": rank, "last_seen": last_seen, "reason": reason, "by": self._ch.rank})
-        self._ch._compare_set(_LOST, b"", report.encode())
+        self._ch._compare_set(self._key(_LOST), b"", report.encode())
         self._read_reports()  # the first loss published is everyone's first_lost()
         self._record(LostPeer(rank, last_seen, reason))  # later ones count here (lost(), departures)
 
     def _read_reports(self) -> None:
-        if not self._ch._check([_LOST]):
+        if not self._ch._check([self._key(_LOST)]):
             return
-        raw = self._ch._get(_LOST, self._interval)
+        raw = self._ch._get(self._key(_LOST), self._interval)
         if not raw:
             return
         report = json.loads(raw)

@@ -103,9 +103,10 @@ class CoordinatorLiveness(Liveness):
         ch = self._ch
         last_answer = time.monotonic()
         while not self._stopping.wait(ch.heartbeat_interval):
+            session = ch._session
             try:
                 reply = ch._call(
-                    pb.Request(id=next(ch._ids), session=ch._session, heartbeat=pb.Empty()), ch.heartbeat_interval
+                    pb.Request(id=next(ch._ids), session=session, heartbeat=pb.Empty()), ch.heartbeat_interval
                 )
             except ControlError as err:
                 if self._stopping.is_set():
@@ -116,7 +117,7 @@ class CoordinatorLiveness(Liveness):
                     return
                 continue
             last_answer = time.monotonic()
-            if reply.status == pb.CLOSED:
+            if reply.status == pb.CLOSED and session == ch._session:  # not a session left for another run
                 ch._fail(ChannelClosed(f"coordinator dropped this session: {reply.error}"))
                 return
             if reply.HasField("lost"):
@@ -132,6 +133,11 @@ class RemoteChannel(ControlChannel, abc.ABC):
         """Call from the transport's ``__init__`` once it can ``_call``: opens the session."""
         self._ids = itertools.count(1)
         self._session = b""
+        self._hello()
+        # The session needs its heartbeats from now on, before the rank has joined.
+        self._start_liveness()
+
+    def _hello(self) -> None:
         hello = pb.Hello(
             protocol=PROTOCOL_VERSION,
             job=self.job,
@@ -143,8 +149,17 @@ class RemoteChannel(ControlChannel, abc.ABC):
         )
         reply = self._request(pb.Request(hello=hello), self.timeout, "hello")
         self._session = reply.session
-        # The session needs its heartbeats from now on, before the rank has joined.
-        self._start_liveness()
+
+    # The coordinator's job is the run: it ends when its last session leaves or is dropped, or
+    # once a rank of it is declared lost, and the next hello for that job name starts a new one.
+    def _enter_run(self, retry: bool) -> None:
+        if retry:  # the session opened in __init__ is the first attempt's
+            old = self._session
+            self._hello()
+            self._leave(old)
+
+    def _run_state(self, holder: int | None) -> None:
+        return None
 
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
@@ -359,12 +374,15 @@ class RemoteChannel(ControlChannel, abc.ABC):
         self._short(f"register rank {self.rank}", register=pb.Register(rank=self.rank))
 
     def _close(self) -> None:
-        if self._session and self._broken is None:
+        self._leave(self._session)
+        self._close_transport()
+
+    def _leave(self, session: bytes) -> None:
+        if session and self._broken is None:
             try:
-                self._call(pb.Request(id=next(self._ids), session=self._session, leave=pb.Empty()), 2.0)
+                self._call(pb.Request(id=next(self._ids), session=session, leave=pb.Empty()), 2.0)
             except ControlError:
                 pass  # leaving anyway
-        self._close_transport()
 
     # ------------------------------------------------------------------ collectives
     def _collect(

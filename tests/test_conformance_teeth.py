@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dataparallel import ChannelURL, ConfigError, ControlChannel
+from dataparallel import ChannelURL, ControlChannel
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "custom_transport"
@@ -35,18 +35,18 @@ _process_lock = threading.Lock()
 
 
 class ThreadLockedFsDirChannel(ControlChannel):
-    """``brokenfs://localhost/ABSOLUTE/DIR``: ``examples/custom_transport/dp_fsdir.py`` with
+    """``brokenfs:///ABSOLUTE/DIR``: ``examples/custom_transport/dp_fsdir.py`` with
     its ``flock`` replaced by a ``threading.Lock``, and a pause between the read and the write
     of ``add`` and ``compare_set`` so that processes reliably race."""
 
     scheme = "brokenfs"
+    URL_FORM = "{scheme}:///ABSOLUTE/DIR"
+    URL_HOST = False
     PAUSE = 0.002
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        if not url.path:
-            raise ConfigError(f"{url.raw!r}: expected brokenfs://localhost/ABSOLUTE/DIR")
-        self._dir = Path("/" + url.path) / self.job
+        self._dir = Path(url.path) / self.job
         self._dir.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
@@ -124,7 +124,7 @@ from dataparallel.testing import PrimitiveTests
 class TestBroken(PrimitiveTests):
     @pytest.fixture
     def channel_url(self, tmp_path):
-        return f"brokenfs://localhost{tmp_path}/shared"
+        return f"brokenfs://{tmp_path}/shared"
 
 
 class TestBrokenOnThreads(TestBroken):
@@ -134,7 +134,7 @@ class TestBrokenOnThreads(TestBroken):
 class TestFsDir(PrimitiveTests):
     @pytest.fixture
     def channel_url(self, tmp_path):
-        return f"fsdir://localhost{tmp_path}/shared"
+        return f"fsdir://{tmp_path}/shared"
 """
 
 ENTRY_POINTS = f"""[dataparallel.transports]

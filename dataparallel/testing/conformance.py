@@ -489,12 +489,17 @@ class MembershipTests(ChannelHarness):
         finally:
             close_all(channels)
 
-    def test_full_job_and_taken_rank_are_refused(self, open_ranks, channel_url):
-        open_ranks(2, job="full")
-        with pytest.raises(dp.ControlError, match="already taken"):
-            dp.connect(channel_url, rank=1, world_size=2, job="full", timeout=10)
-        with pytest.raises(dp.ControlError, match="full"):
-            dp.connect(channel_url, world_size=2, job="full", timeout=10)
+    def test_full_job_and_taken_rank_are_refused_naming_a_live_holder(self, open_ranks, channel_url):
+        """A rank held by a live process is refused, and the message says the holder is alive;
+        in bounded time (a transport may wait out the liveness timeout to be sure)."""
+        url = with_options(channel_url, **FAST_LIVENESS)
+        open_ranks(2, job="full", url=url)
+        bound = FAST_LIVENESS["liveness_timeout"] + 2 * FAST_LIVENESS["heartbeat"] + 2.0 + 3.0
+        for rank, refusal in ((1, "already taken"), (None, "full")):
+            start = time.monotonic()
+            with pytest.raises(dp.ControlError, match=f"{refusal}.*alive") as info:
+                dp.connect(url, rank=rank, world_size=2, job="full", timeout=30)
+            assert time.monotonic() - start < bound, f"refused after {time.monotonic() - start:.1f}s: {info.value}"
 
     def test_rank_and_world_size_are_validated(self, channel_url):
         for kwargs in ({"rank": 2, "world_size": 2}, {"rank": -1, "world_size": 2}, {"world_size": 0}):
@@ -826,6 +831,75 @@ class LivenessTests(ChannelHarness):
         assert channels[1].get("still", timeout=5) == b"works"
 
 
+class RunTests(ChannelHarness):
+    """A job's state belongs to a run: rerunning a job that crashed, under the same name and
+    on the same coordinator or store, starts clean once the crashed ranks are known gone."""
+
+    LIVENESS = FAST_LIVENESS
+
+    @pytest.mark.timeout(180)
+    def test_a_killed_jobs_rerun_under_the_same_name_starts_clean(self, channel_url, open_ranks):
+        url = with_options(channel_url, **self.LIVENESS)
+        n, job = 3, "crashy"
+        procs: list[subprocess.Popen] = []
+        try:
+            if self.cross_process:
+                # A process of another job connects first: it hosts the coordinator or store where
+                # the transport's rank 0 would (zmq, grpc, tcpstore), so the crashed job's state
+                # outlives the crashed processes, as on a `dataparallel serve` coordinator.
+                procs.append(self.spawn_rank("hold", url, 0, 1, "keeper", "--hold", "170"))
+                self.read_ready(procs[0])
+                crashed = [self.spawn_rank("crash-mid-run", url, r, n, job, "--hold", "170") for r in range(n)]
+                procs += crashed
+                for proc in crashed:
+                    self.read_ready(proc)
+                time.sleep(0.3)  # the unfinished barrier entered
+                for proc in crashed:
+                    proc.kill()
+                    proc.communicate(timeout=10)
+            else:
+                # Ranks are threads: a crash is ranks that stop beating and never close.
+                from .worker import leave_state
+
+                old = open_ranks(n, job=job, url=url)
+                self.rendezvous_all(old)
+                run_all([lambda c=c: leave_state(c) for c in old])
+                for ch in old:
+                    ch._liveness.stop(announce=False)
+            bound = self.LIVENESS["liveness_timeout"] + 4 * self.LIVENESS["heartbeat"] + 8.0
+            self._rerun(url, job, [*range(n)], bound, leave=True)
+            # A run that ended cleanly gives way at once, to ranks assigned by the core as well.
+            self._rerun(url, job, [None] * n, bound, leave=False)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate(timeout=10)
+
+    def _rerun(self, url: str, job: str, ranks: list[int | None], bound: float, leave: bool) -> None:
+        """Join ``job`` again with ``ranks``, within ``bound`` seconds, into a run that shows
+        nothing of the one before (keys, unfinished collectives, losses); with ``leave``,
+        leave a key behind for the next one before closing."""
+        n = len(ranks)
+        start = time.monotonic()
+        again = run_all([lambda r=r: dp.connect(url, rank=r, world_size=n, job=job, timeout=60) for r in ranks], 90)
+        joined = time.monotonic() - start
+        try:
+            assert joined < bound, f"the rerun joined after {joined:.1f}s"
+            assert sorted(c.rank for c in again) == list(range(n))
+            assert not any(c.check([f"leftover/{r}"]) for c in again for r in range(n)), "the old run's keys show"
+            self.rendezvous_all(again)
+            run_all([lambda c=c: c.barrier("unfinished", timeout=STEP_TIMEOUT) for c in again])
+            got = run_all([lambda c=c: c.all_gather("who", str(c.rank).encode(), timeout=STEP_TIMEOUT) for c in again])
+            assert got == [[str(r).encode() for r in range(n)]] * n
+            time.sleep(self.LIVENESS["liveness_timeout"] / 2)
+            assert all(c.lost_peers() == {} for c in again), "the rerun inherited the crashed run's losses"
+            if leave:
+                run_all([lambda c=c: c.set(f"leftover/{c.rank}", b"from the run before") for c in again])
+        finally:
+            close_all(again)
+
+
 class StoreTests(ChannelHarness):
     """``as_store()``: the torch Store API, PrefixStore over it, and gloo through it."""
 
@@ -1117,6 +1191,6 @@ class LinearizabilityTests(ChannelHarness):
 
 
 class ChannelConformance(
-    PrimitiveTests, MembershipTests, CollectiveTests, LivenessTests, StoreTests, LinearizabilityTests
+    PrimitiveTests, MembershipTests, CollectiveTests, LivenessTests, RunTests, StoreTests, LinearizabilityTests
 ):
     """The whole suite. Subclass it and define the ``channel_url`` fixture."""

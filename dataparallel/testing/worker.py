@@ -157,8 +157,31 @@ def _compare_set(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     return {"rank": ch.rank, "pid": os.getpid(), "contenders": contend(work, args.threads, start_at, args.timeout)}
 
 
+def leave_state(ch: dp.ControlChannel) -> None:
+    """What a job leaves behind when it dies mid-run: a key of its own, and (every rank but
+    the last) a barrier entered that never completes."""
+    import contextlib
+    import threading
+
+    ch.set(f"leftover/{ch.rank}", b"from the crashed run")
+    if ch.rank != ch.world_size - 1:
+
+        def enter() -> None:
+            with contextlib.suppress(dp.ControlError):  # cut short by the crash
+                ch.barrier("unfinished", timeout=300)
+
+        threading.Thread(target=enter, daemon=True).start()
+        time.sleep(0.3)  # in the barrier before the test kills it
+
+
+def _crash_mid_run(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+    leave_state(ch)
+    return _hold(ch, args)
+
+
 ROLES = {
     "adds": _adds,
+    "crash-mid-run": _crash_mid_run,
     "barriers": _barriers,
     "compare-set": _compare_set,
     "gloo": _gloo,

@@ -131,7 +131,8 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         """Join the job's current run, or start one: a run id bound to its creator's lease,
         so a crashed job's run expires with it and a later job of the same name never sees
         its keys (starting a run deletes whatever a dead run left)."""
-        self._lease = await self._call("lease", self._ttl)
+        if self._lease is None:
+            self._lease = await self._call("lease", self._ttl)
         run_key = self._job_root + b"\x00run"  # below every run id: outside the range wiped
         txn = self._client.transactions
         while True:
@@ -150,6 +151,13 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 break
         run = fresh if ok else current.value
         self._root = self._job_root + run + b"/"
+
+    def _enter_run(self, retry: bool) -> None:
+        if retry:  # the run opened in __init__ was the first attempt's; it ends with its creator's lease
+            self._run(self._open_run(), self.timeout)
+
+    def _run_state(self, holder: int | None) -> None:
+        return None
 
     @classmethod
     def security(cls, url: ChannelURL, token: str | None) -> str:

@@ -55,11 +55,99 @@ class ControlChannel(Collectives, abc.ABC):
     :class:`ControlTimeout` when it expires, :class:`PeerLost` as soon as a peer is declared
     lost, and :class:`ChannelClosed` once the channel is closed or its coordinator is gone.
 
-    Writing a transport: subclass, set ``scheme``, implement ``__init__`` (connect) and the
-    ``_set``/``_get``/``_add``/``_compare_set``/``_delete``/``_check``/``_num_keys``/``_close``
-    hooks; run :mod:`dataparallel.testing` against it. Liveness comes from the core
-    (heartbeats through those hooks) unless the transport has its own: then it overrides
-    :meth:`_new_liveness` (see :mod:`dataparallel.liveness` for the contract).
+    **Writing a transport.** This docstring and those of the hooks below are the whole
+    contract; ``examples/custom_transport/dp_fsdir.py`` (a shared directory) and
+    ``examples/sqlite_transport/dp_sqlite.py`` (an SQLite file) are complete transports.
+    Subclass, implement the eight abstract hooks (``_set``, ``_get``, ``_add``,
+    ``_compare_set``, ``_delete``, ``_check``, ``_num_keys``, ``_close``); the core builds on
+    them the public calls, their timeouts and messages, rank assignment, the token check,
+    liveness, the collectives and :meth:`as_store`.
+
+    *Class attributes.* ``scheme``: the URL scheme (informational: the entry point's name is
+    what maps a scheme to the class). ``URL_FORM``: the URL's shape for messages, ``{scheme}``
+    filled in (default ``"{scheme}://HOST:PORT"``; a file store says
+    ``"{scheme}:///ABSOLUTE/PATH"``). ``URL_HOST``: whether the URL names a host (True, the
+    default: one is required; False: one is refused, the URL is ``scheme:///ABSOLUTE/PATH``).
+    ``OPTIONS``: the query-string options the transport accepts, ``{name: meaning}``; with
+    ``heartbeat`` and ``liveness_timeout`` (:data:`COMMON_OPTIONS`) they are the only ones: any
+    other is refused with a :class:`ConfigError` listing the allowed ones and their meanings.
+    Flags, each explained where it is defined: ``fences_lost_members``,
+    ``survives_connection_loss``, ``native_auth``, ``liveness_poll``, ``CLOSE_GRACE``; and
+    the property :attr:`hosts_coordinator`.
+
+    *The URL* reaches the transport as a :class:`~dataparallel.ChannelURL`: ``url.hosts``
+    (``(host, port or None)`` pairs; ``url.host``/``url.port`` are the first),
+    ``url.path`` (as given, leading ``/`` kept: ``sqlite:///srv/s.db`` has no host and the
+    path ``/srv/s.db``; ``""`` when there is none), ``url.options`` (name -> str), and helpers
+    that raise a ConfigError naming the URL: ``url.flag(name)`` (1/0, absent is False),
+    ``url.seconds(name, default)`` (> 0), ``url.file(name)`` (a file's bytes, None if absent),
+    ``url.require_port()``; ``url.shown`` is the URL for messages (password masked). Before
+    the transport sees it, every entry point (``connect``, ``dataparallel serve``/``check``/
+    ``launch``, the torchrun backends) has checked the host against ``URL_HOST``, the option
+    names against ``OPTIONS``, the common options' values and that a token is None or
+    non-empty, then called the classmethod :meth:`_check_options` for the rest.
+
+    *The constructor* is ``__init__(self, url: ChannelURL, **kwargs)`` and calls
+    ``super().__init__(url, **kwargs)`` first, passing every keyword through (``rank``,
+    ``world_size``, ``job``, ``token``, ``timeout``, ``serve``). Validated and set then:
+    ``self.url``; ``self.rank`` (an int in ``0..world_size-1``, or None until the core's join
+    assigns one: hooks called while joining see None); ``self.world_size``; ``self.job``
+    (non-empty text without ``/`` or NUL: namespace the keys by it); ``self.token`` (None or
+    non-empty); ``self.timeout`` (seconds > 0); ``self.serve`` (False: never host a
+    coordinator in this process); ``self.heartbeat_interval``, ``self.liveness_timeout``.
+    Then connect: every hook must work once ``__init__`` returns. Raise :class:`ChannelClosed`
+    if the store cannot be reached within ``self.timeout`` (:class:`AuthError` if it refuses
+    the credentials), releasing what was opened: nothing calls ``_close`` for a constructor
+    that raised. ``dp.connect`` then joins through the hooks; ``dataparallel check`` and the
+    torchrun backends use a channel without joining, and any channel may be closed unjoined.
+
+    *Every hook* follows these rules:
+
+    - Keys are non-empty ``str`` that encode as UTF-8 and may hold any character, ``/``
+      included; the core's own bookkeeping keys start with ``__dp/`` and go through the
+      same hooks. Values are ``bytes``, possibly empty, of up to megabytes (the suite stores
+      1 MiB).
+    - Any hook may be called from many threads at once (the caller's, the liveness thread,
+      torch's C++ callers through :meth:`as_store`), ``_close`` included while others are in
+      flight: all must be thread-safe. Each is atomic and linearizable across every process
+      and host of the job, not only this process's threads: ``_add`` and ``_compare_set``
+      read and write as one step, no ``_set`` or ``_delete`` lands inside one, and once a
+      write returns every rank's next read sees it. A write applied twice (a call re-sent
+      after its reply was lost) breaks that: apply it once or raise ChannelClosed.
+    - Only :class:`ControlError` subclasses may escape (``_add``'s ValueError aside):
+      :class:`ChannelClosed` (the store is gone or unusable, the channel closed or fenced),
+      :class:`AuthError` (credentials refused), :class:`ControlTimeout` (the store did not
+      answer in time), :class:`BadMessage` (a malformed reply). Translate the library's
+      errors in one place. ``PeerLost``, the public calls' timeouts and messages are the core's.
+    - Only ``_get`` and ``_multi_get`` wait for keys; the others return once the store has
+      answered, and raise rather than hang when it does not (the liveness thread calls them).
+
+    *Optional hooks*, each with a default in the core built on the eight: ``_multi_get``,
+    ``_multi_set``, ``_append`` (override to save round trips or to append in one atomic
+    step), ``_claimed`` (the rank is held), ``_new_liveness`` (how lost peers are noticed),
+    ``_held_state``, and the classmethods ``_check_options``, ``diagnose`` and ``security``;
+    the property :attr:`hosts_coordinator`. The collectives ``barrier``, ``broadcast``,
+    ``gather`` and ``all_gather`` (:mod:`dataparallel.collectives`; ``rendezvous`` is a
+    barrier) may be overridden with native ones keeping their signatures and semantics: call
+    ``self._usable()`` first, number rounds with ``self._next_seq(kind, name)``, leave no
+    state behind (the suite checks :meth:`_held_state`). A classmethod ``serve(url, token,
+    ready)`` gives ``dataparallel serve`` a standalone coordinator (calling ``ready(port)``
+    once listening). A fatal condition noticed in the background (the server gone) is
+    reported with ``self._fail(ChannelClosed(...))``: every later call raises it.
+
+    *Testing.* Register the scheme in the package's ``pyproject.toml``::
+
+        [project.entry-points."dataparallel.transports"]
+        mine = "my_module:MyChannel"
+
+    and install it (``pip install -e .``): the conformance suite starts real rank processes
+    (``python -m dataparallel.testing.worker``) that find the scheme through that entry point,
+    so :func:`~dataparallel.register_transport` (this process only) is not enough for it. Then
+    subclass :class:`dataparallel.testing.ChannelConformance` (it needs pytest and
+    pytest-timeout) with a ``channel_url`` fixture returning a fresh, isolated store per test:
+    ``f"mine://127.0.0.1:{free_port()}"`` for one the test's rank 0 hosts, or with pytest's
+    ``tmp_path`` for one on a path (``f"mine://{tmp_path}/store"``). Set
+    ``cross_process = False`` when ranks can only be threads of one process (``memory://``).
     """
 
     #: Whether a rank declared lost is fenced: once the others have been told, the transport
@@ -85,13 +173,17 @@ class ControlChannel(Collectives, abc.ABC):
     URL_HOST: ClassVar[bool] = True
     #: Extra query-string options this transport accepts: name -> meaning.
     OPTIONS: ClassVar[dict[str, str]] = {}
-    #: True when the transport authenticates the token itself (so the core need not).
+    #: True when the transport checks the token itself and refuses a wrong or missing one
+    #: with AuthError (in seconds, whatever the timeout). False: the core checks that every
+    #: rank of the job has the same token when it joins (a MAC under ``__dp/token``); the
+    #: store itself stays open to anyone who reaches it.
     native_auth: ClassVar[bool] = False
-    #: Longest single ``_get`` the core asks for (how soon a lost peer interrupts a blocked
-    #: call), unless the liveness kind interrupts blocked calls itself. Transports whose
-    #: timed-out waits are costly may raise it.
+    #: Longest single ``_get``/``_multi_get`` the core asks for while liveness runs: how soon
+    #: a lost peer interrupts a blocked call (unless the liveness kind interrupts blocked
+    #: calls itself). Transports whose timed-out waits are costly may raise it (tcpstore: 5).
     liveness_poll: ClassVar[float] = 0.5
-    #: Longest a coordinator-hosting rank's ``close`` waits for the other ranks to leave.
+    #: Longest ``close`` waits, where :attr:`hosts_coordinator`, for the other ranks to close
+    #: or be lost (at most ``self.timeout``).
     CLOSE_GRACE: ClassVar[float] = 10.0
 
     def __init__(
@@ -170,8 +262,9 @@ class ControlChannel(Collectives, abc.ABC):
 
     @classmethod
     def security(cls, url: ChannelURL, token: str | None) -> str:
-        """One line for ``dataparallel check``: what this URL authenticates and encrypts, and
-        what is left to the network (README, "Threat model")."""
+        """One line for ``dataparallel check`` and ``dataparallel serve``: what this URL
+        authenticates and encrypts, and what is left to the network (README, "Threat
+        model"). Optional hook; the default says what ``native_auth`` implies."""
         if cls.native_auth:
             return "authenticated by the transport"
         return (
@@ -181,42 +274,84 @@ class ControlChannel(Collectives, abc.ABC):
 
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
-        """Transport hook for :meth:`check_url`: check this transport's own ``OPTIONS``
-        (values, combinations, files that must be readable); raise :class:`ConfigError`."""
+        """Optional hook of :meth:`check_url`, run by every entry point before it connects,
+        after the core's own checks: check the rest of the URL (ports, path, number of
+        hosts) and the values of this transport's ``OPTIONS`` (combinations, files that must
+        be readable). Raise :class:`ConfigError` naming the fix, with :meth:`url_form`
+        (``f"{url.shown!r}: no path (expected {cls.url_form(url)})"``). ``serving``: this
+        process is about to host a coordinator (``dataparallel serve``). Default: nothing."""
 
     # ------------------------------------------------------------------ transport hooks
+    # The rules every hook follows (keys, values, threads, atomicity, errors) are in the
+    # class docstring.
     @abc.abstractmethod
-    def _set(self, key: str, value: bytes) -> None: ...
+    def _set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``, creating or overwriting it. Once this returns, every
+        rank's ``_get``/``_check`` sees the value, and a ``_get`` waiting for the key returns it."""
 
     @abc.abstractmethod
     def _get(self, key: str, timeout: float) -> bytes | None:
-        """Block up to ``timeout`` seconds for ``key``; return its value, or None on timeout."""
+        """Return the value of ``key``, waiting up to ``timeout`` seconds (always > 0, from a
+        few microseconds up to a call's whole budget) for some rank to create it; None if it
+        still does not exist then. Return as soon as the key exists: a write while waiting releases it.
+
+        The core waits in slices: a blocked ``get`` (and every collective) calls this again
+        and again with at most :attr:`liveness_poll` seconds (0.5 by default) while liveness
+        runs, and looks for lost peers in between; before the rank joins, on a channel that
+        never joins, or where the liveness kind interrupts blocked calls itself, it passes
+        the whole remaining timeout. A wait cut short by :meth:`_close` may return None or
+        raise ChannelClosed."""
 
     @abc.abstractmethod
     def _add(self, key: str, amount: int) -> int:
-        """Atomically add and return the new value; raise ValueError when the key holds no
-        decimal integer (the core reports it as :class:`BadMessage`)."""
+        """Atomically add ``amount`` (any int, negative included) to the decimal integer
+        stored at ``key`` (a missing key counts as 0), store the result as ASCII digits
+        (``str(n).encode()``: ``_get`` reads ``b"7"``) and return it. Raise ValueError, and
+        change nothing, when the value there is not a decimal integer (the core reports it as
+        :class:`BadMessage`). Releases a ``_get`` waiting for the key, like ``_set``."""
 
     @abc.abstractmethod
-    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Atomically store ``desired`` if the value at ``key`` equals ``expected``, a missing
+        key matching ``b""``; return the value stored afterwards (TCPStore's semantics):
+
+        - key missing, ``expected == b""``: create it with ``desired``, return ``desired``;
+        - key missing, ``expected`` non-empty: create nothing, return ``expected``;
+        - key present and equal to ``expected``: store ``desired``, return ``desired``;
+        - key present and different: change nothing, return its value.
+
+        The core's rank claims, token check and append lock depend on exactly one of many
+        concurrent callers winning."""
 
     @abc.abstractmethod
-    def _delete(self, key: str) -> bool: ...
+    def _delete(self, key: str) -> bool:
+        """Remove ``key``; return True if it existed. Afterwards the key is missing to every
+        hook (``_add`` starts again from 0, ``_compare_set`` matches ``b""``)."""
 
     @abc.abstractmethod
-    def _check(self, keys: Sequence[str]) -> bool: ...
+    def _check(self, keys: Sequence[str]) -> bool:
+        """True if every key in ``keys`` exists (True for none). Never blocks: one look."""
 
     @abc.abstractmethod
-    def _num_keys(self) -> int: ...
+    def _num_keys(self) -> int:
+        """How many keys this job holds, the core's ``__dp/`` keys included. (The suite only
+        checks that creating and deleting a key moves it by one; a store that cannot count
+        one job's keys alone may count more, as ``tcpstore://`` does.)"""
 
     @abc.abstractmethod
-    def _close(self) -> None: ...
+    def _close(self) -> None:
+        """Release the connection. Called by :meth:`close` after liveness has stopped (its
+        last ``_set``, announcing the departure, came before), on a joined channel or not.
+        Other threads may be inside hooks meanwhile, and may call one after: those end with
+        ChannelClosed (or, for a waiting ``_get``, None), never a library's error or a hang.
+        Two threads closing at once may both get here: tolerate a second call."""
 
     # Optional hooks: the core's defaults build them on the ones above; a transport that
     # can do better (one round trip, a server-side atomic append) overrides them.
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
-        """Block up to ``timeout`` seconds until every key exists; return their values in
-        order, or None on timeout. Default: one ``_get`` per key under one deadline."""
+        """The values of ``keys`` (non-empty, duplicates possible) in order, waiting up to
+        ``timeout`` seconds until every one exists; None if some still does not. Sliced like
+        :meth:`_get`. Default: one ``_get`` per key under one deadline."""
         deadline = time.monotonic() + timeout
         values = []
         for key in keys:
@@ -227,16 +362,20 @@ class ControlChannel(Collectives, abc.ABC):
         return values
 
     def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Set every ``(key, value)``. Default: one ``_set`` each."""
+        """Set every ``(key, value)`` of ``items`` (non-empty). Default: one ``_set`` each
+        (so another rank may see some set and not others); override for one round trip."""
         for key, value in items:
             self._set(key, value)
 
     def _append(self, key: str, value: bytes) -> None:
-        """Append ``value`` to ``key`` (missing = empty) atomically.
+        """Atomically append ``value`` to the bytes at ``key`` (a missing key counts as
+        empty and is created); concurrent appends all land, each rank's in its order.
 
-        Default: read and write under a lock key taken with ``_compare_set`` and a unique
-        owner, so a lost race is never taken for a success (comparing the bytes written
-        would be fooled by another rank writing the same bytes)."""
+        Default: read and write under a lock key ``__dp/lock/KEY`` taken with
+        ``_compare_set`` and a unique owner, so a lost race is never taken for a success
+        (comparing the bytes written would be fooled by another rank writing the same bytes).
+        Three more round trips, and a rank that dies holding the lock blocks that key's
+        appends until their timeout: a transport that can append in one atomic step should."""
         lock = f"{RESERVED_PREFIX}lock/{key}"
         me = uuid.uuid4().hex.encode()
         start = time.monotonic()
@@ -301,7 +440,9 @@ class ControlChannel(Collectives, abc.ABC):
 
     def _held_state(self) -> int:
         """Entries the job's state holds (keys, and whatever else the transport keeps for the
-        job, such as a coordinator's open collectives): what must not grow as a job runs."""
+        job, such as a coordinator's open collectives): what must not grow as a job runs. The
+        suite reads it on the channel that :attr:`hosts_coordinator` (else rank 0) around
+        repeated collectives. Default: :meth:`_num_keys`."""
         return self._num_keys()
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
@@ -356,11 +497,15 @@ class ControlChannel(Collectives, abc.ABC):
             self._liveness.await_departures(grace)
 
     def _claimed(self) -> None:
-        """Called once this process holds ``self.rank`` (a transport may register it)."""
+        """Called once, when ``dp.connect`` has claimed ``self.rank`` for this process and
+        before liveness starts: a transport may register the rank (with a session, a lease).
+        Default: nothing."""
 
     @property
     def hosts_coordinator(self) -> bool:
-        """True when this process serves the job's state (closing it ends the job)."""
+        """True when this process serves the job's state (closing it ends the job): its
+        ``close`` first waits up to :attr:`CLOSE_GRACE` for the others to leave, and the suite
+        closes it last. Default: False (the state lives elsewhere: a server, a file)."""
         return False
 
     @classmethod
@@ -370,7 +515,8 @@ class ControlChannel(Collectives, abc.ABC):
         :class:`ConfigError` or :class:`AuthError` whose message names the fix (a plain
         string counts as a ConfigError). Used by ``dataparallel check``, and by the
         coordinator-based transports while a session opens unanswered, so that a
-        misconfiguration fails in seconds rather than at the timeout. Default: none."""
+        misconfiguration fails in seconds rather than at the timeout. Optional hook.
+        Default: none."""
         return []
 
     def __enter__(self) -> ControlChannel:
@@ -605,8 +751,12 @@ class ControlChannel(Collectives, abc.ABC):
 
     def _new_liveness(self) -> Liveness:
         """The hook through which a transport picks how lost peers are noticed (see
-        :mod:`dataparallel.liveness`). Default: heartbeats through the channel's own keys,
-        which works on any transport that implements the primitives."""
+        :mod:`dataparallel.liveness`, the whole contract): made and started once the rank has
+        joined (a transport may call ``_start_liveness()`` earlier, as the coordinator-based
+        ones do with their session), stopped by ``close``. Default: :class:`StoreHeartbeats`,
+        heartbeats through the channel's own keys (``_add``, ``_check``, ``_get``,
+        ``_compare_set``, ``_set`` from a daemon thread), which works on any transport that
+        implements the hooks."""
         return StoreHeartbeats(self, self.heartbeat_interval, self.liveness_timeout)
 
     def _start_liveness(self) -> None:

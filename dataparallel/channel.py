@@ -135,6 +135,16 @@ class ControlChannel(Collectives, abc.ABC):
     once listening). A fatal condition noticed in the background (the server gone) is
     reported with ``self._fail(ChannelClosed(...))``: every later call raises it.
 
+    *Runs.* A job's state belongs to a run, the ranks that joined it together: a rerun under
+    the same job name after a crash must not see what the crashed run left (claimed ranks,
+    half-done collectives, keys). By default the core handles it with the hooks above: a run
+    pointer (``__dp/run``) names the current run, every key the core passes to a hook lies
+    under it, and a run whose ranks have all closed or been silent for the liveness timeout
+    gives way to a fresh one (so a transport needs nothing for this; the dead run's keys stay
+    in the store, unread). A transport whose server knows when a run's ranks are gone
+    (sessions, leases) starts runs itself and overrides :meth:`_enter_run` and
+    :meth:`_run_state`, as ``RemoteChannel`` and ``etcd`` do.
+
     *Testing.* Register the scheme in the package's ``pyproject.toml``::
 
         [project.entry-points."dataparallel.transports"]

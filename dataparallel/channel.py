@@ -717,9 +717,8 @@ class ControlChannel(Collectives, abc.ABC):
         """Check the token and claim the rank in the current run: None when done, else the
         error to raise, why, whether waiting for the run to end may help, and the rank held
         (None: all of them)."""
-        if not self.native_auth and not self._agree_on_token():
-            why = f"job {self.job!r}: this process's token differs from the one the job was started with"
-            return AuthError, why, False, None
+        if not self.native_auth and not self._token_agrees():
+            return AuthError, self._token_differs, False, None
         me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
         if self.rank is not None:
             owner = self._compare_set(self._scoped(f"{RESERVED_PREFIX}claim/{self.rank}"), b"", me)
@@ -738,7 +737,17 @@ class ControlChannel(Collectives, abc.ABC):
                 self.rank = rank
                 return None
 
-    def _agree_on_token(self) -> bool:
+    def _agree_on_token(self) -> None:
+        """Raise :class:`AuthError` unless this process's token is the one the job's run was
+        started with (for users of a channel that does not join, such as the torchrun backends)."""
+        if not self._token_agrees():
+            raise AuthError(self._token_differs)
+
+    @property
+    def _token_differs(self) -> str:
+        return f"job {self.job!r}: this process's token differs from the one the job was started with"
+
+    def _token_agrees(self) -> bool:
         """Whether this process's token is the one the run was started with.
 
         Not authentication (the store itself is open): it stops a misconfigured process from

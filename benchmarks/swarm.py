@@ -205,6 +205,8 @@ def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not any("error" not in r for by_n in result.values() for r in by_n.values()):
+        return  # every run failed: nothing to draw (the table says why)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for kind, by_n in result.items():
         ok = {int(n): r for n, r in by_n.items() if "error" not in r}

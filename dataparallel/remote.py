@@ -267,7 +267,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
         )
 
     def _raise_misconfiguration(self) -> None:
-        problems = type(self).diagnose(self.url, PROBE_EVERY, self.token)
+        problems = _diagnosis(type(self), self.url, self.token)
         if problems:
             problem = problems[0]
             if isinstance(problem, ControlError):
@@ -445,6 +445,23 @@ class RemoteChannel(ControlChannel, abc.ABC):
         self._usable()
         seq = self._next_seq("allgather", name)
         return self._collect(f"allgather/{name}/{seq}", f"all_gather {name!r}", timeout, want=True, value=_bytes(value))
+
+
+_probes_lock = threading.Lock()
+_probes: dict[tuple, tuple[threading.Lock, list[float], list]] = {}
+
+
+def _diagnosis(cls: type[RemoteChannel], url: ChannelURL, token: str | None) -> list:
+    """``cls.diagnose(url)``, looked at once per ``PROBE_EVERY`` seconds by a whole process:
+    hundreds of ranks of one process whose sessions open slowly (a loaded coordinator) would
+    otherwise each probe it every few seconds, and their probes load it further."""
+    with _probes_lock:
+        lock, when, found = _probes.setdefault((cls, url.raw, token), (threading.Lock(), [-math.inf], []))
+    with lock:  # one probe at a time; the others take its finding
+        if time.monotonic() - when[0] >= PROBE_EVERY:
+            found[:] = cls.diagnose(url, PROBE_EVERY, token)
+            when[0] = time.monotonic()
+        return list(found)
 
 
 def _bytes(value: bytes) -> bytes:

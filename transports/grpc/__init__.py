@@ -76,8 +76,7 @@ class GrpcChannel(RemoteChannel):
             busy=(OSError, RuntimeError),
         )
         self._target = f"{host}:{port}"
-        self._channel = self._open_channel(url)
-        self._stream = FrameStream(self._channel, self._target, self._open_reply)
+        self._stream = FrameStream(lambda: self._open_channel(url), self._target, self._open_reply)
         try:
             self._init_remote()
         except BaseException:
@@ -103,23 +102,22 @@ class GrpcChannel(RemoteChannel):
         if serving:
             server_credentials(url)
 
-    def _open_channel(self, url: ChannelURL) -> grpc.Channel:
+    def _open_channel(self, url: ChannelURL) -> grpc.aio.Channel:
         options = list(GRPC_OPTIONS)
         if not self._tls:
-            return grpc.insecure_channel(self._target, options=options)
+            return grpc.aio.insecure_channel(self._target, options=options)
         if "server_name" in url.options:
             options.append(("grpc.ssl_target_name_override", url.options["server_name"]))
         credentials = grpc.ssl_channel_credentials(
             root_certificates=url.file("ca"), private_key=url.file("key"), certificate_chain=url.file("cert")
         )
-        return grpc.secure_channel(self._target, credentials, options=options)
+        return grpc.aio.secure_channel(self._target, credentials, options=options)
 
     def _exchange(self, request: pb.Request) -> GrpcExchange:
         return GrpcExchange(self._stream, request, seal(self._frame_key, request), self._open_reply)
 
     def _close_transport(self) -> None:
         self._stream.close()
-        self._channel.close()
         self._stop_hosting()
 
     @classmethod

@@ -1,19 +1,26 @@
-"""The client's end of the gRPC transport: one bidirectional ``Stream`` per channel.
+"""The client's end of the gRPC transport: one bidirectional ``Stream`` per channel, all of a
+process's streams served by one asyncio event loop thread.
 
 Every request of the channel (any thread's, heartbeats included) goes out on the stream as a
-sealed frame; a reader thread opens each reply and hands it to the request of its id, so a
-blocked ``get`` holds up no one. When the stream breaks (coordinator restarting, connection
-reset), the reader opens a new one after a short pause and sends every unanswered request
-again with its id: the coordinator applies each id once and answers a resend from its cache,
-or from wherever the request is parked. Heartbeats and the ``leave`` are not resent: they fail
-with the stream, as a call would, and the heartbeat loop judges the silence.
+sealed frame; the loop opens each reply and hands it to the request of its id, so a blocked
+``get`` holds up no one. When the stream breaks (coordinator restarting, connection reset),
+the loop opens a new one after a short pause and sends every unanswered request again with its
+id: the coordinator applies each id once and answers a resend from its cache, or from wherever
+the request is parked. Heartbeats and the ``leave`` are not resent: they fail with the stream,
+as a call would, and the heartbeat loop judges the silence.
+
+One loop for the process, not threads per channel: a process running hundreds of ranks (as
+threads) would otherwise run two gRPC threads per rank, and on a few cores their contention
+for the interpreter starves heartbeats long enough for live ranks to be declared lost.
 """
 
 from __future__ import annotations
 
-import queue
+import asyncio
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
 import grpc
 
@@ -25,6 +32,20 @@ from dataparallel.wire import MAX_FRAME, pb
 #: Seconds between attempts to open the stream while the coordinator cannot be reached.
 REOPEN_PAUSE = 0.1
 _END = object()  # ends a stream's outgoing frames: the client half-closes it
+
+_loop_lock = threading.Lock()
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
+
+
+def client_loop() -> asyncio.AbstractEventLoop:
+    """The process's gRPC client loop (started on first use; a forked child starts its own)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="dp-grpc-client", daemon=True).start()
+            _loop = (os.getpid(), loop)
+        return _loop[1]
 
 
 class Pending:
@@ -46,83 +67,122 @@ class Pending:
 class FrameStream:
     """The stream of one channel, opened on its first request; see the module docstring.
 
+    ``open_channel`` makes the ``grpc.aio`` channel (called on the loop, which owns it);
     ``open_reply`` verifies and parses a reply frame, raising :class:`ControlError` when it is
     not sealed with this job's key."""
 
-    def __init__(self, channel: grpc.Channel, target: str, open_reply: Callable[[bytes], pb.Reply]) -> None:
-        self._stub = control_pb2_grpc.ControlServiceStub(channel)
+    def __init__(
+        self, open_channel: Callable[[], grpc.aio.Channel], target: str, open_reply: Callable[[bytes], pb.Reply]
+    ) -> None:
+        self._loop = client_loop()
         self._target = target
         self._open_reply = open_reply
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
-        self._outbox: queue.SimpleQueue | None = None  # the open stream's outgoing frames
-        self._call: grpc.RpcContext | None = None
-        self._closed = threading.Event()
-        self._reader: threading.Thread | None = None
+        self._closed = False
+        # Touched on the loop only:
+        self._channel: grpc.aio.Channel | None = None
+        self._open_channel = open_channel
+        self._outbox: asyncio.Queue | None = None  # the open stream's outgoing frames
+        self._sent: set[int] = set()  # ids already on the open stream
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
         #: Why the last stream ended, for the message when no reply comes.
         self.reason = ""
 
     def send(self, request_id: int, frame: bytes, retry: bool) -> Pending:
         pending = Pending(frame, retry)
-        with self._cond:
-            if self._closed.is_set():
+        with self._lock:
+            if self._closed:
                 raise ChannelClosed(f"channel to the coordinator at {self._target} is closed")
             self._pending[request_id] = pending
-            if self._outbox is not None:
-                self._outbox.put(pb.Frame(sealed=frame))
-            elif self._reader is None:
-                self._reader = threading.Thread(target=self._run, name="dp-grpc-stream", daemon=True)
-                self._reader.start()
-            else:
-                self._cond.notify()
+        self._loop.call_soon_threadsafe(self._queue, request_id)
         return pending
 
     def forget(self, request_id: int) -> None:
         """The request is answered or given up: a late reply to it is dropped."""
-        with self._cond:
+        with self._lock:
             self._pending.pop(request_id, None)
 
     def close(self) -> None:
-        with self._cond:
-            self._closed.set()
-            self._cond.notify_all()
-            if self._outbox is not None:
-                self._outbox.put(_END)
-            call, waiting = self._call, list(self._pending.values())
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiting = list(self._pending.values())
             self._pending.clear()
         for pending in waiting:
             pending.settle(error=ChannelClosed(f"channel to the coordinator at {self._target} closed"))
-        if call is not None:
-            call.cancel()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=2.0)
+        done: Future = asyncio.run_coroutine_threadsafe(self._shut(), self._loop)
+        try:
+            done.result(timeout=2.0)
+        except Exception:  # the loop is stuck or gone (interpreter exit): nothing more to release
+            done.cancel()
 
-    # ------------------------------------------------------------------ the reader thread
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed.is_set():
-                    self._cond.wait()  # nothing to send: no stream to a coordinator that may be gone
-                if self._closed.is_set():
-                    return
-                outbox: queue.SimpleQueue = queue.SimpleQueue()
-                for pending in self._pending.values():  # unanswered: resent with the same id
-                    outbox.put(pb.Frame(sealed=pending.frame))
-                self._outbox = outbox
-                self._call = call = self._stub.Stream(iter(outbox.get, _END))
-            failure = None
+    # ------------------------------------------------------------------ on the loop
+    def _queue(self, request_id: int) -> None:
+        with self._lock:
+            pending = self._pending.get(request_id)
+        if pending is None or self._closed:
+            return
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = self._loop.create_task(self._run())
+        elif self._outbox is not None:
+            if request_id not in self._sent:
+                self._sent.add(request_id)
+                self._outbox.put_nowait(pending.frame)
+        else:
+            self._wake.set()  # between streams: the next one sends it
+
+    async def _shut(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(_END)
+        if self._call is not None:
+            self._call.cancel()
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
             try:
-                for frame in call:
+                await asyncio.wait_for(asyncio.shield(self._task), 1.0)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _run(self) -> None:
+        while not self._closed:
+            with self._lock:
+                unanswered = list(self._pending.items())
+            if not unanswered:
+                self._wake.clear()
+                await self._wake.wait()  # nothing to send: no stream to a coordinator that may be gone
+                continue
+            outbox: asyncio.Queue = asyncio.Queue()
+            self._sent = set()
+            for request_id, pending in unanswered:  # resent with the same id
+                self._sent.add(request_id)
+                outbox.put_nowait(pending.frame)
+            self._outbox = outbox
+            failure: grpc.RpcError | Exception | None = None
+            try:
+                if self._channel is None:
+                    self._channel = self._open_channel()
+                self._call = call = control_pb2_grpc.ControlServiceStub(self._channel).Stream(_frames(outbox))
+                async for frame in call:
                     self._deliver(frame.sealed)
-            except grpc.RpcError as err:
+            except asyncio.CancelledError:
+                if not self._closed:
+                    raise
+            except Exception as err:  # grpc.RpcError; anything else must not silence the channel either
                 failure = err
-            with self._cond:
-                self._outbox = self._call = None
-                outbox.put(_END)
-                if self._closed.is_set():
-                    return
-                self._broken(failure)
-            self._closed.wait(REOPEN_PAUSE)
+            self._outbox = self._call = None
+            outbox.put_nowait(_END)
+            if self._closed:
+                return
+            self._broken(failure)
+            await asyncio.sleep(REOPEN_PAUSE)
 
     def _deliver(self, sealed: bytes) -> None:
         try:
@@ -130,12 +190,12 @@ class FrameStream:
         except ControlError:
             # Not sealed with this job's key: whoever answers does not know the token, and every
             # request waiting on it says so (each opens the frame itself, raising its own error).
-            with self._cond:
+            with self._lock:
                 waiting = list(self._pending.values())
             for pending in waiting:
                 pending.settle(sealed)
             return
-        with self._cond:
+        with self._lock:
             if reply.id:
                 pending = self._pending.get(reply.id)
                 waiting = [pending] if pending is not None else []  # else: given up on already
@@ -144,21 +204,33 @@ class FrameStream:
         for pending in waiting:
             pending.settle(reply)
 
-    def _broken(self, err: grpc.RpcError | None) -> None:
-        """The stream ended (lock held): requests that cannot be resent fail, the rest wait
-        for the next stream."""
-        code = err.code() if err is not None else grpc.StatusCode.OK
-        details = (err.details() or "") if err is not None else "the coordinator ended the stream"
+    def _broken(self, err: Exception | None) -> None:
+        """The stream ended: requests that cannot be resent fail, the rest wait for the next one."""
+        if isinstance(err, grpc.RpcError):
+            code, details = err.code(), err.details() or ""
+        elif err is None:
+            code, details = grpc.StatusCode.OK, "the coordinator ended the stream"
+        else:
+            code, details = grpc.StatusCode.UNKNOWN, f"{type(err).__name__}: {err}"
         self.reason = details
         retry = code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        for request_id, pending in list(self._pending.items()):
-            if retry and pending.retry:
-                continue
-            del self._pending[request_id]
+        failed = []
+        with self._lock:
+            for request_id, pending in list(self._pending.items()):
+                if retry and pending.retry:
+                    continue
+                del self._pending[request_id]
+                failed.append(pending)
+        for pending in failed:
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 pending.settle(error=BadMessage(f"coordinator at {self._target}: {details}"))
             else:
                 pending.settle(error=ChannelClosed(f"coordinator at {self._target}: {code.name}: {details}"))
+
+
+async def _frames(outbox: asyncio.Queue) -> AsyncIterator[pb.Frame]:
+    while (frame := await outbox.get()) is not _END:
+        yield pb.Frame(sealed=frame)
 
 
 class GrpcExchange(Exchange):

@@ -51,6 +51,7 @@ import grpc
 from dataparallel.channel import ControlChannel
 from dataparallel.check import tls_diagnosis
 from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
+from dataparallel.eventloop import client_loop
 from dataparallel.liveness import Liveness, LostPeer
 from dataparallel.registry import ChannelURL
 
@@ -106,9 +107,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._job_root = f"/{prefix}//{self.job}/".encode()
         self._root = self._job_root  # becomes /PREFIX//JOB/RUN/ once the run is known
         self._ttl = max(2, math.ceil(self.liveness_timeout))
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="dp-etcd", daemon=True)
-        self._thread.start()
+        self._loop = client_loop()
         self._current = 0
         self._client: EtcdClient | None = None
         self._lease = None
@@ -573,8 +572,6 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 self._run(self._client.close(), 5)
             except Exception:
                 pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
 
 
 def _lease_gone(err: BaseException) -> bool:

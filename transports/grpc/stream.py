@@ -7,17 +7,13 @@ sealed frame; the loop opens each reply and hands it to the request of its id, s
 the loop opens a new one after a short pause and sends every unanswered request again with its
 id: the coordinator applies each id once and answers a resend from its cache, or from wherever
 the request is parked. Heartbeats and the ``leave`` are not resent: they fail with the stream,
-as a call would, and the heartbeat loop judges the silence.
-
-One loop for the process, not threads per channel: a process running hundreds of ranks (as
-threads) would otherwise run two gRPC threads per rank, and on a few cores their contention
-for the interpreter starves heartbeats long enough for live ranks to be declared lost.
+as a call would, and the heartbeat loop judges the silence. The loop is the process's
+(:mod:`dataparallel.eventloop`), not threads per channel.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -26,26 +22,13 @@ import grpc
 
 from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.errors import BadMessage, ChannelClosed, ControlError
+from dataparallel.eventloop import client_loop
 from dataparallel.remote import Exchange
 from dataparallel.wire import MAX_FRAME, pb
 
 #: Seconds between attempts to open the stream while the coordinator cannot be reached.
 REOPEN_PAUSE = 0.1
 _END = object()  # ends a stream's outgoing frames: the client half-closes it
-
-_loop_lock = threading.Lock()
-_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
-
-
-def client_loop() -> asyncio.AbstractEventLoop:
-    """The process's gRPC client loop (started on first use; a forked child starts its own)."""
-    global _loop
-    with _loop_lock:
-        if _loop is None or _loop[0] != os.getpid():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="dp-grpc-client", daemon=True).start()
-            _loop = (os.getpid(), loop)
-        return _loop[1]
 
 
 class Pending:

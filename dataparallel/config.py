@@ -40,7 +40,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError
-from .registry import parse_url, transport_class
+from .registry import locate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -322,8 +322,8 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
         parts = urlsplit(url)
         merged = {**options, **dict(parse_qsl(parts.query, keep_blank_values=True))}
         url = urlunsplit(parts._replace(query=urlencode(merged)))
-    parsed = parse_url(url)
-    transport_class(parsed.scheme)  # unknown scheme or missing library: ConfigError listing the known ones
+    # An unknown scheme, a missing library or a malformed URL: a ConfigError saying where it came from.
+    parsed, _ = locate(url, f"url (from {origin['url']})")
     for _, port in parsed.hosts:
         if port is not None and not 1 <= port <= 65535 and parsed.scheme != "memory":
             raise ConfigError(f"url {url!r} (from {origin['url']}): port must be 1..65535, got {port}")

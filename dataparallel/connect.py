@@ -31,17 +31,19 @@ def connect(
     names it and where it came from), :class:`AuthError` for a token that does not match the
     job's, and :class:`ControlError` when the rank is taken or the job is full.
     """
+    where = None
     if url is None or rank is _FROM_CONFIG or world_size is None:
         from .config import load_config  # not imported (TOML parser and all) when all is given
 
         config = load_config()
-        url = url if url is not None else config.require("url")
+        if url is None:
+            url, where = config.require("url"), config.describe("url")
         rank = config.rank if rank is _FROM_CONFIG else rank
         world_size = world_size if world_size is not None else config.require("world_size")
         job = job if job is not None else config.job
         token = token if token is not None else config.token
         timeout = timeout if timeout is not None else config.timeout
-    parsed, cls = resolve(url, token)
+    parsed, cls = resolve(url, token, where=where)
     channel = cls(
         parsed,
         rank=rank,

@@ -158,16 +158,25 @@ def resolve(
     torchrun backends): parse ``url``, find its transport and validate its options
     (:meth:`ControlChannel.check_url`). A :class:`ConfigError` names ``where`` the URL came
     from (``DP_URL``, ``--url``, the TOML file) when given."""
+    parsed, cls = locate(url, where)
+    try:
+        cls.check_url(parsed, token, serving=serving)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}" if where else str(err)) from None
+    return parsed, cls
+
+
+def locate(url: str, where: str | None = None) -> tuple[ChannelURL, type[ControlChannel]]:
+    """Parse ``url`` and find its transport (its options unchecked: see :func:`resolve`); a
+    malformed URL's message shows the transport's URL form and ``where`` it came from."""
     try:
         scheme = url_scheme(url)
         cls = transport_class(scheme)
-        parsed = parse_url(url, cls.URL_FORM.format(scheme=scheme))
-        cls.check_url(parsed, token, serving=serving)
+        return parse_url(url, cls.URL_FORM.format(scheme=scheme)), cls
     except ConfigError as err:
         if where is None:
             raise
         raise ConfigError(f"{where}: {err}") from None
-    return parsed, cls
 
 
 def _split_host_port(url: str, item: str, expected: str) -> tuple[str, int | None]:

@@ -143,3 +143,17 @@ def test_connect_with_no_arguments_reads_the_configuration(monkeypatch):
     monkeypatch.chdir("/")
     with pytest.raises(dp.ConfigError, match="no transport configured: set url"):
         dp.connect()
+
+
+def test_a_malformed_url_from_the_configuration_names_where_it_came_from(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DP_WORLD_SIZE", "1")
+    monkeypatch.setenv("DP_URL", "zmq://")
+    with pytest.raises(
+        dp.ConfigError, match=r"^url \(from DP_URL\): 'zmq://': missing host \(expected zmq://HOST:PORT\)"
+    ):
+        dp.connect()
+    monkeypatch.delenv("DP_URL")
+    (tmp_path / "dataparallel.toml").write_text('url = "memory://a:x"\n')
+    with pytest.raises(dp.ConfigError, match=r"^url \(from file .*dataparallel.toml.*bad port 'x'.*memory://NAME"):
+        dp.connect()

@@ -227,6 +227,7 @@ class ControlChannel(Collectives, abc.ABC):
         self.heartbeat_interval = url.seconds("heartbeat", 1.0)
         self.liveness_timeout = url.seconds("liveness_timeout", 10.0)
         self._closed = False
+        self._close_lock = threading.Lock()
         self._broken: ControlError | None = None
         self._liveness: Liveness | None = None
         self._store: torch.distributed.Store | None = None
@@ -490,16 +491,18 @@ class ControlChannel(Collectives, abc.ABC):
 
     def close(self) -> None:
         """Leave the job: stop heartbeats (peers see a clean departure, not a loss) and
-        release the connection. Idempotent."""
-        if self._closed:
-            return
-        if self.hosts_coordinator and self._broken is None:
-            # Peers may still be reading their last replies: give them time to leave.
-            self._await_departures(min(self.timeout, self.CLOSE_GRACE))
-        self._closed = True
-        if self._liveness is not None:
-            self._liveness.stop(announce=self._broken is None)
-        self._close()
+        release the connection. Idempotent, and safe from several threads at once (one
+        closes; the others return once it has)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            if self.hosts_coordinator and self._broken is None:
+                # Peers may still be reading their last replies: give them time to leave.
+                self._await_departures(min(self.timeout, self.CLOSE_GRACE))
+            self._closed = True
+            if self._liveness is not None:
+                self._liveness.stop(announce=self._broken is None)
+            self._close()
 
     def _await_departures(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for the other ranks to close or be lost."""
@@ -635,6 +638,7 @@ class ControlChannel(Collectives, abc.ABC):
             return "over", "a rank of it was declared lost"
         now = time.monotonic()
         present: list[int] = []
+        closed: set[int] = set()
         silent: dict[int, float] = {}
         for rank in range(self.world_size):
             if not self._check([self._scoped(f"{RESERVED_PREFIX}claim/{rank}")]):
@@ -642,6 +646,7 @@ class ControlChannel(Collectives, abc.ABC):
             beat = self._scoped(f"{_HB_KEY}{rank}")
             value = self._get(beat, 1e-3) if self._check([beat]) else None
             if value == _CLOSED_BEAT:
+                closed.add(rank)
                 continue
             present.append(rank)
             seen = self._run_seen.get(rank)
@@ -651,8 +656,11 @@ class ControlChannel(Collectives, abc.ABC):
                 self._run_seen[rank] = (value, now)
             else:
                 silent[rank] = now - seen[1]
-        wanted = present if holder is None else [holder]
+        # A holder that closed left a run that may go on without it: then that run is the one.
+        wanted = present if holder is None or holder in closed else [holder]
         if wanted and all(r in self._run_alive for r in wanted):
+            if holder in closed:
+                return "alive", f"it left its run, which goes on without it{self._who(wanted)}: a rank cannot rejoin"
             who = "it is" if holder is not None else "all its ranks are"
             return "alive", f"{who} alive (heartbeats seen){self._who(wanted)}"
         if all(silent.get(r, 0.0) > self.liveness_timeout for r in present):

@@ -470,6 +470,16 @@ class PrimitiveTests(ChannelHarness):
                     raise AssertionError(f"{name}: {type(err).__module__}.{type(err).__name__} escaped: {err}") from err
         b.close()
 
+    def test_closing_from_many_threads_at_once_closes_once(self, open_ranks):
+        a, b = open_ranks(2)
+        calls: list[int] = []
+        release = b._close
+        b._close = lambda: (calls.append(1), release())[1]
+        run_all([b.close] * 8)
+        assert calls == [1], f"the transport's _close ran {len(calls)} times"
+        a.set("still", b"open")
+        assert a.get("still", timeout=5) == b"open"
+
     def test_context_manager_closes(self, channel_url):
         with dp.connect(channel_url, rank=0, world_size=1, job="ctx", timeout=10) as ch:
             ch.set("k", b"v")

@@ -2,118 +2,26 @@
 process: its ``add`` and ``compare_set`` fail in seconds, each naming the broken primitive,
 while the example ``fsdir://`` transport (atomic across processes, under an ``flock``) passes.
 
-The transports are found the way a third party's are: through entry points, here those of a
-``.dist-info`` folder written to a temporary site directory that the run's ``PYTHONPATH``
-names (the suite's worker processes see it too).
+The broken transport is ``tests/brokenfs.py``. The transports are found the way a third
+party's are: through entry points, here those of a ``.dist-info`` folder written to a
+temporary site directory that the run's ``PYTHONPATH`` names (the suite's worker processes
+see it too).
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-
-from dataparallel import ChannelURL, ControlChannel
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "custom_transport"
 #: How long the broken transport's concurrency tests may take to fail, each.
 FAIL_WITHIN = 30.0
-
-# One lock per process: threads of a process take turns, processes do not. The bug this
-# module plants (a transport written and tested with threads only would not notice it).
-_process_lock = threading.Lock()
-
-
-class ThreadLockedFsDirChannel(ControlChannel):
-    """``brokenfs:///ABSOLUTE/DIR``: ``examples/custom_transport/dp_fsdir.py`` with
-    its ``flock`` replaced by a ``threading.Lock``, and a pause between the read and the write
-    of ``add`` and ``compare_set`` so that processes reliably race."""
-
-    scheme = "brokenfs"
-    URL_FORM = "{scheme}:///ABSOLUTE/DIR"
-    URL_HOST = False
-    PAUSE = 0.002
-
-    def __init__(self, url: ChannelURL, **kwargs) -> None:
-        super().__init__(url, **kwargs)
-        self._dir = Path(url.path) / self.job
-        self._dir.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, key: str) -> Path:
-        return self._dir / base64.urlsafe_b64encode(key.encode()).decode()
-
-    def _read(self, key: str) -> bytes | None:
-        try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def _write(self, key: str, value: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(value)
-        os.replace(tmp, self._path(key))
-
-    def _set(self, key: str, value: bytes) -> None:
-        with _process_lock:
-            self._write(key, value)
-
-    def _get(self, key: str, timeout: float) -> bytes | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = self._read(key)
-            if value is not None:
-                return value
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            time.sleep(min(0.005, left))
-
-    def _add(self, key: str, amount: int) -> int:
-        with _process_lock:
-            value = int(self._read(key) or b"0") + amount
-            time.sleep(self.PAUSE)
-            self._write(key, str(value).encode())
-            return value
-
-    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        with _process_lock:
-            current = self._read(key)
-            time.sleep(self.PAUSE)
-            if current is None and expected:
-                return expected
-            if current is not None and current != expected:
-                return current
-            self._write(key, desired)
-            return desired
-
-    def _delete(self, key: str) -> bool:
-        with _process_lock:
-            try:
-                self._path(key).unlink()
-                return True
-            except FileNotFoundError:
-                return False
-
-    def _check(self, keys: Sequence[str]) -> bool:
-        return all(self._path(k).exists() for k in keys)
-
-    def _num_keys(self) -> int:
-        return sum(1 for p in self._dir.iterdir() if not p.name.startswith("."))
-
-    def _close(self) -> None:
-        pass
-
 
 SUITE = """
 import pytest
@@ -137,8 +45,8 @@ class TestFsDir(PrimitiveTests):
         return f"fsdir://{tmp_path}/shared"
 """
 
-ENTRY_POINTS = f"""[dataparallel.transports]
-brokenfs = {Path(__file__).stem}:ThreadLockedFsDirChannel
+ENTRY_POINTS = """[dataparallel.transports]
+brokenfs = brokenfs:ThreadLockedFsDirChannel
 fsdir = dp_fsdir:FsDirChannel
 """
 

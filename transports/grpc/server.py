@@ -15,6 +15,7 @@ inside it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import grpc
 
 from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.coordinator import Coordinator, CoordinatorLimits
+from dataparallel.eventloop import client_loop
 from dataparallel.wire import MAC_SIZE, MAX_FRAME, pb, seal
 
 log = logging.getLogger(__name__)
@@ -108,16 +110,18 @@ class GrpcCoordinatorServer:
         self._key = key
         self._credentials = credentials
         self._address = f"{'[::]' if host in ('0.0.0.0', '*', '') else host}:{port}"
-        self._loop = asyncio.new_event_loop()
+        # The process's one event loop, which its gRPC clients share: grpc.aio binds every loop
+        # that ever ran it, and one closed under it (a server's own, at stop) makes it complain.
+        self._loop = client_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._stopping: asyncio.Event | None = None
+        self._running: concurrent.futures.Future | None = None
         self.port = 0
         self._on_ready: Callable[[int], None] | None = None
-        self._thread = threading.Thread(target=self._run, name="dp-grpc-coordinator", daemon=True)
 
     def start(self, timeout: float = 10.0) -> GrpcCoordinatorServer:
-        self._thread.start()
+        self._running = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
         if not self._ready.wait(timeout):
             raise RuntimeError(f"gRPC coordinator on {self._address} did not start within {timeout}s")
         if self._error is not None:
@@ -125,24 +129,29 @@ class GrpcCoordinatorServer:
         return self
 
     def serve(self, ready: Callable[[int], None] | None = None) -> None:
-        """Run in the calling thread until interrupted; ``ready(port)`` once it listens."""
+        """Run until interrupted (blocking the calling thread); ``ready(port)`` once it listens."""
         self._on_ready = ready
-        self._run()
+        self.start()
+        try:
+            self._running.result()
+        finally:
+            self.stop()
 
     def stop(self) -> None:
-        if self._stopping is not None and self._loop.is_running():
+        if self._stopping is not None:
             self._loop.call_soon_threadsafe(self._stopping.set)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        if self._running is not None:
+            try:
+                self._running.result(timeout=5)
+            except Exception:  # stopped anyway: what it raised was reported to start()
+                pass
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
         try:
-            self._loop.run_until_complete(self._main())
+            await self._main()
         except BaseException as err:  # reported to start(); a bound port is the usual one
             self._error = err
             self._ready.set()
-        finally:
-            self._loop.close()
 
     async def _main(self) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)

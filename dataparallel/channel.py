@@ -682,7 +682,7 @@ class ControlChannel(Collectives, abc.ABC):
         no conflict: once they have been silent for the liveness timeout the run gives way to
         a fresh one. One held by a live rank is refused, saying so."""
         self._enter_run(retry=False)
-        start = time.monotonic()
+        start = None  # the first conflict: what is judged is what is seen from then on
         settle = self.liveness_timeout + 2 * self.heartbeat_interval + 2.0
         pause = min(0.5, self.heartbeat_interval / 2)
         while True:
@@ -690,6 +690,7 @@ class ControlChannel(Collectives, abc.ABC):
             if conflict is None:
                 break
             error, message, patient, holder = conflict
+            start = time.monotonic() if start is None else start
             state = self._run_state(holder)
             self._run_verdict = state[0] if state else ""
             waited = time.monotonic() - start

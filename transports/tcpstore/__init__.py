@@ -40,6 +40,10 @@ class TCPStoreChannel(ControlChannel):
         self._hosting = False
         self._root = self._open(url.host, url.require_port())
         self._clients: dict[int, dist.TCPStore] = {}
+        # One connection made now for the next thread (the liveness thread's): TCPStore's server
+        # now and then answers a new connection only after ~5 s. Mid-job, in the heartbeat
+        # thread, that outlasts a short liveness timeout; at connect it only delays the join.
+        self._spare: list[dist.TCPStore] = [self._clone()]
         #: A value no rank stores (see _get).
         self._absent = b"\0dp-absent\0" + os.urandom(12)
 
@@ -78,15 +82,18 @@ class TCPStoreChannel(ControlChannel):
             with self._lock:
                 if self._root is None:
                     raise ChannelClosed(f"{self!r} is closed")
-                # A connection of its own: a clone of the store opened at connect, within the
-                # channel's timeout. (TCPStore's server now and then answers a new connection
-                # only after ~5 s; a shorter bound turned that stall into false failures.)
-                try:
-                    client = self._root.clone()
-                except (dist.DistError, RuntimeError, OSError) as err:
-                    raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
-                client.set_timeout(timedelta(seconds=self.timeout))
+                client = self._spare.pop() if self._spare else self._clone()
                 self._clients[ident] = client
+        return client
+
+    def _clone(self) -> dist.TCPStore:
+        """A connection of its own: a clone of the store opened at connect, within the
+        channel's timeout (a shorter bound turned TCPStore's ~5 s stalls into false failures)."""
+        try:
+            client = self._root.clone()
+        except (dist.DistError, RuntimeError, OSError) as err:
+            raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
+        client.set_timeout(timedelta(seconds=self.timeout))
         return client
 
     def _call(self, op: Callable[[dist.TCPStore], T], read: bool = False) -> T:
@@ -187,6 +194,7 @@ class TCPStoreChannel(ControlChannel):
         with self._lock:
             # Dropping the last reference to the hosting store stops its server.
             self._clients.clear()
+            self._spare.clear()
             self._root = None
 
 

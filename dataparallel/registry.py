@@ -13,6 +13,8 @@ import importlib.util
 import re
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -144,11 +146,12 @@ def parse_url(url: str, form: str | None = None) -> ChannelURL:
 
 def url_scheme(url: str) -> str:
     """The scheme of a channel URL (lower case); :class:`ConfigError` if it is none."""
-    if not isinstance(url, str) or "://" not in url or not urlsplit(url).scheme:
+    scheme = urlsplit(url).scheme if isinstance(url, str) and "://" in url else ""
+    if not scheme:
         raise ConfigError(
             f"not a channel URL: {url!r}; expected SCHEME://..., known schemes: {', '.join(known_schemes())}"
         )
-    return urlsplit(url).scheme.lower()
+    return scheme.lower()
 
 
 def resolve(
@@ -159,20 +162,25 @@ def resolve(
     (:meth:`ControlChannel.check_url`). A :class:`ConfigError` names ``where`` the URL came
     from (``DP_URL``, ``--url``, the TOML file) when given."""
     parsed, cls = locate(url, where)
-    try:
+    with _naming(where):
         cls.check_url(parsed, token, serving=serving)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}" if where else str(err)) from None
     return parsed, cls
 
 
 def locate(url: str, where: str | None = None) -> tuple[ChannelURL, type[ControlChannel]]:
     """Parse ``url`` and find its transport (its options unchecked: see :func:`resolve`); a
     malformed URL's message shows the transport's URL form and ``where`` it came from."""
-    try:
+    with _naming(where):
         scheme = url_scheme(url)
         cls = transport_class(scheme)
         return parse_url(url, cls.URL_FORM.format(scheme=scheme)), cls
+
+
+@contextmanager
+def _naming(where: str | None) -> Iterator[None]:
+    """A :class:`ConfigError` raised inside says ``where`` the URL came from, when known."""
+    try:
+        yield
     except ConfigError as err:
         if where is None:
             raise

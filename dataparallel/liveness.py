@@ -116,12 +116,21 @@ class StoreHeartbeats(Liveness):
         # rank -> (last counter value, monotonic time it changed, wall time it changed);
         # a rank enters once its counter exists, i.e. once it has joined.
         self._seen: dict[int, tuple[bytes, float, float]] = {}
+        self._ready = threading.Event()  # set after the thread's first tick
+        self._first_error: BaseException | None = None
 
     def start(self) -> None:
-        # Even alone a rank beats: a later process claiming its rank must see it is alive.
-        self._beat()
-        self._watch()
+        """Start the thread and wait for its first tick. Even alone a rank beats: a later
+        process claiming its rank must see it is alive. The first tick runs in the thread, so
+        the connection it opens on a transport with one per thread (``tcpstore``: a new one
+        can take seconds, e.g. torch's reverse DNS lookup of the peer) is made while joining,
+        not mid-job, where it would outlast a short liveness timeout."""
         self._thread.start()
+        if not self._ready.wait(self._ch.timeout):
+            self._stop.set()
+            raise ChannelClosed(f"job {self._ch.job!r}: no first heartbeat within {self._ch.timeout:g}s")
+        if self._first_error is not None:
+            raise self._first_error
 
     def stop(self, announce: bool) -> None:
         self._stop.set()
@@ -164,6 +173,14 @@ class StoreHeartbeats(Liveness):
         return [0]
 
     def _run(self) -> None:
+        try:
+            self._beat()
+            self._watch()
+        except BaseException as err:  # start() raises it in the joining thread
+            self._first_error = err
+            return
+        finally:
+            self._ready.set()
         # A failed tick (a connection reset: the transport reconnects on the next call) is
         # retried; only a store unreachable for the whole liveness timeout breaks the channel.
         last_ok = time.monotonic()

@@ -1,9 +1,43 @@
+import time
+
 import pytest
 
 from dataparallel.testing import ChannelConformance, free_port
+from dataparallel.testing.conformance import FAST_LIVENESS, close_all, run_all, with_options
+from dataparallel.transports.tcpstore import TCPStoreChannel
 
 
 class TestTCPStoreChannel(ChannelConformance):
     @pytest.fixture
     def channel_url(self):
         return f"tcpstore://127.0.0.1:{free_port()}"
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_new_connection_delays_the_join_and_never_costs_a_rank(monkeypatch):
+    """TCPStore opens one connection per thread, and a new one now and then takes 5 s (torch
+    looks the peer's address up in DNS; a dropped query waits out the resolver's timeout).
+    The liveness thread's connection is made while joining: a slow one delays connect, and
+    never lets a heartbeat lapse past a 2 s liveness timeout mid-job."""
+    import dataparallel as dp
+
+    made: dict[int, int] = {}
+    real_clone = TCPStoreChannel._clone
+
+    def slow_clone(self):
+        made[self.rank] = made.get(self.rank, 0) + 1
+        if self.rank == 1 and made[1] > 1:  # rank 1's connections after its first: the DNS stall
+            time.sleep(3.0)
+        return real_clone(self)
+
+    monkeypatch.setattr(TCPStoreChannel, "_clone", slow_clone)
+    url = with_options(f"tcpstore://127.0.0.1:{free_port()}", **FAST_LIVENESS)
+    channels = run_all([lambda r=r: dp.connect(url, rank=r, world_size=2, job="slow", timeout=30) for r in range(2)])
+    try:
+        assert all(n >= 2 for n in made.values()), made  # the liveness threads' connections: at connect
+        run_all([lambda c=c: c.barrier("after", timeout=20) for c in channels])
+        time.sleep(3.0)  # past the liveness timeout, with every connection made
+        run_all([lambda c=c: c.barrier("later", timeout=20) for c in channels])
+        assert [c._liveness.lost() for c in channels] == [[], []]
+    finally:
+        close_all(channels)

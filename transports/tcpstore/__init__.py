@@ -40,10 +40,6 @@ class TCPStoreChannel(ControlChannel):
         self._hosting = False
         self._root = self._open(url.host, url.require_port())
         self._clients: dict[int, dist.TCPStore] = {}
-        # One connection made now for the next thread (the liveness thread's): TCPStore's server
-        # now and then answers a new connection only after ~5 s. Mid-job, in the heartbeat
-        # thread, that outlasts a short liveness timeout; at connect it only delays the join.
-        self._spare: list[dist.TCPStore] = [self._clone()]
         #: A value no rank stores (see _get).
         self._absent = b"\0dp-absent\0" + os.urandom(12)
 
@@ -82,13 +78,15 @@ class TCPStoreChannel(ControlChannel):
             with self._lock:
                 if self._root is None:
                     raise ChannelClosed(f"{self!r} is closed")
-                client = self._spare.pop() if self._spare else self._clone()
+                client = self._clone()
                 self._clients[ident] = client
         return client
 
     def _clone(self) -> dist.TCPStore:
         """A connection of its own: a clone of the store opened at connect, within the
-        channel's timeout (a shorter bound turned TCPStore's ~5 s stalls into false failures)."""
+        channel's timeout. A new TCPStore connection looks the peer's address up in DNS
+        (torch's socket logging, on both ends); where the resolver is slow or drops a query,
+        that takes its timeout (5 s), so a shorter bound would turn it into a false failure."""
         try:
             client = self._root.clone()
         except (dist.DistError, RuntimeError, OSError) as err:
@@ -194,7 +192,6 @@ class TCPStoreChannel(ControlChannel):
         with self._lock:
             # Dropping the last reference to the hosting store stops its server.
             self._clients.clear()
-            self._spare.clear()
             self._root = None
 
 

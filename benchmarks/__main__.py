@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from benchmarks.common import run_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults"]
@@ -162,4 +163,4 @@ def summarize(out: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("benchmarks", main)

@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks.common import free_port, machine, percentile
+from benchmarks.common import free_port, machine, percentile, run_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAYLOAD = b"x" * 64
@@ -446,4 +446,4 @@ def _at(series: dict, n: int) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("benchmarks.control_plane", main)

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.common import run_main
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -51,4 +53,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("benchmarks.faults", main)

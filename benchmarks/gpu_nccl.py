@@ -27,7 +27,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks.common import free_port
+from benchmarks.common import free_port, run_main
 
 
 def instrument_store_calls() -> collections.Counter:
@@ -236,4 +236,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("benchmarks.gpu_nccl", main)

@@ -163,4 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run_main
+
+    run_main("benchmarks.rendezvous", main)

@@ -229,4 +229,6 @@ def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run_main
+
+    run_main("benchmarks.swarm", main)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from benchmarks.common import free_port, machine, percentile
+from benchmarks.common import free_port, machine, percentile, run_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Where an epoch goes, on both sides (see the module docstring).
@@ -183,4 +183,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("benchmarks.train_loop", main)

@@ -41,6 +41,23 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its live descendants
+    (Linux ``/proc``; the coordinator of ``etcd`` is a child of the benchmark's server)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError, IndexError):
+            continue  # gone in between
+    return total
+
+
 def reverse_lookup_s(address: str = "::ffff:127.0.0.1") -> float:
     """Seconds one reverse lookup of ``address`` takes (what torch does for every TCPStore
     connection, on both ends, to name the peer in its logs)."""

@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks.common import free_port, machine, percentile, run_main
+from benchmarks.common import free_port, machine, percentile, run_main, tree_cpu_s
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAYLOAD = b"x" * 64
@@ -61,6 +61,97 @@ def serve_echo(port: int) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while data := conn.recv(65536):
             conn.sendall(data)
+
+
+def serve_zmq_echo(port: int) -> None:
+    """A bare pyzmq ROUTER that sends each message back: what libzmq alone costs a round
+    trip (the zmq transport's coordinator is a ROUTER too, its clients DEALERs)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    print("ready", flush=True)
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
+ECHO_METHOD = "/bench.Echo/Stream"
+
+
+def serve_grpc_echo(port: int) -> None:
+    """A bare grpc.aio server with one bidirectional-stream method that sends each message back
+    (bytes in, bytes out, no protobuf): what grpcio alone costs a round trip on one stream, the
+    grpc transport's way of talking to its coordinator."""
+    import asyncio
+
+    import grpc
+
+    async def echo(requests, context):
+        async for message in requests:
+            yield message
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(echo)
+        service, method = ECHO_METHOD.strip("/").split("/")
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def echo_round_trips(kind: str, repeats: int) -> tuple[list[float], dict[str, float]]:
+    """µs of each round trip to a bare echo server (``zmq echo``: a DEALER, the way the zmq
+    transport's client calls; ``grpc echo``: one grpc.aio stream, awaited on its own event
+    loop: no thread hand-off, less than the grpc transport's client can do), and its CPU."""
+    port = free_port()
+    proc = start_server(kind, port)
+    try:
+        if kind == "zmq echo":
+            import zmq
+
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            call = lambda: (sock.send(PAYLOAD), sock.recv())  # noqa: E731
+            try:
+                return time_ops(call, repeats), cpu_per_call(call, repeats, proc)
+            finally:
+                sock.close(linger=0)
+        import asyncio
+
+        import grpc
+
+        async def measure() -> tuple[list[float], dict[str, float]]:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stream = channel.stream_stream(ECHO_METHOD)()
+
+                async def one() -> None:
+                    await stream.write(PAYLOAD)
+                    await stream.read()
+
+                for _ in range(min(200, repeats)):
+                    await one()
+                samples = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    await one()
+                    samples.append((time.perf_counter() - t) * 1e6)
+                client, served = time.process_time(), tree_cpu_s(proc.pid)
+                for _ in range(repeats):
+                    await one()
+                cpu = {
+                    "client_us": (time.process_time() - client) / repeats * 1e6,
+                    "server_us": (tree_cpu_s(proc.pid) - served) / repeats * 1e6,
+                }
+                await stream.done_writing()
+                return samples, cpu
+
+        return asyncio.run(measure())
+    finally:
+        proc.kill()
 
 
 def serve_tcpstore(port: int) -> None:
@@ -128,7 +219,7 @@ def start_server(kind: str, port: int) -> subprocess.Popen:
     if kind in ("zmq", "grpc"):
         cmd = [sys.executable, "-m", "dataparallel", "serve", f"{kind}://127.0.0.1:{port}"]
     else:
-        cmd = [sys.executable, "-m", "benchmarks.control_plane", "--serve", kind, "--port", str(port)]
+        cmd = [sys.executable, "-m", "benchmarks.control_plane", "--serve", kind.replace(" ", "-"), "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     proc.stdout.readline()
     return proc
@@ -147,6 +238,18 @@ def time_ops(op, repeats: int) -> list[float]:
     return samples
 
 
+def cpu_per_call(op, repeats: int, server: subprocess.Popen) -> dict[str, float]:
+    """µs of CPU one call of ``op`` costs this (client) process and the server's process tree,
+    over ``repeats`` calls: where a round trip's time goes when it is CPU, not the network."""
+    client, served = time.process_time(), tree_cpu_s(server.pid)
+    for _ in range(repeats):
+        op()
+    return {
+        "client_us": (time.process_time() - client) / repeats * 1e6,
+        "server_us": (tree_cpu_s(server.pid) - served) / repeats * 1e6,
+    }
+
+
 def p50_p99(samples: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
     return (
         {k: statistics.median(v) for k, v in samples.items()},
@@ -154,9 +257,12 @@ def p50_p99(samples: dict[str, list[float]]) -> tuple[dict[str, float], dict[str
     )
 
 
-def round_trips(repeats: int, writes: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+def round_trips(
+    repeats: int, writes: dict[str, list[float]] | None = None, cpu: dict[str, dict[str, float]] | None = None
+) -> dict[str, list[float]]:
     """µs of each get of an existing key, per transport; ``writes`` gets those of a ``set``
-    (acknowledged on every transport; torch's own TCPStore set is not)."""
+    (acknowledged on every transport; torch's own TCPStore set is not), ``cpu`` the CPU a
+    get costs each side (:func:`cpu_per_call`)."""
     import torch.distributed as dist
 
     import dataparallel as dp
@@ -168,8 +274,14 @@ def round_trips(repeats: int, writes: dict[str, list[float]] | None = None) -> d
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             out["raw socket"] = time_ops(lambda: (s.sendall(PAYLOAD), s.recv(65536)), repeats)
+            if cpu is not None:
+                cpu["raw socket"] = cpu_per_call(lambda: (s.sendall(PAYLOAD), s.recv(65536)), repeats, proc)
     finally:
         proc.kill()
+    for kind in ("zmq echo", "grpc echo"):
+        out[kind], used = echo_round_trips(kind, repeats)
+        if cpu is not None:
+            cpu[kind] = used
     with dp.connect("memory://rtt", rank=0, world_size=1, job="rtt") as ch:  # in-process: no network
         ch.set("k", PAYLOAD)
         out["memory"] = time_ops(lambda ch=ch: ch.get("k"), repeats)
@@ -180,12 +292,16 @@ def round_trips(repeats: int, writes: dict[str, list[float]] | None = None) -> d
             ch = dp.connect(f"{kind}://127.0.0.1:{port}", rank=1, world_size=2, job="rtt", timeout=30)
             ch.set("k", PAYLOAD)
             out[kind] = time_ops(lambda ch=ch: ch.get("k"), repeats)
+            if cpu is not None:
+                cpu[kind] = cpu_per_call(lambda ch=ch: ch.get("k"), repeats, proc)
             if writes is not None:
                 writes[kind] = time_ops(lambda ch=ch: ch.set("w", PAYLOAD), repeats)
             if kind == "tcpstore":
                 raw = dist.TCPStore("127.0.0.1", port, is_master=False)
                 raw.set("k", PAYLOAD)
                 out["TCPStore (torch)"] = time_ops(lambda raw=raw: raw.get("k"), repeats)
+                if cpu is not None:
+                    cpu["TCPStore (torch)"] = cpu_per_call(lambda raw=raw: raw.get("k"), repeats, proc)
                 if writes is not None:
                     # Unacknowledged: returns once the bytes are in the socket buffer.
                     writes["TCPStore (torch), no ack"] = time_ops(lambda raw=raw: raw.set("w", PAYLOAD), repeats)
@@ -333,7 +449,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        {"echo": serve_echo, "tcpstore": serve_tcpstore, "etcd": serve_etcd}[args.serve](args.port)
+        {
+            "echo": serve_echo,
+            "zmq-echo": serve_zmq_echo,
+            "grpc-echo": serve_grpc_echo,
+            "tcpstore": serve_tcpstore,
+            "etcd": serve_etcd,
+        }[args.serve](args.port)
         return 0
     if args.worker:
         barrier_worker(args.worker, args.port, args.rank, args.n, args.rounds)
@@ -342,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     write_samples: dict[str, list[float]] = {}
-    rtt, rtt_p99 = p50_p99(round_trips(args.repeats, write_samples))
+    cpu: dict[str, dict[str, float]] = {}
+    rtt, rtt_p99 = p50_p99(round_trips(args.repeats, write_samples, cpu))
     writes, writes_p99 = p50_p99(write_samples)
     security = security_cost(args.repeats, rtt)
     print(f"round trip (one get of an existing key) and set, median µs of {args.repeats}:")
@@ -353,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, us in writes.items():
         print(f"  set {name:28s} p50 {us:8.1f} us  p99 {writes_p99[name]:8.1f} us")
+    print("CPU per get, µs (this client process; the server's process tree):")
+    for name, used in cpu.items():
+        print(f"  {name:32s} client {used['client_us']:7.1f}   server {used['server_us']:7.1f}")
     print(
         f"authentication: root key (scrypt) {security['root_key_ms']:.0f} ms once per process; "
         f"the MACs of a request and its reply {security['mac_per_request_us']:.1f} us = "
@@ -365,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         "round_trip_p99_us": rtt_p99,
         "set_us": writes,
         "set_p99_us": writes_p99,
+        "round_trip_cpu_us": cpu,
         "security": security,
     }
     if args.round_trips_only:

@@ -10,7 +10,8 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
               socket floor) and barrier latency for N = 2..64 processes    -> control_plane.py
   rendezvous  rendezvous + init_process_group("gloo") for N = 2..16 processes,
               against torch's init_method="tcp://"                          -> rendezvous.py
-  swarm       rendezvous + barriers of 256 and 1024 lightweight ranks (threads)  -> swarm.py
+  swarm       rendezvous + barriers of 256 and 1024 lightweight ranks (threads), with
+              loopback names from a hosts file where it can (benchmarks/common.py) -> swarm.py
   train       epoch time of dp.fit vs a plain DDP loop (gloo)               -> train_loop.py
   gpu         NCCL through each channel, all-reduce bandwidth, training throughput vs plain
               DDP (only where CUDA is present)                              -> gpu_nccl.py
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-from benchmarks.common import run_main
+from benchmarks.common import can_look_up_locally, run_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults"]
@@ -60,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         rendezvous.main(["--sizes", *sizes, "--repeats", "1" if quick else "3", "--out", str(out / "rendezvous.json")])
     if "swarm" in args.only:
         sizes = ["64"] if quick else ["256", "1024"]
-        swarm.main(["--sizes", *sizes, "--out", str(out / "swarm.json")])
+        argv = ["--sizes", *sizes, "--out", str(out / "swarm.json")]
+        if can_look_up_locally():  # TCPStore measured for itself, not for the resolver's 5 s stalls
+            subprocess.run([sys.executable, "-m", "benchmarks.swarm", "--local-lookups", *argv], check=True)
+        else:
+            print("swarm: on the system resolver (--local-lookups needs root and unshare)")
+            swarm.main(argv)
     if "train" in args.only:
         epochs, repeats = ("3", "1") if quick else ("5", "3")
         train_loop.main(["--epochs", epochs, "--repeats", repeats, "--out", str(out / "train_loop_cpu.json")])

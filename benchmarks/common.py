@@ -17,8 +17,6 @@ from pathlib import Path
 
 #: Set (to the hosts file's path) in a run whose loopback reverse lookups are answered locally.
 LOCAL_LOOKUPS = "DP_BENCH_LOOPBACK_HOSTS"
-#: Set to run on the system's resolver as it is (``--system-resolver``).
-SYSTEM_RESOLVER = "DP_BENCH_SYSTEM_RESOLVER"
 #: Loopback's addresses as a TCPStore peer sees them; ``::ffff:127.0.0.1`` is in no default hosts file.
 LOOPBACK_NAMES = "::ffff:127.0.0.1 localhost-v4mapped\n::1 localhost-v6\n"
 
@@ -70,24 +68,27 @@ def reverse_lookup_s(address: str = "::ffff:127.0.0.1") -> float:
 
 
 def run_main(module: str, main: Callable[[], int]) -> None:
-    """Run a benchmark's ``main`` so every baseline is measured for what it does, not for
-    what this machine's resolver does to it.
+    """Run a benchmark's ``main``; with ``--local-lookups``, re-executed in a private mount
+    namespace whose ``/etc/hosts`` also names loopback's addresses (:func:`with_local_lookups`).
 
     Torch's TCPStore looks up the name of each peer address when it connects and when it
     accepts (``getnameinfo`` without ``NI_NUMERICHOST``). Over loopback the peer is
     ``::ffff:127.0.0.1``, which no default hosts file names, so every connect asks DNS;
     where the resolver drops a query (on the VM these figures come from, one in ~25 back
     to back: ``python -m benchmarks.tcpstore_connect``) that connect waits out the
-    resolver's 5 s timeout. So, where this runs as root and ``unshare`` exists, the run is
-    re-executed in a private mount namespace whose ``/etc/hosts`` is the machine's plus
-    names for loopback's addresses: nothing outside the benchmark changes. Every result
-    file's ``machine`` says which way it ran; ``--system-resolver`` (or
-    ``DP_BENCH_SYSTEM_RESOLVER=1``) keeps the system's resolver."""
-    if "--system-resolver" in sys.argv:
-        sys.argv.remove("--system-resolver")
-        os.environ[SYSTEM_RESOLVER] = "1"
-    if os.environ.get(LOCAL_LOOKUPS) or os.environ.get(SYSTEM_RESOLVER) or not can_look_up_locally():
+    resolver's 5 s timeout. Many connects at once (``swarm``) then measure the resolver,
+    not TCPStore: ``--local-lookups`` removes the stalls (root and ``unshare`` needed;
+    nothing outside the benchmark changes). It is not the default: with instant lookups,
+    TCPStore-based initialisation of freshly started processes (``rendezvous``: torch's
+    ``tcp://`` and our ``tcpstore``) took ~0.5 s instead of ~20 ms at N=4 here, for a reason
+    not found yet. Every result file's ``machine`` says which way it ran."""
+    if "--local-lookups" not in sys.argv or os.environ.get(LOCAL_LOOKUPS):
+        if "--local-lookups" in sys.argv:
+            sys.argv.remove("--local-lookups")
         sys.exit(main())
+    sys.argv.remove("--local-lookups")
+    if not can_look_up_locally():
+        sys.exit("--local-lookups needs root and unshare (a private mount namespace)")
     cmd, env = with_local_lookups([sys.executable, "-m", module, *sys.argv[1:]])
     try:
         sys.exit(subprocess.call(cmd, env=env))

@@ -23,8 +23,10 @@ exists. Every setting has the same name in all three places::
 
 ``rank`` and ``local_rank`` come from ``DP_RANK``/``DP_LOCAL_RANK`` (set by ``dataparallel
 launch``) or torchrun's ``RANK``/``LOCAL_RANK``. Under torchrun with no transport configured,
-the job uses torchrun's own TCPStore (``tcpstore://MASTER_ADDR:MASTER_PORT``); another
-transport defaults to ``MASTER_ADDR`` and ``MASTER_PORT + 1``.
+the job uses the channel of torchrun's rendezvous when that is one of ours (``--rdzv-backend
+dp-zmq`` and the like: ``DP_RDZV_URL``), else torchrun's own TCPStore
+(``tcpstore://MASTER_ADDR:MASTER_PORT``); another transport defaults to ``MASTER_ADDR`` and
+``MASTER_PORT + 1``.
 
 Every bad value raises :class:`ConfigError` naming the setting and where it came from.
 """
@@ -218,6 +220,10 @@ def _torchrun(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     # outlives restarts): the job is named after the rendezvous round, which our rendezvous
     # handlers (dataparallel.torchrun) publish. Failing that, the restart count, which is
     # the same on every node only when every node's workers failed (single-node jobs).
+    # Under torchrun with one of our rendezvous backends (--rdzv-backend dp-zmq...), the
+    # handler names its channel: the workers' default channel is the same coordinator.
+    if env.get("DP_RDZV_URL", "") != "":
+        out["__rdzv_url"] = (env["DP_RDZV_URL"], "DP_RDZV_URL")
     if env.get("DP_RDZV_ROUND", "") != "":
         out["__restart"] = (f"round{env['DP_RDZV_ROUND']}", "DP_RDZV_ROUND")
     elif env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
@@ -303,6 +309,8 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
         url = values["url"]
     elif transport is not None and "://" in transport:
         url, origin["url"] = transport, origin["transport"]
+    elif values.get("__rdzv_url") and transport is None:
+        url, origin["url"] = values["__rdzv_url"], "DP_RDZV_URL (torchrun's --rdzv-backend dp-*)"
     elif values.get("__torchrun_store") and transport in (None, "tcpstore"):
         url, origin["url"] = f"tcpstore://{values['host']}:{values['port']}", "torchrun (MASTER_ADDR, MASTER_PORT)"
     elif transport is not None:

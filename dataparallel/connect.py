@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from .channel import ControlChannel
-from .registry import resolve
+from .registry import ChannelURL, resolve
+
+log = logging.getLogger(__name__)
 
 _FROM_CONFIG: Any = object()
 
@@ -44,17 +51,57 @@ def connect(
         token = token if token is not None else config.token
         timeout = timeout if timeout is not None else config.timeout
     parsed, cls = resolve(url, token, where=where)
-    channel = cls(
-        parsed,
-        rank=rank,
-        world_size=world_size,
-        job=job if job is not None else "default",
-        token=token,
-        timeout=timeout if timeout is not None else 300.0,
-    )
-    try:
-        channel._join()
-    except BaseException:
-        channel.close()
-        raise
+    with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
+        channel = cls(
+            parsed,
+            rank=rank,
+            world_size=world_size,
+            job=job if job is not None else "default",
+            token=token,
+            timeout=timeout if timeout is not None else 300.0,
+        )
+        try:
+            channel._join()
+        except BaseException:
+            channel.close()
+            raise
     return channel
+
+
+#: Seconds between two "still connecting" notices.
+NOTICE_EVERY = 5.0
+
+
+@contextlib.contextmanager
+def _waiting_notice(url: ChannelURL, service: str) -> Iterator[None]:
+    """While the body runs (a connect, which may wait up to its timeout for a coordinator or
+    a rank), log every ``NOTICE_EVERY`` seconds what it waits for, with the diagnosis
+    ``dataparallel check`` starts with: a TCP probe of each of the URL's endpoints."""
+    endpoints = [(host, port) for host, port in url.hosts if host and port is not None]
+    if not endpoints:  # nothing on the network to wait for
+        yield
+        return
+    done = threading.Event()
+
+    def notify() -> None:
+        start = time.monotonic()
+        while not done.wait(NOTICE_EVERY):
+            from .check import tcp_probe
+
+            findings = "; ".join(tcp_probe(host, port, 2.0, service)[1] for host, port in endpoints)
+            if done.is_set():
+                return
+            log.warning(
+                "still connecting to %s after %.0fs: %s (`dataparallel check %s` diagnoses it)",
+                url.shown,
+                time.monotonic() - start,
+                findings,
+                url.shown,
+            )
+
+    thread = threading.Thread(target=notify, name="dp-connect-notice", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()

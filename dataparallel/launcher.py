@@ -2,8 +2,9 @@
 
 Each worker is the user's script with its place in the job in its environment (``DP_URL``,
 ``DP_RANK``, ``DP_LOCAL_RANK``, ``DP_WORLD_SIZE``, ``DP_JOB``, ``DP_TIMEOUT``, ``DP_TOKEN``,
-and torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), so that
-``dataparallel.connect()`` needs no arguments. Output lines are prefixed with the rank.
+and torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``), so that ``dataparallel.connect()`` needs no
+arguments and a torchrun script's ``init_process_group()`` works unchanged. Output lines are prefixed with the rank.
 The first worker to fail ends the node's group (the others get SIGTERM, then SIGKILL after
 a grace period) and its exit code is returned; SIGINT/SIGTERM/SIGHUP to the launcher are
 forwarded to every worker.
@@ -26,7 +27,7 @@ from typing import IO
 
 from .config import JobConfig
 from .errors import ConfigError
-from .registry import resolve
+from .registry import locate, resolve
 
 #: Seconds a worker gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 5.0
@@ -124,6 +125,18 @@ def launch(
     )
     if config.token:
         env["DP_TOKEN"] = config.token
+    master = _master_address(url, config.nodes)
+    if master is not None:  # for scripts that call init_process_group() with env://, as under torchrun
+        env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), TORCHELASTIC_RUN_ID=config.job)
+    threads = _omp_threads(env, nprocs)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        print(
+            f"[launch] OMP_NUM_THREADS={threads} for each worker ({_cores()} cores / {nprocs} workers on this node; "
+            "set OMP_NUM_THREADS to choose)",
+            file=log,
+            flush=True,
+        )
     print(
         f"[launch] node {config.node_rank}/{config.nodes}: ranks {base}..{base + nprocs - 1} of {world} "
         f"on {url} (job {config.job!r})",
@@ -157,6 +170,42 @@ def launch(
             flush=True,
         )
     return code
+
+
+def _master_address(url: str, nodes: int) -> tuple[str, int] | None:
+    """Where a worker's ``init_process_group(init_method="env://")`` finds its store: rank 0
+    serves a TCPStore there (torch's env:// does that itself). On one node, a free loopback
+    port; on several, the coordinator's host (the driver node's, as ``--url`` names it) and
+    the port after the coordinator's, the same on every node. None where no single host is
+    known (an etcd cluster): such scripts set ``MASTER_ADDR``/``MASTER_PORT`` themselves."""
+    if nodes == 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return "127.0.0.1", s.getsockname()[1]
+    parsed, _ = locate(url)
+    if len(parsed.hosts) != 1 or parsed.scheme == "etcd":
+        return None
+    host, port = parsed.hosts[0]
+    if not host or port is None or port >= 65535 or host in ("0.0.0.0", "*"):
+        return None
+    return host, port + 1
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, as a container or ``taskset`` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _omp_threads(env: dict[str, str], nprocs: int) -> int | None:
+    """Threads per worker for intra-op parallelism when the user did not choose: the node's
+    cores shared by its workers (torch's default, every core per worker, oversubscribes the
+    node nprocs times over). None when ``OMP_NUM_THREADS`` is set: the user's value stands."""
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, _cores() // max(1, nprocs))
 
 
 class _Supervisor:

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from . import checkpoint
 from .channel import ControlChannel
 from .errors import ChannelClosed, ControlError, PeerLost
 from .process_group import init_process_group
@@ -44,7 +44,7 @@ from .process_group import init_process_group
 log = logging.getLogger(__name__)
 
 Batch = Any
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]  # (model output, targets) -> scalar loss
 BatchSource = Callable[[int, int, int], Iterable[Batch]]
 
 
@@ -61,7 +61,9 @@ class TrainOptions:
     shuffle: bool = True
     seed: int = 0
     patience: int | None = None  # stop after this many epochs without a better validation loss
-    checkpoint: str | os.PathLike | None = None  # file rank 0 writes after every epoch
+    #: What rank 0 writes after every epoch: a path, or a filesystem URL (``s3://``, ``gs://``,
+    #: ``memory://``... through fsspec, where its package is installed).
+    checkpoint: str | os.PathLike | None = None
     resume: bool = False  # continue from ``checkpoint`` if it exists
     collective_timeout: float = 300.0
     progress: bool = True
@@ -73,6 +75,8 @@ class TrainOptions:
             raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {self.amp!r}")
         if self.resume and self.checkpoint is None:
             raise ValueError("resume=True needs checkpoint=PATH")
+        if self.checkpoint is not None:
+            checkpoint.check(self.checkpoint)  # an unknown scheme fails here, not after an epoch
 
 
 @dataclass
@@ -122,7 +126,9 @@ def fit(
 
     ``model`` must already be on its device (CUDA -> NCCL, CPU -> gloo); its initial
     parameters are taken from rank 0. ``optimizer`` and ``scheduler`` are factories (called
-    with the DDP parameters / the optimizer). Batches are ``(inputs, targets)``. If no
+    with the DDP parameters / the optimizer). Batches are ``(inputs, targets)``, each a tensor
+    or a list, tuple or dict of tensors; the model's output, of any structure, goes to
+    ``loss_fn(output, targets)``, which returns a scalar tensor. If no
     default process group exists, one is initialised through ``channel.as_store()`` (and
     destroyed at the end); pass ``process_group`` to use your own. Blocks until training
     ends; raises :class:`PeerLost` if a peer dies or hangs.
@@ -206,6 +212,7 @@ class _Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> FitResult:
+        self._preflight()
         self._setup()
         epoch = -1
         try:
@@ -307,7 +314,7 @@ class _Trainer:
         with Join([self.ddp], enable=not isinstance(self.train_data, Dataset)):
             for i, ((x, y), last) in enumerate(_with_last(batches)):
                 count += 1
-                x, y = x.to(self.device), y.to(self.device)
+                x, y = _to(x, self.device), _to(y, self.device)
                 boundary = (i + 1) % k == 0 or last
                 sync = contextlib.nullcontext() if boundary else self.ddp.no_sync()
                 with sync:
@@ -316,8 +323,9 @@ class _Trainer:
                     self.scaler.scale(loss / k).backward()
                 if boundary:
                     self._step()
-                loss_sum += float(loss.detach()) * len(y)
-                samples += len(y)
+                n = _count(y)
+                loss_sum += float(loss.detach()) * n
+                samples += n
                 if bar is not None:
                     bar.update()
         if bar is not None:
@@ -333,22 +341,68 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def _validate(self, epoch: int) -> tuple[float, int, int]:
+    def _validate(self, epoch: int) -> tuple[float, int, int, int]:
         if self.val_data is None:
-            return 0.0, 0, 0
+            return 0.0, 0, 0, 0
         module = self.ddp.module
         module.eval()
         loss_sum, samples, correct = 0.0, 0, 0
-        for x, y in self._batches(self.val_data, epoch, train=False):
-            x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
-                out = module(x)
-                loss = self.loss_fn(out, y)
-            loss_sum += float(loss) * len(y)
-            samples += len(y)
-            if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
-                correct += int((out.argmax(1) == y).sum())
-        return loss_sum, samples, correct
+        classified = 0
+        for batch in self._batches(self.val_data, epoch, train=False):
+            out, loss, y = self._evaluate(module, batch)
+            n = _count(y)
+            loss_sum += float(loss) * n
+            samples += n
+            hits = _hits(out, y)
+            if hits is not None:
+                correct += hits
+                classified += n
+        return loss_sum, samples, correct, classified
+
+    def _evaluate(self, module: torch.nn.Module, batch: Batch) -> tuple[Any, torch.Tensor, Any]:
+        """(output, loss, targets on the device) of one ``(inputs, targets)`` batch."""
+        x, y = batch
+        x, y = _to(x, self.device), _to(y, self.device)
+        with self._autocast():
+            out = module(x)
+            return out, self.loss_fn(out, y), y
+
+    @torch.no_grad()
+    def _preflight(self) -> None:
+        """One training and one validation batch through the model and ``loss_fn`` before
+        anything else, so that a model or loss that cannot take the data fails in seconds,
+        not after an epoch. Changes nothing: eval mode, no gradients, RNG states restored."""
+        module, epoch = self.model, 0
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        try:
+            module.eval()
+            for what, data, train in (("training", self.train_data, True), ("validation", self.val_data, False)):
+                if data is None:
+                    continue
+                first = next(iter(self._batches(data, epoch, train=train)), None)
+                if first is None:
+                    continue
+                try:
+                    out, loss, y = self._evaluate(module, first)
+                    float(loss)
+                    _hits(out, y)
+                except Exception as err:
+                    message = (
+                        f"rank {self.rank}: the first {what} batch failed before training started (batches "
+                        f"are (inputs, targets); loss_fn(model(inputs), targets) must give a scalar tensor): "
+                        f"{type(err).__name__}: {err}"
+                    )
+                    try:
+                        wrapped = type(err)(message)  # the same type, for callers that catch it
+                    except Exception:
+                        wrapped = RuntimeError(message)
+                    raise wrapped from err
+        finally:
+            module.train()
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
 
     # ------------------------------------------------------------------ reports, checkpoints
     def _report(self, epoch: int, train: tuple, val: tuple, lr: float, stamps: list[float]) -> None:
@@ -364,7 +418,7 @@ class _Trainer:
         self._sync_after_join([p["train"][2] for p in parsed])
         command, trained, validated, reported = stamps[1], stamps[2], stamps[3], time.perf_counter()
         t_loss, t_n, t_b = (sum(p["train"][i] for p in parsed) for i in range(3))
-        v_loss, v_n, v_correct = (sum(p["val"][i] for p in parsed) for i in range(3))
+        v_loss, v_n, v_correct, v_classified = (sum(p["val"][i] for p in parsed) for i in range(4))
         metrics = EpochMetrics(
             epoch=epoch,
             train_loss=t_loss / max(t_n, 1),
@@ -372,7 +426,7 @@ class _Trainer:
             train_batches=t_b,
             val_loss=v_loss / v_n if v_n else None,
             val_samples=v_n,
-            val_accuracy=v_correct / v_n if v_n else None,
+            val_accuracy=v_correct / v_classified if v_classified else None,
             lr=lr,
             seconds=reported - stamps[0],
             train_seconds=trained - command,
@@ -417,16 +471,24 @@ class _Trainer:
             "best": self.best,
             "options": {"seed": self.opts.seed, "batch_size": self.opts.batch_size},
         }
-        save_atomically(state, Path(self.opts.checkpoint))
+        checkpoint.save_atomically(state, self.opts.checkpoint)
 
     def _maybe_resume(self) -> None:
         if not self.opts.resume:
             return
         state = None
-        if self.rank == 0 and Path(self.opts.checkpoint).exists():
-            state = torch.load(self.opts.checkpoint, map_location="cpu", weights_only=False)
-            if state["world_size"] != self.world:
-                raise ValueError(f"checkpoint was written by {state['world_size']} ranks; this job has {self.world}")
+        if self.rank == 0:
+            state = checkpoint.load(self.opts.checkpoint)
+        if state is not None and state["world_size"] != self.world:
+            log.warning(
+                "resuming from %s, written by %d ranks, with %d: the data is resharded from the next epoch "
+                "(model, optimizer, scheduler and scaler are the same on every rank); rank r takes the RNG "
+                "state of saved rank r mod %d",
+                self.opts.checkpoint,
+                state["world_size"],
+                self.world,
+                state["world_size"],
+            )
         box = [state]
         dist.broadcast_object_list(
             box, src=0, group=self.pg, device=self.device if self.device.type == "cuda" else None
@@ -439,7 +501,7 @@ class _Trainer:
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        _set_rng_state(state["rng"][self.rank])
+        _set_rng_state(state["rng"][self.rank % len(state["rng"])])
         self.history.epochs = [EpochMetrics(**m) for m in state["history"]]
         self.best = tuple(state["best"])
         self.start_epoch = state["epoch"] + 1
@@ -447,21 +509,37 @@ class _Trainer:
             log.warning("resuming from %s after epoch %d", self.opts.checkpoint, state["epoch"])
 
 
-def save_atomically(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync it, rename over ``path``,
-    fsync the directory: a crash leaves the old checkpoint or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _to(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it (in lists, tuples, dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _count(targets: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (targets of any structure)."""
+    if isinstance(targets, torch.Tensor):
+        return len(targets) if targets.dim() else 1
+    values = targets.values() if isinstance(targets, dict) else targets if isinstance(targets, (list, tuple)) else ()
+    for value in values:
+        n = _count(value)
+        if n:
+            return n
+    return 0
+
+
+def _hits(out: Any, targets: Any) -> int | None:
+    """Correct predictions when ``out`` is class logits (N, C) for class-index targets (N,);
+    None for any other output (a tuple, a dict, a regression): no accuracy is claimed."""
+    if not (isinstance(out, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return None
+    if out.dim() != 2 or targets.dim() != 1 or targets.is_floating_point() or len(out) != len(targets):
+        return None
+    return int((out.argmax(1) == targets).sum())
 
 
 def _with_last(items: Iterable[Any]) -> Iterable[tuple[Any, bool]]:

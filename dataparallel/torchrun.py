@@ -65,6 +65,8 @@ TORCH_RDZV_CONF = frozenset(
 DEFAULT_PORTS = {"etcd": 2379, "zmq": 29400, "grpc": 29400}
 #: Set in the agent (and so in its workers) to the rendezvous round: see ``dataparallel.config``.
 ROUND_ENV = "DP_RDZV_ROUND"
+#: The rendezvous channel's URL, for the workers (inherited): their ``dp.connect()`` default.
+URL_ENV = "DP_RDZV_URL"
 
 #: The stored state: magic, format version, generation (one more than that of the state it
 #: replaced), state length, the state, HMAC-SHA256 of all before.
@@ -204,6 +206,7 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
         # TORCHELASTIC_RESTART_COUNT (a node whose workers did not fail restarts them
         # without counting). Workers inherit the agent's environment.
         info = inner()
+        os.environ[URL_ENV] = url.raw  # and which channel: their dp.connect()'s default
         holder = getattr(handler, "_state_holder", None)
         state = getattr(holder, "state", None)
         if state is not None:

@@ -55,6 +55,18 @@ def batch_source(cfg: dict):
     return None
 
 
+class TupleOutput(torch.nn.Module):
+    """``net`` returning ``(prediction, {"norm": ...})`` instead of a tensor."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        out = self.net(x)
+        return out, {"norm": out.detach().norm()}
+
+
 def main(cfg: dict) -> None:
     ch = dp.connect(cfg["url"], rank=cfg["rank"], world_size=cfg["world"], job=cfg.get("job", "loop"), timeout=60)
     train = batch_source(cfg) or data()
@@ -72,10 +84,16 @@ def main(cfg: dict) -> None:
         collective_timeout=cfg.get("collective_timeout", 60),
     )
     net = model(cfg.get("dropout", 0.0))
+    loss_fn = torch.nn.functional.mse_loss
+    trained = net
+    if cfg.get("tuple"):  # the shape of a language model's forward: (prediction, extra)
+        trained, loss_fn = TupleOutput(net), lambda out, y: torch.nn.functional.mse_loss(out[0], y)
+    if cfg.get("broken_loss"):
+        loss_fn = lambda out, y: out.no_such_method()  # noqa: E731
     result = dp.fit(
         ch,
-        net,
-        torch.nn.functional.mse_loss,
+        trained,
+        loss_fn,
         lambda params: torch.optim.SGD(params, lr=cfg.get("lr", LR), momentum=MOMENTUM),
         train,
         data(),

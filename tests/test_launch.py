@@ -80,6 +80,42 @@ def test_second_node_gets_the_next_ranks(tmp_path):
     assert sorted(run.stdout.splitlines()) == ["[rank 2] 2 0 4", "[rank 3] 3 1 4"]
 
 
+ENV_SCRIPT = r"""
+import os
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")  # env://, as a torchrun script does: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+env = os.environ
+print("sum", total.item(), "threads", env["OMP_NUM_THREADS"], "run", env["TORCHELASTIC_RUN_ID"], flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [None, "3"])
+def test_an_unmodified_torchrun_script_runs_under_launch(tmp_path, threads):
+    """torchrun's environment (MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID) beside DP_*, and
+    OMP_NUM_THREADS set to cores / workers where the user did not set it."""
+    import os
+
+    script = tmp_path / "env_script.py"
+    script.write_text(ENV_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith("DP_")}
+    if threads:
+        env["OMP_NUM_THREADS"] = threads
+    run = subprocess.run(
+        [sys.executable, "-m", "dataparallel", "launch", "--nprocs", "2", "--job", "envjob", str(script)],
+        capture_output=True, text=True, timeout=100, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = threads or str(max(1, len(os.sched_getaffinity(0)) // 2))
+    lines = sorted(line for line in run.stdout.splitlines() if " sum " in line)
+    assert lines == [f"[rank {r}] sum 3.0 threads {expected} run envjob" for r in (0, 1)]
+    said = "[launch] OMP_NUM_THREADS=" in run.stderr
+    assert said == (threads is None), run.stderr
+
+
 @pytest.mark.timeout(120)
 def test_first_failure_stops_the_group_and_is_the_exit_code(tmp_path):
     start = time.monotonic()

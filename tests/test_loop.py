@@ -28,7 +28,15 @@ def spawn(cfg: dict) -> subprocess.Popen:
 def run_job(tmp_path: Path, transport: str, world: int, tag: str, **cfg) -> dict:
     url = f"{transport}://127.0.0.1:{free_port()}"
     out = str(tmp_path / f"{tag}.pt")
-    procs = [spawn({"url": url, "rank": r, "world": world, "out": out, **cfg}) for r in range(world)]
+    for code, err in run_ranks(url, world, tag, out=out, **cfg):
+        assert code == 0, f"{tag}: rank exited {code}:\n{err[-3000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def run_ranks(url: str, world: int, tag: str, **cfg) -> list[tuple[int, str]]:
+    """Every rank's (exit code, stderr)."""
+    procs = [spawn({"url": url, "rank": r, "world": world, **cfg}) for r in range(world)]
+    results = []
     for p in procs:
         try:
             _, err = p.communicate(timeout=120)
@@ -36,8 +44,8 @@ def run_job(tmp_path: Path, transport: str, world: int, tag: str, **cfg) -> dict
             for q in procs:
                 q.kill()
             pytest.fail(f"{tag}: a rank hung")
-        assert p.returncode == 0, f"{tag}: rank exited {p.returncode}:\n{err[-3000:]}"
-    return torch.load(out, weights_only=False)
+        results.append((p.returncode, err))
+    return results
 
 
 def assert_same_params(a: dict, b: dict, **tol) -> None:
@@ -141,8 +149,68 @@ def test_options_are_validated():
         dp.TrainOptions(grad_accum=0)
 
 
+@pytest.mark.timeout(300)
+def test_a_model_returning_a_tuple_trains_validates_and_resumes(tmp_path):
+    """Any output structure reaches loss_fn, in training and validation; accuracy is claimed
+    only for class logits. Checkpoints through a file:// URL resume bitwise."""
+    plain = run_job(tmp_path, "zmq", 2, "plain", epochs=3)
+    ckpt = f"file://{tmp_path / 'tuple.ckpt'}"
+    run_job(tmp_path, "zmq", 2, "tuple-first", epochs=2, tuple=True, checkpoint=ckpt)
+    resumed = run_job(tmp_path, "zmq", 2, "tuple", epochs=3, tuple=True, checkpoint=ckpt, resume=True)
+    for name in plain["state"]:  # the worker saves the wrapped net's parameters
+        assert torch.equal(plain["state"][name], resumed["state"][name]), name
+    assert [e["val_loss"] for e in plain["epochs"]] == [e["val_loss"] for e in resumed["epochs"]]
+    assert all(e["val_accuracy"] is None for e in resumed["epochs"]), "regression: no accuracy"
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
+    ckpt = str(tmp_path / "grow.ckpt")
+    first = run_job(tmp_path, "zmq", 2, "two", epochs=2, checkpoint=ckpt)
+    grown = run_job(tmp_path, "zmq", 3, "three", epochs=4, checkpoint=ckpt, resume=True)
+    assert grown["epochs"][:2] == first["epochs"], "the history carries over"
+    assert [e["train_samples"] for e in grown["epochs"][2:]] == [96, 96], "resharded over 3 ranks, nothing lost"
+    assert grown["epochs"][-1]["train_batches"] == 12, "3 ranks x 4 batches of 8"
+    shrunk = run_job(tmp_path, "zmq", 1, "one", epochs=5, checkpoint=ckpt, resume=True)
+    assert shrunk["epochs"][:4] == grown["epochs"] and shrunk["epochs"][-1]["train_samples"] == 96
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_that_cannot_take_the_output_fails_before_the_first_epoch(tmp_path):
+    url = f"zmq://127.0.0.1:{free_port()}"
+    ranks = run_ranks(url, 2, "broken", out=str(tmp_path / "x.pt"), broken_loss=True, slow=True)
+    for code, err in ranks:
+        assert code != 0
+        assert "the first training batch failed before training started" in err, err[-2000:]
+        assert "no_such_method" in err
+        assert "PeerLost" not in err and "epoch 0" not in err, err[-2000:]
+
+
+def test_checkpoints_go_through_fsspec_and_a_bad_scheme_fails_at_once(tmp_path):
+    from dataparallel import checkpoint
+
+    target = "memory://dp-test/run/snap.pt"
+    assert checkpoint.load(target) is None
+    checkpoint.save_atomically({"a": 1}, target)
+    checkpoint.save_atomically({"a": 2}, target)
+    assert checkpoint.load(target)["a"] == 2
+    import fsspec
+
+    assert fsspec.filesystem("memory").ls("/dp-test/run", detail=False) == ["/dp-test/run/snap.pt"]
+    local = tmp_path / "sub" / "c.pt"
+    checkpoint.save_atomically({"b": 3}, f"file://{local}")
+    assert torch.load(local)["b"] == 3 and checkpoint.load(str(local))["b"] == 3
+    with pytest.raises(ValueError, match="nosuch"):
+        dp.TrainOptions(checkpoint="nosuch://bucket/snap.pt")
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="s3fs"):
+            dp.TrainOptions(checkpoint="s3://bucket/snap.pt")
+
+
 def test_checkpoint_write_is_atomic(tmp_path):
-    from dataparallel.loop import save_atomically
+    from dataparallel.checkpoint import save_atomically
 
     path = tmp_path / "c.pt"
     save_atomically({"a": 1}, path)

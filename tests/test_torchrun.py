@@ -22,7 +22,21 @@ from torch.distributed.elastic.rendezvous.api import (
 
 import dataparallel as dp
 from dataparallel.testing import free_port
-from dataparallel.torchrun import ChannelRendezvousBackend, create_rdzv_handler
+from dataparallel.torchrun import ROUND_ENV, URL_ENV, ChannelRendezvousBackend, create_rdzv_handler
+
+
+@pytest.fixture(autouse=True)
+def _agent_environment():
+    """A handler tells the workers its round and channel through this process's environment
+    (a torchrun agent's, which they inherit): none of it outlives a test run in-process."""
+    saved = {name: os.environ.get(name) for name in (ROUND_ENV, URL_ENV)}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
 
 WORKER = r"""
 import json, os, sys
@@ -31,7 +45,7 @@ import torch, torch.distributed as dist
 import dataparallel as dp
 
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-ch = dp.connect(timeout=60)  # torchrun's RANK/WORLD_SIZE/MASTER_*: its store is the channel
+ch = dp.connect(timeout=60)  # torchrun's RANK/WORLD_SIZE; the channel: the dp-* rendezvous backend's
 if restart == 0 and ch.rank == 1:
     sys.exit(7)  # the first attempt fails: torchrun restarts the whole worker group
 ch.rendezvous()
@@ -39,7 +53,7 @@ dp.init_process_group(ch, timeout=60)
 value = torch.tensor([float(ch.rank + 1)])
 dist.all_reduce(value)
 Path(sys.argv[1], f"rank{ch.rank}.json").write_text(
-    json.dumps({"sum": value.item(), "restart": restart, "world": ch.world_size, "job": ch.job})
+    json.dumps({"sum": value.item(), "restart": restart, "world": ch.world_size, "job": ch.job, "url": ch.url.raw})
 )
 dist.destroy_process_group()
 ch.close()
@@ -98,6 +112,8 @@ def test_two_torchrun_nodes_rendezvous_and_restart(backend, tmp_path):
     # after the rendezvous round, the same for both.
     assert 1 in {r["restart"] for r in results}
     assert results[0]["job"] == results[1]["job"] and results[0]["job"].startswith("default.round")
+    scheme = backend.removeprefix("dp-")
+    assert {r["url"].split("://")[0] for r in results} == {scheme}, "the workers' channel is the rendezvous one"
 
 
 def test_handlers_are_registered_with_torch():

@@ -20,9 +20,11 @@ Every test is bounded in time; a hang is a failure, never a stuck run.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -510,6 +512,32 @@ class MembershipTests(ChannelHarness):
             with pytest.raises(dp.ControlError, match=f"{refusal}.*alive") as info:
                 dp.connect(url, rank=rank, world_size=2, job="full", timeout=30)
             assert time.monotonic() - start < bound, f"refused after {time.monotonic() - start:.1f}s: {info.value}"
+
+    @pytest.mark.timeout(60)
+    def test_a_connect_that_waits_says_what_it_waits_for(self, channel_url, caplog, monkeypatch):
+        """While a connect waits for a coordinator (or etcd, or a store) that is not there, it
+        says so every few seconds with check's diagnosis, then fails at its timeout. A URL
+        with no network endpoint has nothing to wait for: it connects without a word."""
+        monkeypatch.setattr(importlib.import_module("dataparallel.connect"), "NOTICE_EVERY", 1.0)
+        port = free_port()
+        nowhere, swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
+        caplog.set_level("WARNING", logger="dataparallel.connect")
+        if not swapped:
+            with dp.connect(nowhere, rank=1, world_size=2, job="wait", timeout=10):
+                time.sleep(1.5)
+            assert not [r for r in caplog.records if "still connecting" in r.getMessage()]
+            return
+        start = time.monotonic()
+        with pytest.raises(dp.ControlError):
+            dp.connect(nowhere, rank=1, world_size=2, job="wait", timeout=4)
+        assert time.monotonic() - start < 4 + 10, "the connect outlived its timeout"
+        notices = [r.getMessage() for r in caplog.records if "still connecting" in r.getMessage()]
+        assert notices, "nothing said while waiting"
+        assert f":{port}" in notices[0] and "nothing listening" in notices[0], notices[0]
+        assert "dataparallel check" in notices[0], notices[0]
+        time.sleep(1.5)
+        later = [r for r in caplog.records if "still connecting" in r.getMessage()]
+        assert len(later) == len(notices), "notices went on after the connect ended"
 
     def test_rank_and_world_size_are_validated(self, channel_url):
         for kwargs in ({"rank": 2, "world_size": 2}, {"rank": -1, "world_size": 2}, {"world_size": 0}):

@@ -222,7 +222,7 @@ def _torchrun(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     # the same on every node only when every node's workers failed (single-node jobs).
     # Under torchrun with one of our rendezvous backends (--rdzv-backend dp-zmq...), the
     # handler names its channel: the workers' default channel is the same coordinator.
-    if env.get("DP_RDZV_URL", "") != "":
+    if env.get("DP_RDZV_URL", "") != "" and env.get("TORCHELASTIC_RUN_ID", "") != "":
         out["__rdzv_url"] = (env["DP_RDZV_URL"], "DP_RDZV_URL")
     if env.get("DP_RDZV_ROUND", "") != "":
         out["__restart"] = (f"round{env['DP_RDZV_ROUND']}", "DP_RDZV_ROUND")

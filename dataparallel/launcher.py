@@ -108,8 +108,9 @@ def launch(
     log = log or sys.stderr
     base = config.node_rank * nprocs
     env = dict(os.environ)
-    for stale in ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(stale, None)  # the URL says it all
+    stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
+    for name in (*stale, "DP_RDZV_ROUND"):
+        env.pop(name, None)  # the URL says it all (and no torchrun agent's round applies)
     env.update(
         DP_URL=url,
         DP_WORLD_SIZE=str(world),

@@ -116,6 +116,7 @@ class StoreHeartbeats(Liveness):
         # rank -> (last counter value, monotonic time it changed, wall time it changed);
         # a rank enters once its counter exists, i.e. once it has joined.
         self._seen: dict[int, tuple[bytes, float, float]] = {}
+        self._last_watch = time.monotonic()  # when _watch last looked
         self._ready = threading.Event()  # set after the thread's first tick
         self._first_error: BaseException | None = None
 
@@ -207,6 +208,12 @@ class StoreHeartbeats(Liveness):
 
     def _watch(self) -> None:
         now = time.monotonic()
+        if now - self._last_watch > self._timeout / 2:
+            # This watcher could not look for a while (its process stalled, or the store did:
+            # torch's TCPStore server stops answering while it looks a new client up in DNS).
+            # A peer is judged on time this watcher could see it: the gap is nobody's silence.
+            self._seen = {rank: (value, now, wall) for rank, (value, _, wall) in self._seen.items()}
+        self._last_watch = now
         for rank in self._watched():
             if rank in self._lost or rank in self._left:
                 continue

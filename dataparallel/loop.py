@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -65,6 +66,13 @@ class TrainOptions:
     #: ``memory://``... through fsspec, where its package is installed).
     checkpoint: str | os.PathLike | None = None
     resume: bool = False  # continue from ``checkpoint`` if it exists
+    checkpoint_every: int = 1  # epochs between checkpoints; the last epoch's is always written
+    scheduler_interval: str = "epoch"  # when the scheduler steps: "epoch", or "step" (every optimizer step)
+    log_every: int | None = None  # rank 0 prints epoch, step, loss and lr every N optimizer steps
+    #: More ``DataLoader`` arguments for ``Dataset`` inputs: ``num_workers``, ``pin_memory``,
+    #: ``persistent_workers``, ``collate_fn``, ``prefetch_factor``... (not ``batch_size``,
+    #: ``shuffle`` or ``sampler``: those are the loop's).
+    loader_options: dict[str, Any] = field(default_factory=dict)
     collective_timeout: float = 300.0
     progress: bool = True
 
@@ -77,6 +85,13 @@ class TrainOptions:
             raise ValueError("resume=True needs checkpoint=PATH")
         if self.checkpoint is not None:
             checkpoint.check(self.checkpoint)  # an unknown scheme fails here, not after an epoch
+        if self.checkpoint_every < 1 or (self.log_every is not None and self.log_every < 1):
+            raise ValueError("checkpoint_every and log_every must be >= 1")
+        if self.scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {self.scheduler_interval!r}")
+        reserved = {"batch_size", "shuffle", "sampler", "batch_sampler"} & set(self.loader_options)
+        if reserved:
+            raise ValueError(f"loader_options may not set {', '.join(sorted(reserved))}: the loop sets them")
 
 
 @dataclass
@@ -88,13 +103,27 @@ class EpochMetrics:
     val_loss: float | None = None
     val_samples: int = 0
     val_accuracy: float | None = None
-    lr: float | None = None
+    lr: float | None = None  # the first parameter group's, at the epoch's first step
     seconds: float = 0.0  # the epoch on the driver: training, validation and control plane
     #: Where the driver's epoch went: its training steps (gradient all-reduce included), its
     #: validation, and the control plane (the epoch's command, its reports, any state sync).
     train_seconds: float = 0.0
     val_seconds: float = 0.0
     control_seconds: float = 0.0
+    #: Batches each rank trained on (``train_batches`` is their sum).
+    train_batches_per_rank: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a step callback gets, on every rank, after each optimizer step."""
+
+    epoch: int
+    step: int  # optimizer steps since the run began (resumes included), this one counted
+    batch: int  # index of the last batch of this step within the epoch
+    loss: float  # the loss of that batch, on this rank
+    lr: float  # the first parameter group's learning rate used by this step
+    rank: int
 
 
 @dataclass
@@ -113,7 +142,7 @@ def fit(
     channel: ControlChannel,
     model: torch.nn.Module,
     loss_fn: LossFn,
-    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
     train_data: Dataset | BatchSource,
     val_data: Dataset | BatchSource | None = None,
     *,
@@ -121,17 +150,25 @@ def fit(
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     callbacks: Sequence[Callable[[EpochMetrics], None]] = (),
     process_group: dist.ProcessGroup | None = None,
+    step_callbacks: Sequence[Callable[[StepInfo], None]] = (),
+    extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
 ) -> FitResult:
     """Train ``model`` data-parallel with every rank of ``channel``'s job; rank 0 drives.
 
     ``model`` must already be on its device (CUDA -> NCCL, CPU -> gloo); its initial
-    parameters are taken from rank 0. ``optimizer`` and ``scheduler`` are factories (called
-    with the DDP parameters / the optimizer). Batches are ``(inputs, targets)``, each a tensor
-    or a list, tuple or dict of tensors; the model's output, of any structure, goes to
-    ``loss_fn(output, targets)``, which returns a scalar tensor. If no
-    default process group exists, one is initialised through ``channel.as_store()`` (and
-    destroyed at the end); pass ``process_group`` to use your own. Blocks until training
-    ends; raises :class:`PeerLost` if a peer dies or hangs.
+    parameters are taken from rank 0. ``optimizer`` and ``scheduler`` are factories: the
+    optimizer's is called with the DDP parameters, or with the model itself when its first
+    parameter is named ``model`` (for parameter groups by module); the scheduler's with the
+    optimizer (stepped per epoch, or per optimizer step with ``scheduler_interval="step"``).
+    ``callbacks`` run on the driver after each epoch; ``step_callbacks`` on every rank after
+    each optimizer step (:class:`StepInfo`). ``extra_state=(save, load)``: ``save()`` is
+    stored in each checkpoint, ``load(value)`` is called with it on every rank on resume.
+
+    Batches are ``(inputs, targets)``, each a tensor or a list, tuple or dict of tensors; the
+    model's output, of any structure, goes to ``loss_fn(output, targets)``, which returns a
+    scalar tensor. If no default process group exists, one is initialised through
+    ``channel.as_store()`` (and destroyed at the end); pass ``process_group`` to use your
+    own. Blocks until training ends; raises :class:`PeerLost` if a peer dies or hangs.
     """
     return _Trainer(
         channel,
@@ -144,6 +181,8 @@ def fit(
         scheduler,
         callbacks,
         process_group,
+        step_callbacks,
+        extra_state,
     ).run()
 
 
@@ -162,7 +201,21 @@ def follow(channel: ControlChannel, *args: Any, **kwargs: Any) -> FitResult:
 
 
 class _Trainer:
-    def __init__(self, channel, model, loss_fn, optimizer, train_data, val_data, options, scheduler, callbacks, pg):
+    def __init__(
+        self,
+        channel,
+        model,
+        loss_fn,
+        optimizer,
+        train_data,
+        val_data,
+        options,
+        scheduler,
+        callbacks,
+        pg,
+        step_callbacks=(),
+        extra_state=None,
+    ):
         self.ch: ControlChannel = channel
         self.rank, self.world = channel.rank, channel.world_size
         self.opts: TrainOptions = options
@@ -170,6 +223,9 @@ class _Trainer:
         self.loss_fn = loss_fn
         self.train_data, self.val_data = train_data, val_data
         self.callbacks = callbacks
+        self.step_callbacks = step_callbacks
+        self.extra_state = extra_state
+        self.global_step = 0
         self.device = next(model.parameters()).device
         self._own_pg = False
         self.pg = pg
@@ -178,6 +234,7 @@ class _Trainer:
         self._lost: PeerLost | None = None
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._bar: Any = None  # the driver's progress bar during an epoch
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -189,7 +246,9 @@ class _Trainer:
             self.pg = dist.group.WORLD
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=ids, process_group=self.pg)
-        self.optimizer = self._make_optimizer(self.ddp.parameters())
+        self.optimizer = self._make_optimizer(
+            self.ddp.module if _first_parameter(self._make_optimizer) == "model" else self.ddp.parameters()
+        )
         self.scheduler = self._make_scheduler(self.optimizer) if self._make_scheduler else None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.opts.amp == "fp16")
         self.history = FitResult()
@@ -226,12 +285,12 @@ class _Trainer:
                     break
                 epoch = command["epoch"]
                 stamps = [started, time.perf_counter()]
+                lr = self.optimizer.param_groups[0]["lr"]  # at the epoch's first step
                 train = self._train_epoch(epoch)
                 stamps.append(time.perf_counter())
                 val = self._validate(epoch)
                 stamps.append(time.perf_counter())
-                lr = self.optimizer.param_groups[0]["lr"]
-                if self.scheduler is not None:
+                if self.scheduler is not None and self.opts.scheduler_interval == "epoch":
                     self.scheduler.step()
                 self._report(epoch, train, val, lr, stamps)
                 epoch += 1
@@ -291,7 +350,7 @@ class _Trainer:
         else:
             # Validation needs no collectives: shard exactly, without the padding duplicates.
             sampler = range(self.rank, len(data), self.world)
-        return DataLoader(data, batch_size=self.opts.batch_size, sampler=sampler)
+        return DataLoader(data, batch_size=self.opts.batch_size, sampler=sampler, **self.opts.loader_options)
 
     def _autocast(self):
         if self.opts.amp is None:
@@ -310,6 +369,7 @@ class _Trainer:
 
             total = len(batches) if hasattr(batches, "__len__") else None
             bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
+        self._bar = bar
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
         with Join([self.ddp], enable=not isinstance(self.train_data, Dataset)):
             for i, ((x, y), last) in enumerate(_with_last(batches)):
@@ -322,7 +382,7 @@ class _Trainer:
                         loss = self.loss_fn(self.ddp(x), y)
                     self.scaler.scale(loss / k).backward()
                 if boundary:
-                    self._step()
+                    self._step(epoch, i, loss)
                 n = _count(y)
                 loss_sum += float(loss.detach()) * n
                 samples += n
@@ -330,15 +390,33 @@ class _Trainer:
                     bar.update()
         if bar is not None:
             bar.close()
+        self._bar = None
         return loss_sum, samples, count
 
-    def _step(self) -> None:
+    def _step(self, epoch: int, batch: int, loss: torch.Tensor) -> None:
         if self.opts.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.opts.clip_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None and self.opts.scheduler_interval == "step":
+            self.scheduler.step()
+        self.global_step += 1
+        every = self.opts.log_every
+        log_now = every is not None and self.rank == 0 and self.global_step % every == 0
+        if not (self.step_callbacks or log_now):
+            return
+        info = StepInfo(epoch, self.global_step, batch, float(loss.detach()), lr, self.rank)
+        for callback in self.step_callbacks:
+            callback(info)
+        if log_now:
+            line = f"epoch {epoch} step {info.step} loss {info.loss:.4f} lr {lr:.3g}"
+            if self._bar is not None:
+                self._bar.write(line)
+            else:
+                print(line, flush=True)
 
     @torch.no_grad()
     def _validate(self, epoch: int) -> tuple[float, int, int, int]:
@@ -412,7 +490,7 @@ class _Trainer:
         timeout = self.opts.collective_timeout
         reports = self.ch.all_gather(f"dp-report-{epoch}", json.dumps(mine).encode(), timeout=timeout)
         rng_states = None
-        if self.opts.checkpoint is not None:
+        if self._checkpoints(epoch):
             rng_states = self.ch.gather(f"dp-rng-{epoch}", _rng_state().encode(), dst=0, timeout=timeout)
         parsed = [json.loads(r) for r in reports]
         self._sync_after_join([p["train"][2] for p in parsed])
@@ -424,6 +502,7 @@ class _Trainer:
             train_loss=t_loss / max(t_n, 1),
             train_samples=t_n,
             train_batches=t_b,
+            train_batches_per_rank=[p["train"][2] for p in parsed],
             val_loss=v_loss / v_n if v_n else None,
             val_samples=v_n,
             val_accuracy=v_correct / v_classified if v_classified else None,
@@ -451,12 +530,22 @@ class _Trainer:
         if len(set(batches)) <= 1:
             return
         source = batches.index(max(batches))
-        box = [(self.optimizer.state_dict(), self.scaler.state_dict())] if self.rank == source else [None]
+        # The scheduler and the step count too: stepped per optimizer step, they are behind as well.
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        mine = (self.optimizer.state_dict(), self.scaler.state_dict(), scheduler, self.global_step)
+        box = [mine] if self.rank == source else [None]
         dist.broadcast_object_list(box, group=self.pg, group_src=source)
         if self.rank != source:
-            optimizer_state, scaler_state = box[0]
+            optimizer_state, scaler_state, scheduler_state, self.global_step = box[0]
             self.optimizer.load_state_dict(optimizer_state)
             self.scaler.load_state_dict(scaler_state)
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(scheduler_state)
+
+    def _checkpoints(self, epoch: int) -> bool:
+        """Whether ``epoch`` ends with a checkpoint: every ``checkpoint_every`` epochs and the last."""
+        every = self.opts.checkpoint_every
+        return self.opts.checkpoint is not None and ((epoch + 1) % every == 0 or epoch == self.opts.epochs - 1)
 
     def _save(self, epoch: int, rng_states: list[str]) -> None:
         state = {
@@ -470,6 +559,8 @@ class _Trainer:
             "history": [asdict(m) for m in self.history.epochs],
             "best": self.best,
             "options": {"seed": self.opts.seed, "batch_size": self.opts.batch_size},
+            "step": self.global_step,
+            "extra": self.extra_state[0]() if self.extra_state is not None else None,
         }
         checkpoint.save_atomically(state, self.opts.checkpoint)
 
@@ -505,8 +596,19 @@ class _Trainer:
         self.history.epochs = [EpochMetrics(**m) for m in state["history"]]
         self.best = tuple(state["best"])
         self.start_epoch = state["epoch"] + 1
+        self.global_step = state.get("step", 0)
+        if self.extra_state is not None and state.get("extra") is not None:
+            self.extra_state[1](state["extra"])
         if self.rank == 0:
             log.warning("resuming from %s after epoch %d", self.opts.checkpoint, state["epoch"])
+
+
+def _first_parameter(factory: Callable[..., Any]) -> str | None:
+    """The name of ``factory``'s first parameter, if it can be known."""
+    try:
+        return next(iter(inspect.signature(factory).parameters), None)
+    except (TypeError, ValueError):  # a builtin or a C callable: no signature
+        return None
 
 
 def _to(obj: Any, device: torch.device) -> Any:

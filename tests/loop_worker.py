@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
@@ -82,6 +83,10 @@ def main(cfg: dict) -> None:
         patience=cfg.get("patience"),
         progress=False,
         collective_timeout=cfg.get("collective_timeout", 60),
+        checkpoint_every=cfg.get("checkpoint_every", 1),
+        scheduler_interval=cfg.get("scheduler_interval", "epoch"),
+        log_every=cfg.get("log_every"),
+        loader_options={"collate_fn": counted_collate} if cfg.get("features") else {},
     )
     net = model(cfg.get("dropout", 0.0))
     loss_fn = torch.nn.functional.mse_loss
@@ -90,20 +95,49 @@ def main(cfg: dict) -> None:
         trained, loss_fn = TupleOutput(net), lambda out, y: torch.nn.functional.mse_loss(out[0], y)
     if cfg.get("broken_loss"):
         loss_fn = lambda out, y: out.no_such_method()  # noqa: E731
+    optimizer = lambda params: torch.optim.SGD(params, lr=cfg.get("lr", LR), momentum=MOMENTUM)  # noqa: E731
+    seen: dict = {"steps": [], "saves": 0, "loaded": None}
+    hooks = {}
+    if cfg.get("features"):
+        # Parameter groups by module, from the model: the output layer learns at half the rate.
+        def optimizer(model):
+            groups = [{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": LR / 2}]
+            return torch.optim.SGD(groups, lr=LR, momentum=MOMENTUM)
+
+        def save_extra():
+            seen["saves"] += 1
+            return {"saves": seen["saves"], "tag": "mine"}
+
+        hooks = {
+            "step_callbacks": [lambda info: seen["steps"].append([info.epoch, info.step, info.batch, info.rank])],
+            "extra_state": (save_extra, lambda value: seen.update(loaded=value)),
+        }
     result = dp.fit(
         ch,
         trained,
         loss_fn,
-        lambda params: torch.optim.SGD(params, lr=cfg.get("lr", LR), momentum=MOMENTUM),
+        optimizer,
         train,
         data(),
         options=options,
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA),
+        **hooks,
     )
     if ch.rank == 0:
         summary = {"epochs": [vars(m) for m in result.epochs], "stopped_early": result.stopped_early}
         torch.save({**summary, "state": net.state_dict()}, cfg["out"])
+    if cfg.get("features"):
+        seen["collated"] = COLLATED[0]
+        Path(f"{cfg['out']}.rank{ch.rank}.json").write_text(json.dumps(seen))
     ch.close()
+
+
+COLLATED = [0]
+
+
+def counted_collate(batch):
+    COLLATED[0] += 1
+    return torch.utils.data.default_collate(batch)
 
 
 if __name__ == "__main__":

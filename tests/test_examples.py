@@ -1,6 +1,9 @@
 """README's main job and the demo run end to end as a new user would run them."""
 
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +43,29 @@ def test_allreduce_demo_runs():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "= [0.0, 6.0, 12.0, 18.0]" in run.stdout
+
+
+@pytest.mark.timeout(600)
+def test_the_language_model_example_snapshots_resumes_and_runs_under_torchrun(tmp_path):
+    """examples/train_charlm.py, the shape of a real LM script, under `dataparallel launch`
+    (2 epochs, a snapshot, then resumed for a third) and under torchrun (3 epochs at once):
+    the same final model, to the bit, whichever way it ran."""
+    script, snapshot = EXAMPLES / "train_charlm.py", tmp_path / "snap.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "OMP_"))}
+
+    def run(argv: list, tag: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+        assert done.returncode == 0, f"{tag}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        return done
+
+    launch = [sys.executable, "-m", "dataparallel", "launch", "--nprocs", "2", script]
+    first = run([*launch, "--epochs", "2", "--snapshot", snapshot], "launch, 2 epochs")
+    assert "epoch 0 step 20 loss" in first.stdout, first.stdout[-2000:]
+    assert snapshot.exists()
+    resumed = run([*launch, "--epochs", "3", "--snapshot", snapshot, "--result", tmp_path / "a.json"], "resumed")
+    assert "resuming from" in resumed.stderr and "epoch 2 " in resumed.stdout and "epoch 1 " not in resumed.stdout
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    run([torchrun, "--nproc-per-node", "2", script, "--epochs", "3", "--result", tmp_path / "b.json"], "torchrun")
+    a, b = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
+    assert (a["transport"], b["transport"]) == ("zmq", "tcpstore")
+    assert a["val_loss"] == b["val_loss"] and a["val_loss"] < 3.0, (a, b)

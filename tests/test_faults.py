@@ -208,3 +208,33 @@ def test_slow_peer_is_not_lost(tmp_path):
         _, err = p.communicate(timeout=100)
         assert p.returncode == 0, err[-3000:]
     record("slow peer (epoch of 2.4 s, liveness timeout 1 s)", "zmq", "job carries on, completes", None)
+
+
+@pytest.mark.timeout(60)
+def test_a_watcher_that_could_not_look_blames_no_peer_for_the_gap():
+    """A watcher whose own tick was held up past the liveness timeout (its process stalled, or
+    the store did: torch's TCPStore server stops answering while it looks a new client up in
+    DNS) has not seen the peers' silence, only its own: it declares nobody lost for the gap,
+    and still declares a peer that stays silent once it can look again."""
+    import dataparallel as dp
+    from dataparallel.testing.conformance import FAST_LIVENESS, close_all, run_all
+
+    url = with_options("memory://blind-watcher", **FAST_LIVENESS)
+    channels = run_all([lambda r=r: dp.connect(url, rank=r, world_size=2, job="blind", timeout=20) for r in range(2)])
+    try:
+        watcher = channels[0]._liveness
+        watcher._stop.set()  # its thread stops: the test ticks it by hand
+        watcher._thread.join(5)
+        channels[1]._liveness._stop.set()  # rank 1 goes silent from now on
+        channels[1]._liveness._thread.join(5)
+        watcher._watch()  # sees rank 1's last beat
+        time.sleep(3.0)  # the watcher cannot look for 3 s (> the 2 s liveness timeout)
+        watcher._watch()
+        assert watcher.lost() == [], "blamed rank 1 for the watcher's own gap"
+        deadline = time.monotonic() + FAST_LIVENESS["liveness_timeout"] + 0.5
+        while time.monotonic() < deadline and not watcher.lost():
+            time.sleep(FAST_LIVENESS["heartbeat"])
+            watcher._watch()  # rank 1 silent for a whole timeout the watcher could see
+        assert [p.rank for p in watcher.lost()] == [1]
+    finally:
+        close_all(channels)

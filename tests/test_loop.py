@@ -34,17 +34,17 @@ def run_job(tmp_path: Path, transport: str, world: int, tag: str, **cfg) -> dict
 
 
 def run_ranks(url: str, world: int, tag: str, **cfg) -> list[tuple[int, str]]:
-    """Every rank's (exit code, stderr)."""
+    """Every rank's (exit code, stdout and stderr)."""
     procs = [spawn({"url": url, "rank": r, "world": world, **cfg}) for r in range(world)]
     results = []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=120)
+            out, err = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             pytest.fail(f"{tag}: a rank hung")
-        results.append((p.returncode, err))
+        results.append((p.returncode, out + err))
     return results
 
 
@@ -173,6 +173,43 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
     assert grown["epochs"][-1]["train_batches"] == 12, "3 ranks x 4 batches of 8"
     shrunk = run_job(tmp_path, "zmq", 1, "one", epochs=5, checkpoint=ckpt, resume=True)
     assert shrunk["epochs"][:4] == grown["epochs"] and shrunk["epochs"][-1]["train_samples"] == 96
+
+
+@pytest.mark.timeout(300)
+def test_what_a_real_training_script_needs(tmp_path):
+    """Per-step callbacks on every rank, a per-step LR schedule, parameter groups from the
+    model, a checkpoint every 2 epochs with the script's own extra state (given back on
+    resume), DataLoader options, batches per rank, log lines every N steps."""
+    ckpt = tmp_path / "every2.ckpt"
+    url = f"zmq://127.0.0.1:{free_port()}"
+    out = str(tmp_path / "features.pt")
+    common = {"features": True, "checkpoint": str(ckpt), "checkpoint_every": 2, "scheduler_interval": "step"}
+    runs = run_ranks(url, 2, "features", out=out, epochs=3, log_every=5, **common)
+    assert all(code == 0 for code, _ in runs), runs[0][1][-3000:]
+    result = torch.load(out, weights_only=False)
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    per_epoch = 96 // 8 // 2  # batches of 8, two ranks: 6 optimizer steps per epoch
+    for rank, seen in enumerate(ranks):
+        assert [s[1] for s in seen["steps"]] == list(range(1, 3 * per_epoch + 1)), "one call per step, counted"
+        assert {s[3] for s in seen["steps"]} == {rank} and seen["collated"] >= 3 * per_epoch
+    assert [e["train_batches_per_rank"] for e in result["epochs"]] == [[6, 6]] * 3
+    lr = result["epochs"][-1]["lr"]  # at the last epoch's first step: 2 epochs of steps before it
+    assert lr == pytest.approx(loop_worker.LR * loop_worker.GAMMA ** (2 * per_epoch))
+    logged = [line.split(" loss")[0] for line in runs[0][1].splitlines() if " loss " in line]
+    assert logged == ["epoch 0 step 5", "epoch 1 step 10", "epoch 2 step 15"], runs[0][1][-2000:]
+    assert " loss " not in runs[1][1], "only the driver logs"
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["epoch"] == 2 and saved["extra"] == {"saves": 2, "tag": "mine"}, "epochs 1 and 2 (the last)"
+    assert saved["step"] == 3 * per_epoch
+    assert [g["lr"] for g in saved["optimizer"]["param_groups"]][1] == pytest.approx(
+        loop_worker.LR / 2 * loop_worker.GAMMA ** (3 * per_epoch)
+    ), "the output layer's group"
+    resumed = run_ranks(url.replace(url.rsplit(":", 1)[1], str(free_port())), 2, "features-resumed",
+                        out=out, epochs=4, resume=True, **common)  # fmt: skip
+    assert all(code == 0 for code, _ in resumed), resumed[0][1][-3000:]
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    assert all(seen["loaded"] == {"saves": 2, "tag": "mine"} for seen in ranks), "given back on every rank"
+    assert [s[1] for s in ranks[0]["steps"]] == list(range(3 * per_epoch + 1, 4 * per_epoch + 1))
 
 
 @pytest.mark.timeout(120)

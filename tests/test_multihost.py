@@ -34,6 +34,12 @@ def net():
         yield network
 
 
+#: One intra-op thread per rank in both layouts: launch gives each worker its node's cores
+#: divided by the node's workers (2 on a one-worker "host" here, 1 for three on one host),
+#: and float sums over another thread count differ in the last bits.
+SAME_THREADS = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
 def one_host(tmp_path_factory) -> Path:
     """The same job with all three ranks on one host (loopback), for comparison."""
@@ -43,6 +49,7 @@ def one_host(tmp_path_factory) -> Path:
         capture_output=True,
         text=True,
         timeout=300,
+        env=SAME_THREADS,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return out
@@ -71,7 +78,9 @@ def _run_job(net: PrivateNetwork, config: Path, result: Path) -> list[subprocess
     for node, host in enumerate((DRIVER, *FOLLOWERS)):
         argv = [sys.executable, "-m", "dataparallel", "launch", "--config", str(config), "--node-rank", str(node)]
         argv += [SCRIPT, "--epochs", EPOCHS, "--result", str(result)]
-        procs.append(net.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        procs.append(
+            net.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=SAME_THREADS)
+        )
     done = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)

@@ -8,7 +8,7 @@ dp.init_process_group(ch)  # torch.distributed through the channel's store
 
 from .channel import ControlChannel
 from .connect import connect
-from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
+from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLeft, PeerLost
 from .keyspace import KeySpace
 from .registry import ChannelURL, known_schemes, parse_url, register_transport
 
@@ -55,6 +55,7 @@ __all__ = [
     "FitResult",
     "JobConfig",
     "KeySpace",
+    "PeerLeft",
     "PeerLost",
     "Replicas",
     "StepInfo",

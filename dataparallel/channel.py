@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import hmac
 import json
+import logging
 import os
 import socket
 import threading
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from .collectives import Collectives, _value
+from .collectives import Collectives, Departure, Needs, _value
 from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .liveness import _CLOSED as _CLOSED_BEAT
 from .liveness import _HB as _HB_KEY
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import torch.distributed
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 #: Keys the core uses for its own bookkeeping live under this prefix.
 RESERVED_PREFIX = "__dp/"
@@ -233,6 +235,7 @@ class ControlChannel(Collectives, abc.ABC):
         self._store: torch.distributed.Store | None = None
         self._seq_lock = threading.Lock()
         self._seq: dict[tuple[str, str], int] = {}
+        self._departed: dict[int, Departure] = {}  # ranks that closed: how far they went
         #: Where the current run's keys live (the core's runs; "" where the transport has its own).
         self._run_prefix = ""
         self._run_id = b""
@@ -500,6 +503,11 @@ class ControlChannel(Collectives, abc.ABC):
                 # Peers may still be reading their last replies: give them time to leave.
                 self._await_departures(min(self.timeout, self.CLOSE_GRACE))
             self._closed = True
+            if self._liveness is not None and self._broken is None:
+                try:
+                    self._depart()
+                except ControlError as err:  # leaving anyway; the coordinator may be gone
+                    log.debug("could not record the departure: %s", err)
             if self._liveness is not None:
                 self._liveness.stop(announce=self._broken is None)
             self._close()
@@ -549,14 +557,23 @@ class ControlChannel(Collectives, abc.ABC):
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         return float(timeout)
 
-    def _await(self, key: str, timeout: float | None, what: str, hint: Any = None) -> bytes:
+    def _await(self, key: str, timeout: float | None, what: str, hint: Any = None, needs: Needs | None = None) -> bytes:
         """Block for ``key``, checking liveness between slices; ``what`` and ``hint()``
-        (called only on timeout) make the error message."""
-        return self._await_with(lambda slice_: self._get(key, slice_), timeout, what, hint)
+        (called only on timeout) make the error message; ``needs``: the collective round
+        the key waits for (a rank that closed without entering it ends the wait)."""
+        return self._await_with(lambda slice_: self._get(key, slice_), timeout, what, hint, needs)
 
-    def _await_with(self, fetch: Callable[[float], T | None], timeout: float | None, what: str, hint: Any = None) -> T:
+    def _await_with(
+        self,
+        fetch: Callable[[float], T | None],
+        timeout: float | None,
+        what: str,
+        hint: Any = None,
+        needs: Needs | None = None,
+    ) -> T:
         """Call ``fetch(seconds)`` (a blocking read returning None on timeout) until it
-        returns a value, in slices between which a lost peer or a closed channel raises."""
+        returns a value, in slices between which a lost peer or a closed channel raises,
+        and, with ``needs``, a departed rank that never entered the round (PeerLeft)."""
         start = time.monotonic()
         deadline = start + self._budget(timeout)
         while True:
@@ -566,11 +583,13 @@ class ControlChannel(Collectives, abc.ABC):
                 waited = time.monotonic() - start
                 raise ControlTimeout(f"{what} (job {self.job!r}, rank {self.rank})", waited, hint() if hint else "")
             poll = remaining
-            if self._liveness is not None and not self._liveness.interrupts_blocked_calls:
+            if needs is not None or (self._liveness is not None and not self._liveness.interrupts_blocked_calls):
                 poll = min(remaining, self.liveness_poll)
             value = fetch(poll)
             if value is not None:
                 return value
+            if needs is not None:
+                self._raise_if_departed(needs, what)
 
     def _usable(self) -> None:
         if self._closed:

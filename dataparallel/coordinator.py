@@ -411,6 +411,7 @@ class Coordinator:
         if s.rank is not None and job.ranks.get(s.rank) is s:
             del job.ranks[s.rank]
             job.left.add(s.rank)
+            self._fail_collectives_without(job, s.rank)
         self._drop_session(s)
         return _reply(r.id)
 
@@ -434,6 +435,11 @@ class Coordinator:
         if not sources or max(sources) >= job.world_size:
             raise BadMessage(f"collective {c.name!r}: source ranks {sorted(sources)} out of range")
         state = job.collectives.get(c.name)
+        if c.want and (state is None or not state.complete):
+            # A rank that left never arrives: a round it has not entered can never complete.
+            gone = sorted((sources - (state.arrived if state else set()) - {s.rank}) & job.left)
+            if gone:
+                return _left_reply(r.id, gone[0])
         crowded = state is None and len(job.collectives) >= self.limits.max_parked_per_session
         if crowded or len(s.parked) >= self.limits.max_parked_per_session:
             return _reply(r.id, pb.FAILED, f"job {job.name!r}: too many collectives open at once")
@@ -480,6 +486,15 @@ class Coordinator:
         if state.complete and len(state.arrived) == job.world_size:
             del job.collectives[c.name]
         return reply
+
+    def _fail_collectives_without(self, job: Job, rank: int) -> None:
+        """``rank`` left: every open collective it had to enter and had not is over, and the
+        ranks waiting in it are told at once (a later arrival is refused in ``_collect``)."""
+        for name, state in list(job.collectives.items()):
+            if not state.complete and rank in state.sources and rank not in state.arrived:
+                del job.collectives[name]
+                for parked in list(state.waiting.values()):
+                    self._finish(parked, _left_reply(parked.request_id, rank))
 
     @staticmethod
     def _collected(request_id: int, state: Collective, job: Job) -> pb.Reply:
@@ -609,6 +624,13 @@ def _withdrawn() -> None:
 
 def _reply(request_id: int, status: int = pb.OK, error: str = "", **fields) -> pb.Reply:
     return pb.Reply(id=request_id, status=status, error=error, **fields)
+
+
+def _left_reply(request_id: int, rank: int) -> pb.Reply:
+    reason = f"rank {rank} closed its channel without entering this collective"
+    reply = _reply(request_id, pb.PEER_LEFT, reason)
+    reply.lost.CopyFrom(pb.LostPeer(rank=rank, last_seen=time.time(), reason=reason))
+    return reply
 
 
 def _timeout(seconds: float) -> float:

@@ -51,6 +51,27 @@ class PeerLost(ControlError):
         super().__init__("; ".join(parts))
 
 
+class PeerLeft(PeerLost):
+    """A peer closed its channel without entering a collective that needs it, so the
+    collective can never complete. Raised at once to the ranks waiting in it (within a
+    ``liveness_poll`` slice), never after their timeout.
+
+    It is a :class:`PeerLost` (the peer is gone for this collective), but the channel stays
+    usable: ``missed`` names the collective and its round, ``during`` what was waited for.
+    Usually a rank that ended early: every rank must enter the same collectives in the same
+    order (a final ``rendezvous()`` included, where the others call it).
+    """
+
+    def __init__(self, rank: int, missed: str, during: str = "") -> None:
+        self.rank = rank
+        self.last_seen = None
+        self.missed = missed
+        self.during = during
+        self.reason = f"it closed its channel without entering {missed}"
+        msg = f"peer rank {rank} closed its channel without entering {missed}, which can never complete now"
+        ControlError.__init__(self, f"{msg}; while waiting for {during}" if during and during != missed else msg)
+
+
 class AuthError(ControlError):
     """The job token was missing or did not match the coordinator's."""
 

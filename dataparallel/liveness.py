@@ -84,6 +84,10 @@ class Liveness(abc.ABC):
     def lost(self) -> list[LostPeer]:
         return list(self._lost.values())
 
+    def left(self) -> set[int]:
+        """The peers seen leaving cleanly, where this kind watches for it (else empty)."""
+        return set()
+
     def _record(self, peer: LostPeer) -> bool:
         """Note ``peer`` as lost (first report wins); True if it was news."""
         if peer.rank in self._lost:

@@ -73,6 +73,12 @@ class TrainOptions:
     #: ``persistent_workers``, ``collate_fn``, ``prefetch_factor``... (not ``batch_size``,
     #: ``shuffle`` or ``sampler``: those are the loop's).
     loader_options: dict[str, Any] = field(default_factory=dict)
+    #: The training ``Dataset``'s sampler, called every epoch as ``sampler(dataset,
+    #: num_replicas=W, rank=r, shuffle=shuffle, seed=seed)`` (``DistributedSampler``'s
+    #: signature: a subclass of it can be given as is), then ``set_epoch(epoch)`` where it has
+    #: one. Default: ``DistributedSampler``. Ranks whose samplers give different numbers of
+    #: batches train that epoch under ``Join`` (said once; it costs a collective per step).
+    sampler: Callable[..., Any] | None = None
     collective_timeout: float = 300.0
     progress: bool = True
 
@@ -235,6 +241,7 @@ class _Trainer:
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
         self._bar: Any = None  # the driver's progress bar during an epoch
+        self._told_uneven = False
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -343,10 +350,12 @@ class _Trainer:
         if callable(data) and not isinstance(data, Dataset):
             return data(epoch, self.rank, self.world)
         if train:
-            sampler = DistributedSampler(
+            make = self.opts.sampler or DistributedSampler
+            sampler = make(
                 data, num_replicas=self.world, rank=self.rank, shuffle=self.opts.shuffle, seed=self.opts.seed
             )
-            sampler.set_epoch(epoch)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
         else:
             # Validation needs no collectives: shard exactly, without the padding duplicates.
             sampler = range(self.rank, len(data), self.world)
@@ -371,7 +380,7 @@ class _Trainer:
             bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
         self._bar = bar
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
-        with Join([self.ddp], enable=not isinstance(self.train_data, Dataset)):
+        with Join([self.ddp], enable=self._uneven(epoch, batches)):
             for i, ((x, y), last) in enumerate(_with_last(batches)):
                 count += 1
                 x, y = _to(x, self.device), _to(y, self.device)
@@ -392,6 +401,29 @@ class _Trainer:
             bar.close()
         self._bar = None
         return loss_sum, samples, count
+
+    def _uneven(self, epoch: int, batches: Iterable[Batch]) -> bool:
+        """Whether ranks may have different numbers of batches this epoch: a batch source may;
+        a user's sampler may (asked: the ranks compare lengths); DistributedSampler never."""
+        if not isinstance(self.train_data, Dataset):
+            return True
+        if self.opts.sampler is None:
+            return False
+        try:
+            mine = len(batches)
+        except TypeError:  # a sampler without a length: unknown, so uneven
+            mine = -1
+        timeout = self.opts.collective_timeout
+        counts = [int(c) for c in self.ch.all_gather(f"dp-batches-{epoch}", str(mine).encode(), timeout=timeout)]
+        uneven = len(set(counts)) > 1 or -1 in counts
+        if uneven and self.rank == 0 and not self._told_uneven:
+            self._told_uneven = True
+            log.warning(
+                "the sampler gives the ranks different numbers of batches (%s): such epochs train under Join, "
+                "which costs a collective per step",
+                counts,
+            )
+        return uneven
 
     def _step(self, epoch: int, batch: int, loss: torch.Tensor) -> None:
         if self.opts.clip_grad_norm is not None:

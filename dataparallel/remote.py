@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from .channel import ControlChannel
 from .coordinator import Coordinator
-from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
+from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLeft, PeerLost
 from .liveness import Liveness, LostPeer
 from .registry import ChannelURL
 from .wire import PROTOCOL_VERSION, open_frame, pb
@@ -306,6 +306,8 @@ class RemoteChannel(ControlChannel, abc.ABC):
             if isinstance(self._liveness, CoordinatorLiveness):
                 self._liveness.note(lost)
             raise PeerLost(lost.rank, lost.last_seen or None, lost.reason, during=what)
+        if status == pb.PEER_LEFT:  # not a loss: the channel goes on, this collective cannot
+            raise PeerLeft(reply.lost.rank, what, what)
         if status == pb.AUTH_FAILED:
             raise AuthError(f"coordinator refused {what}: {error}")
         if status == pb.BAD_MESSAGE:
@@ -385,6 +387,10 @@ class RemoteChannel(ControlChannel, abc.ABC):
                 pass  # leaving anyway
 
     # ------------------------------------------------------------------ collectives
+    def _depart(self) -> None:
+        """Nothing to record: the coordinator sees the session leave and ends the collectives
+        that needed this rank (``PEER_LEFT``)."""
+
     def _collect(
         self,
         name: str,

@@ -56,6 +56,25 @@ def batch_source(cfg: dict):
     return None
 
 
+class FirstHalf(torch.utils.data.DistributedSampler):
+    """A user's sampler: the first half of each rank's shard (``uneven``: all of it on rank 0)."""
+
+    uneven = False
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        keep = len(indices) if self.uneven and self.rank == 0 else len(indices) // 2
+        return iter(indices[:keep])
+
+    def __len__(self) -> int:
+        full = super().__len__()
+        return full if self.uneven and self.rank == 0 else full // 2
+
+
+class UnevenHalf(FirstHalf):
+    uneven = True
+
+
 class TupleOutput(torch.nn.Module):
     """``net`` returning ``(prediction, {"norm": ...})`` instead of a tensor."""
 
@@ -87,6 +106,7 @@ def main(cfg: dict) -> None:
         scheduler_interval=cfg.get("scheduler_interval", "epoch"),
         log_every=cfg.get("log_every"),
         loader_options={"collate_fn": counted_collate} if cfg.get("features") else {},
+        sampler={"half": FirstHalf, "uneven": UnevenHalf}.get(cfg.get("sampler")),
     )
     net = model(cfg.get("dropout", 0.0))
     loss_fn = torch.nn.functional.mse_loss

@@ -212,6 +212,21 @@ def test_what_a_real_training_script_needs(tmp_path):
     assert [s[1] for s in ranks[0]["steps"]] == list(range(3 * per_epoch + 1, 4 * per_epoch + 1))
 
 
+@pytest.mark.timeout(240)
+def test_a_users_sampler_shards_the_data_even_or_uneven(tmp_path):
+    """A DistributedSampler subclass is the training sampler; equal lengths train without
+    Join, different lengths per rank under Join (said once on the driver)."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    for kind, per_rank in (("half", [3, 3]), ("uneven", [6, 3])):
+        out = str(tmp_path / f"{kind}.pt")
+        runs = run_ranks(url.replace(url.rsplit(":", 1)[1], str(free_port())), 2, kind, out=out, epochs=2, sampler=kind)
+        assert all(code == 0 for code, _ in runs), runs[0][1][-3000:]
+        result = torch.load(out, weights_only=False)
+        assert [e["train_batches_per_rank"] for e in result["epochs"]] == [per_rank] * 2
+        told = runs[0][1].count("the sampler gives the ranks different numbers of batches")
+        assert told == (1 if kind == "uneven" else 0), runs[0][1][-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_a_loss_that_cannot_take_the_output_fails_before_the_first_epoch(tmp_path):
     url = f"zmq://127.0.0.1:{free_port()}"

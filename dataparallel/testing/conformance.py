@@ -700,6 +700,68 @@ class CollectiveTests(ChannelHarness):
         run_all([lambda c=c: body(c) for c in channels])
         assert holder._held_state() == start, "repeated collectives must not grow the job's state"
 
+    @pytest.mark.timeout(120)
+    def test_a_rank_that_closed_without_entering_a_collective_ends_it_at_once(self, open_ranks):
+        """A rank that closes its channel (it ended early, or skipped a collective) fails
+        every collective round it never entered, for every rank waiting in it or entering
+        it later, with PeerLeft naming it, within a slice of the wait; never at the timeout.
+        The channel itself goes on."""
+        waits: dict[str, Callable[[dp.ControlChannel], object]] = {
+            "rendezvous": lambda c: c.rendezvous(timeout=STEP_TIMEOUT),
+            "barrier": lambda c: c.barrier("end", timeout=STEP_TIMEOUT),
+            "broadcast": lambda c: c.broadcast("end", src=2, timeout=STEP_TIMEOUT),
+            "all_gather": lambda c: c.all_gather("end", b"v", timeout=STEP_TIMEOUT),
+            "gather": lambda c: c.gather("end", b"v", dst=0, timeout=STEP_TIMEOUT),  # only rank 0 waits
+        }
+        for name, wait in waits.items():
+            for closes_first in (False, True):
+                channels = open_ranks(3, job=f"left-{name}-{closes_first}")
+                if name != "rendezvous":  # one earlier round everyone entered: not a miss
+                    self.rendezvous_all(channels)
+                with ThreadPoolExecutor(2) as pool:
+                    if closes_first:
+                        channels[2].close()
+                        closed = time.monotonic()
+                    futures = [pool.submit(wait, c) for c in channels[:2]]
+                    if not closes_first:
+                        time.sleep(0.3)  # they wait in it
+                        closed = time.monotonic()
+                        channels[2].close()
+                    if name == "gather":
+                        assert futures.pop().result(timeout=STEP_TIMEOUT) is None
+                    for future in futures:
+                        with pytest.raises(dp.PeerLeft) as info:
+                            future.result(timeout=STEP_TIMEOUT)
+                        elapsed = time.monotonic() - closed
+                        err = info.value
+                        assert err.rank == 2 and isinstance(err, dp.PeerLost), str(err)
+                        assert "closed its channel without entering" in str(err), str(err)
+                        bound = channels[0].liveness_poll + 3.0
+                        assert elapsed < bound, f"{name}: PeerLeft after {elapsed:.1f}s (bound {bound:g}s)"
+                channels[0].set("after", b"1")
+                assert channels[1].get("after", timeout=5) == b"1"
+
+    @pytest.mark.timeout(60)
+    def test_a_rank_that_closed_after_its_part_does_not_end_a_collective(self, open_ranks):
+        """What a closed rank did before it closed counts: its broadcast value and its gather
+        value are delivered to ranks that enter later, and the rounds it entered stay done."""
+        channels = open_ranks(3, job="left-done")
+        self.rendezvous_all(channels)
+        run_all([lambda c=c: c.barrier("b", timeout=STEP_TIMEOUT) for c in channels])
+        channels[2].broadcast("cmd", b"last words", src=2)
+        channels[2].gather("g", b"v2", dst=0)
+        channels[2].close()
+        time.sleep(channels[0].liveness_poll + 0.5)  # the departure is seen by now
+
+        def late(ch: dp.ControlChannel) -> tuple:
+            got = ch.broadcast("cmd", src=2, timeout=STEP_TIMEOUT)
+            return got, ch.gather("g", f"v{ch.rank}".encode(), dst=0, timeout=STEP_TIMEOUT)
+
+        results = run_all([lambda c=c: late(c) for c in channels[:2]])
+        assert results == [(b"last words", [b"v0", b"v1", b"v2"]), (b"last words", None)]
+        with pytest.raises(dp.PeerLeft, match="barrier 'b' round 1"):
+            run_all([lambda c=c: c.barrier("b", timeout=STEP_TIMEOUT) for c in channels[:2]])
+
     def test_bad_source_rank_is_refused(self, open_ranks):
         (a,) = open_ranks(1)
         with pytest.raises(ValueError):

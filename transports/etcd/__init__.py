@@ -634,6 +634,9 @@ class LeaseLiveness(Liveness):
     def stop(self, announce: bool) -> None:
         pass  # the departure (left key, lease revoked) is the channel's _leave
 
+    def left(self) -> set[int]:
+        return set(self._left)
+
     async def cancel(self) -> None:
         if self._follower is not None:
             self._follower.cancel()

@@ -41,8 +41,8 @@ from urllib.parse import quote
 
 import aetcd
 
-from dataparallel.collectives import _value
-from dataparallel.errors import ControlError, ControlTimeout
+from dataparallel.collectives import Needs, _value
+from dataparallel.errors import ControlError, ControlTimeout, PeerLeft
 
 from .client import Count
 
@@ -213,9 +213,17 @@ class EtcdCollectives:
         return {int(kv.key[len(prefix) :]) for kv in found}
 
     # ------------------------------------------------------------------ waiting (caller's thread)
-    def _block(self: EtcdChannel, work: Coroutine[Any, Any, T], deadline: float, what: str, hint: Any = None) -> T:
+    def _block(
+        self: EtcdChannel,
+        work: Coroutine[Any, Any, T],
+        deadline: float,
+        what: str,
+        hint: Any = None,
+        needs: Needs | None = None,
+    ) -> T:
         """Run ``work`` (a collective's steps, whose only wait is for a release key) on the
         loop; PeerLost as soon as a peer is declared lost (the loss interrupts the wait),
+        PeerLeft within a slice once a rank ``needs`` names has left without arriving,
         ControlTimeout at ``deadline`` (``hint()`` says who had arrived)."""
         start = time.monotonic()
         try:
@@ -240,12 +248,33 @@ class EtcdCollectives:
                     raise ControlError(f"{what} (job {self.job!r}, rank {self.rank}) was interrupted") from None
                 except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
                     self._raise_if_failed(what)
+                    if needs is not None:
+                        self._raise_if_departed(needs, what)
                 except ControlError:
                     raise
                 except Exception as err:
                     raise self._translate(err, what) from err
         finally:
             future.cancel()
+
+    def _depart(self: EtcdChannel) -> None:
+        """Nothing to record: a departure is this rank's left key (written by ``_leave``),
+        which the others' lease watches see, and its arrival keys say how far it went."""
+
+    def _raise_if_departed(self: EtcdChannel, needs: Needs, during: str) -> None:
+        """PeerLeft if a rank ``needs`` names has left (seen by the lease watch) without
+        arriving in the round, which is not complete (arrivals read before the release key:
+        a round still open when the release was read was open when its arrivals were)."""
+        left = [rank for rank in needs.ranks if rank in self._liveness.left()] if self._liveness else []
+        if not left:
+            return
+        round_ = self._round(needs.kind, needs.name, needs.seq)
+        arrived = self._run(self._arrived(round_), 5.0)
+        if self._run(self._call("get", self._release_key(round_)), 5.0) is not None:
+            return
+        for rank in left:
+            if rank not in arrived:
+                raise PeerLeft(rank, needs.what, during)
 
     def _who_arrived(self: EtcdChannel, round_: str, expected: list[int]) -> Any:
         def hint() -> str:
@@ -278,7 +307,8 @@ class EtcdCollectives:
                 await self._releases.wait(release)
 
         what = f"barrier {name!r} round {seq}"
-        self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))))
+        needs = Needs("barrier", name, seq, tuple(r for r in range(n) if r != self.rank), what)
+        self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))), needs)
 
     def all_gather(self: EtcdChannel, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
@@ -300,7 +330,8 @@ class EtcdCollectives:
             return await self._values(round_)
 
         what = f"all_gather {name!r} round {seq}"
-        values = self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))))
+        needs = Needs("allgather", name, seq, tuple(r for r in range(n) if r != self.rank), what)
+        values = self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))), needs)
         return _by_rank(values, n, what)
 
     def gather(
@@ -330,7 +361,8 @@ class EtcdCollectives:
 
         what = f"gather {name!r} round {seq}"
         others = [r for r in range(n) if r != dst]
-        values = self._block(steps(), deadline, what, self._who_arrived(round_, others))
+        needs = Needs("gather", name, seq, tuple(others), what)
+        values = self._block(steps(), deadline, what, self._who_arrived(round_, others), needs)
         values[dst] = value
         return _by_rank(values, n, what)
 
@@ -359,7 +391,8 @@ class EtcdCollectives:
                 await self._remove_round(round_)
             return got
 
-        return self._block(steps(), deadline, f"broadcast {name!r} from rank {src}")
+        what = f"broadcast {name!r} from rank {src}"
+        return self._block(steps(), deadline, what, needs=Needs("bcast", name, seq, (src,), f"{what} round {seq}"))
 
 
 def _detail(hint: Any) -> str:

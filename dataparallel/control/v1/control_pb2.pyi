@@ -16,6 +16,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BAD_MESSAGE: _ClassVar[Status]
     CLOSED: _ClassVar[Status]
     FAILED: _ClassVar[Status]
+    PEER_LEFT: _ClassVar[Status]
 OK: Status
 TIMEOUT: Status
 PEER_LOST: Status
@@ -23,6 +24,7 @@ AUTH_FAILED: Status
 BAD_MESSAGE: Status
 CLOSED: Status
 FAILED: Status
+PEER_LEFT: Status
 
 class Empty(_message.Message):
     __slots__ = ()

@@ -74,8 +74,8 @@ class ControlChannel(Collectives, abc.ABC):
     ``heartbeat`` and ``liveness_timeout`` (:data:`COMMON_OPTIONS`) they are the only ones: any
     other is refused with a :class:`ConfigError` listing the allowed ones and their meanings.
     Flags, each explained where it is defined: ``fences_lost_members``,
-    ``survives_connection_loss``, ``native_auth``, ``liveness_poll``, ``CLOSE_GRACE``; and
-    the property :attr:`hosts_coordinator`.
+    ``survives_connection_loss``, ``notices_exits``, ``native_auth``, ``liveness_poll``,
+    ``CLOSE_GRACE``; and the property :attr:`hosts_coordinator`.
 
     *The URL* reaches the transport as a :class:`~dataparallel.ChannelURL`: ``url.hosts``
     (``(host, port or None)`` pairs; ``url.host``/``url.port`` are the first),
@@ -173,6 +173,12 @@ class ControlChannel(Collectives, abc.ABC):
     #: a write whose reply was lost raises ChannelClosed: it may or may not have been applied.
     #: The conformance suite resets connections under barriers only where this is declared.
     survives_connection_loss: ClassVar[bool] = False
+    #: Whether a peer that exits (killed, crashed) is noticed when its connections close,
+    #: not when its heartbeats are missed: within a second where the peer shares the
+    #: coordinator's machine and PID namespace, whatever ``liveness_timeout`` (a frozen or
+    #: cut-off peer, whose connections stay open, is still noticed after it). The conformance
+    #: suite holds a transport that declares it to that bound.
+    notices_exits: ClassVar[bool] = False
 
     #: URL scheme this class serves (informational; the registry maps schemes to classes).
     scheme: ClassVar[str] = ""

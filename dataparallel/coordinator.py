@@ -8,6 +8,14 @@ key, a collective still incomplete) — lets the coordinator call ``send(route, 
 later. The transport calls :meth:`Coordinator.sweep` at least as
 often as the returned delay asks, to expire parked requests and declare silent ranks lost.
 
+A transport that can tell which connection a request came in on passes it as ``conn`` and
+calls :meth:`Coordinator.connection_closed` when that connection ends. A rank whose every
+connection has closed is declared lost at once if its process is seen to have exited (the
+coordinator shares its kernel and PID namespace: :mod:`dataparallel.procinfo`), else once it
+has not come back within a grace of a heartbeat and a second: a killed peer is noticed in
+well under a second on one machine and in about two across machines, while a frozen or cut
+off peer, whose connections stay open, is noticed after ``liveness_timeout`` as before.
+
 All of it is guarded by one lock; nothing under it blocks. Per job the coordinator keeps a
 :class:`KeySpace`, the sessions that speak for each rank, parked requests and collectives.
 A resent request (same session and id, e.g. after a reconnect) is answered once: from the
@@ -24,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from . import procinfo
 from .errors import AuthError, BadMessage
 from .keyspace import KeySpace
 from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, open_frame, pb
@@ -86,6 +95,12 @@ class Session:
     #: Highest request id accepted, and the ids accepted within the replay window below it.
     high: int = -1
     seen: set[int] = field(default_factory=set)
+    #: The connections its requests came in on (where the transport says), and since when it
+    #: has had none; whether its pid is one this process can check; its heartbeat interval.
+    conns: set[Hashable] = field(default_factory=set)
+    dropped_at: float | None = None
+    local: bool = False
+    heartbeat: float = 1.0
 
     def accept(self, request_id: int, window: int) -> bool:
         """True the first time ``request_id`` is offered; False for a resend or a replay."""
@@ -152,24 +167,26 @@ class Coordinator:
         #: Every session's cached replies, oldest first: (session, request id) -> bytes.
         self._cached: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         self._cached_bytes = 0
+        self._conns: dict[Hashable, set[Session]] = {}  # connection -> sessions heard on it
 
     # ------------------------------------------------------------------ entry points
-    def handle_frame(self, route: Route, key: bytes, frame: bytes) -> pb.Reply | None:
+    def handle_frame(self, route: Route, key: bytes, frame: bytes, conn: Hashable = None) -> pb.Reply | None:
         """Serve one sealed request (:func:`dataparallel.wire.seal` with ``key``): a frame that
-        fails its MAC is answered ``AUTH_FAILED``, one that does not parse ``BAD_MESSAGE``."""
+        fails its MAC is answered ``AUTH_FAILED``, one that does not parse ``BAD_MESSAGE``.
+        ``conn``: the connection it came in on (see :meth:`connection_closed`), if known."""
         try:
             request = open_frame(key, frame, pb.Request)
         except AuthError as err:
             return pb.Reply(status=pb.AUTH_FAILED, error=str(err))
         except BadMessage as err:
             return pb.Reply(status=pb.BAD_MESSAGE, error=str(err))
-        return self.handle(route, request)
+        return self.handle(route, request, conn)
 
-    def handle(self, route: Route, request: pb.Request) -> pb.Reply | None:
+    def handle(self, route: Route, request: pb.Request, conn: Hashable = None) -> pb.Reply | None:
         """Serve one authenticated request; never raises for bad input (it becomes a reply)."""
         with self._lock:
             try:
-                return self._dispatch(route, request)
+                return self._dispatch(route, request, conn)
             except BadMessage as err:
                 return _reply(request.id, pb.BAD_MESSAGE, str(err))
             except Exception as err:  # a bug must not take the coordinator down
@@ -188,6 +205,19 @@ class Coordinator:
                 self._watch(job, now)
             next_deadline = min((p.deadline for p in self._parked), default=now + SWEEP_INTERVAL)
             return max(0.0, min(next_deadline - now, SWEEP_INTERVAL))
+
+    def connection_closed(self, conn: Hashable) -> None:
+        """Connection ``conn`` ended: a rank left with none is judged at once (its process
+        exited?) and on every sweep after (did it come back within the grace?)."""
+        with self._lock:
+            dropped = self._conns.pop(conn, set())
+            now = self._clock()
+            for session in dropped:
+                session.conns.discard(conn)
+                if not session.conns and session.dropped_at is None:
+                    session.dropped_at = now
+            for job in {s.job for s in dropped if s.dropped_at is not None}:
+                self._watch(job, now)
 
     def job_members(self, job: str) -> set[int]:
         """Ranks of ``job`` still registered (neither left nor lost)."""
@@ -214,10 +244,14 @@ class Coordinator:
             }
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch(self, route: Route, request: pb.Request) -> pb.Reply | None:
+    def _dispatch(self, route: Route, request: pb.Request, conn: Hashable) -> pb.Reply | None:
         op = request.WhichOneof("op")
         if op == "hello":
-            return self._hello(route, request)
+            reply = self._hello(route, request)
+            session = self._sessions.get(reply.session)
+            if session is not None and conn is not None:
+                self._attach(session, conn)
+            return reply
         session = self._sessions.get(request.session)
         if session is None:
             return _reply(request.id, pb.CLOSED, "unknown session: say hello first (or the coordinator restarted)")
@@ -239,6 +273,8 @@ class Coordinator:
             )
         if fresh:
             session.last_seen = self._clock()
+            if conn is not None:
+                self._attach(session, conn)
         handler = self._HANDLERS.get(op)
         if handler is None:
             return _reply(request.id, pb.BAD_MESSAGE, f"unknown operation {op!r}")
@@ -271,6 +307,9 @@ class Coordinator:
                 del self._jobs[hello.job]
             return _reply(request.id, pb.FAILED, f"coordinator full: {self.limits.max_sessions} sessions open")
         session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock(), nonce=nonce)
+        session.local = procinfo.same_pids(hello.boot_id, hello.pid_namespace)
+        if 0 < hello.heartbeat < hello.liveness_timeout:
+            session.heartbeat = hello.heartbeat
         self._sessions[session.id] = session
         if session.nonce:
             self._by_nonce[session.nonce] = session
@@ -415,8 +454,21 @@ class Coordinator:
         self._drop_session(s)
         return _reply(r.id)
 
+    def _attach(self, session: Session, conn: Hashable) -> None:
+        if conn not in session.conns:
+            session.conns.add(conn)
+            self._conns.setdefault(conn, set()).add(session)
+        session.dropped_at = None
+
     def _drop_session(self, s: Session) -> None:
         self._sessions.pop(s.id, None)
+        for conn in s.conns:
+            sessions = self._conns.get(conn)
+            if sessions is not None:
+                sessions.discard(s)
+                if not sessions:
+                    del self._conns[conn]
+        s.conns = set()
         if self._by_nonce.get(s.nonce) is s:
             del self._by_nonce[s.nonce]
         for request_id in list(s.replies):
@@ -435,11 +487,6 @@ class Coordinator:
         if not sources or max(sources) >= job.world_size:
             raise BadMessage(f"collective {c.name!r}: source ranks {sorted(sources)} out of range")
         state = job.collectives.get(c.name)
-        if c.want and (state is None or not state.complete):
-            # A rank that left never arrives: a round it has not entered can never complete.
-            gone = sorted((sources - (state.arrived if state else set()) - {s.rank}) & job.left)
-            if gone:
-                return _left_reply(r.id, gone[0])
         crowded = state is None and len(job.collectives) >= self.limits.max_parked_per_session
         if crowded or len(s.parked) >= self.limits.max_parked_per_session:
             return _reply(r.id, pb.FAILED, f"job {job.name!r}: too many collectives open at once")
@@ -452,6 +499,11 @@ class Coordinator:
             raise BadMessage(f"rank {s.rank} entered collective {c.name!r} twice")
         if job.lost and not state.complete and c.want:
             return self._lost_reply(r.id, job)
+        gone = sorted((sources - state.arrived - {s.rank}) & job.left) if c.want and not state.complete else []
+        if gone:  # a rank that left never arrives: a round it has not entered can never complete
+            if not state.arrived:
+                del job.collectives[c.name]
+            return _left_reply(r.id, gone[0])
         state.arrived.add(s.rank)
         if c.has_value:
             state.values[s.rank] = c.value
@@ -555,12 +607,20 @@ class Coordinator:
 
     def _watch(self, job: Job, now: float) -> None:
         for rank, session in list(job.ranks.items()):
+            if rank in job.lost:
+                continue
             silent = now - session.last_seen
-            if rank not in job.lost and silent > job.liveness_timeout:
-                reason = (
-                    f"no message for {silent:.1f}s (liveness timeout {job.liveness_timeout:g}s); "
-                    f"it ran as pid {session.pid} on {session.host}"
-                )
+            where = f"it ran as pid {session.pid} on {session.host}"
+            reason = None
+            if silent > job.liveness_timeout:
+                reason = f"no message for {silent:.1f}s (liveness timeout {job.liveness_timeout:g}s); {where}"
+            elif session.dropped_at is not None:
+                grace = min(job.liveness_timeout, session.heartbeat + 1.0)
+                if session.local and procinfo.exited(session.pid):
+                    reason = f"its process exited (its connections closed); {where}"
+                elif now - session.dropped_at > grace:
+                    reason = f"its connections closed and it did not come back within {grace:g}s; {where}"
+            if reason is not None:
                 job.lost[rank] = pb.LostPeer(rank=rank, last_seen=time.time() - silent, reason=reason)
                 log.warning("job %r: rank %d lost: %s", job.name, rank, reason)
                 del job.ranks[rank]

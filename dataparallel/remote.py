@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from . import procinfo
 from .channel import ControlChannel
 from .coordinator import Coordinator
 from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLeft, PeerLost
@@ -128,6 +129,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
     native_auth: ClassVar[bool] = True
     fences_lost_members: ClassVar[bool] = True  # the coordinator drops a lost rank's session
     survives_connection_loss: ClassVar[bool] = True  # resent with the same id, answered once
+    notices_exits: ClassVar[bool] = True  # the server tells the coordinator of closed connections
 
     def _init_remote(self) -> None:
         """Call from the transport's ``__init__`` once it can ``_call``: opens the session."""
@@ -146,6 +148,9 @@ class RemoteChannel(ControlChannel, abc.ABC):
             liveness_timeout=self.liveness_timeout,
             host=socket.gethostname(),
             pid=os.getpid(),
+            boot_id=procinfo.identity()[0],
+            pid_namespace=procinfo.identity()[1],
+            heartbeat=self.heartbeat_interval,
         )
         reply = self._request(pb.Request(hello=hello), self.timeout, "hello")
         self._session = reply.session

@@ -119,6 +119,7 @@ class JobModel:
     ranks: dict[int, SessionModel] = field(default_factory=dict)
     sessions: dict[bytes, SessionModel] = field(default_factory=dict)
     lost: list[int] = field(default_factory=list)
+    left: set[int] = field(default_factory=set)
     collectives: dict[str, CollectiveModel] = field(default_factory=dict)
     touched: set[str] = field(default_factory=set)  # keys the rules wrote (not a bulk fill)
 
@@ -436,6 +437,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
         answer.lost.rank = job.lost[0]
         return answer
 
+    @staticmethod
+    def left_reply(request_id: int, rank: int) -> pb.Reply:
+        answer = reply(request_id, pb.PEER_LEFT)
+        answer.lost.rank = rank
+        return answer
+
     def park(self, s: SessionModel, r: pb.Request, route: int, kind: str, keys: list[str], timeout: float) -> None:
         if not 0 < timeout <= WEEK:
             raise Bad("out of range")
@@ -539,6 +546,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             return self.full(r, "already registered")
         s.rank = rank
         job.ranks[rank] = s
+        job.left.discard(rank)
         return reply(r.id)
 
     def m_heartbeat(self, s, r, route):
@@ -550,6 +558,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         job = s.job
         if s.rank is not None and job.ranks.get(s.rank) is s:
             del job.ranks[s.rank]
+            job.left.add(s.rank)
+            # The collectives it never entered are over: their waiting ranks are told it left.
+            for name, state in list(job.collectives.items()):
+                if not state.complete and s.rank in state.sources and s.rank not in state.arrived:
+                    del job.collectives[name]
+                    for p in list(state.waiting.values()):
+                        self.later(p, self.left_reply(p.request_id, s.rank))
         self.drop(s)
         return reply(r.id)
 
@@ -573,6 +588,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
             raise Bad("twice")
         if job.lost and not state.complete and c.want:
             return self.lost_reply(r.id, job)
+        if c.want and not state.complete and (sources - state.arrived - {s.rank}) & job.left:
+            if not state.arrived:
+                del job.collectives[c.name]
+            return self.left_reply(r.id, min((sources - state.arrived - {s.rank}) & job.left))
         rank = s.rank
         state.arrived.add(rank)
         if c.has_value:

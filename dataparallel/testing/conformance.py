@@ -41,6 +41,7 @@ from urllib.parse import urlencode, urlsplit
 import pytest
 
 import dataparallel as dp
+from dataparallel.registry import locate
 
 T = TypeVar("T")
 
@@ -778,7 +779,9 @@ class LivenessTests(ChannelHarness):
     def _detect_bound(self, channel: dp.ControlChannel) -> float:
         return self.LIVENESS["liveness_timeout"] + 4 * self.LIVENESS["heartbeat"] + channel.liveness_poll + 2.0
 
-    def _expect_peer_lost(self, waiters: Sequence[dp.ControlChannel], lost_rank: int, since: float) -> None:
+    def _expect_peer_lost(
+        self, waiters: Sequence[dp.ControlChannel], lost_rank: int, since: float, bound: float | None = None
+    ) -> None:
         def wait(ch: dp.ControlChannel) -> dp.PeerLost:
             with pytest.raises(dp.PeerLost) as info:
                 ch.barrier("after-loss", timeout=STEP_TIMEOUT)
@@ -789,10 +792,13 @@ class LivenessTests(ChannelHarness):
         for err in errors:
             assert err.rank == lost_rank, str(err)
             assert "barrier 'after-loss'" in str(err)
-        assert elapsed < self._detect_bound(waiters[0]), f"PeerLost took {elapsed:.1f}s"
+        bound = self._detect_bound(waiters[0]) if bound is None else bound
+        assert elapsed < bound, f"PeerLost took {elapsed:.1f}s (bound {bound:g}s)"
 
-    def _kill_or_freeze(self, channel_url: str, sig: int, rendezvous: bool) -> None:
-        url = with_options(channel_url, **self.LIVENESS)
+    def _kill_or_freeze(
+        self, channel_url: str, sig: int, rendezvous: bool, liveness: dict | None = None, bound: float | None = None
+    ) -> None:
+        url = with_options(channel_url, **(liveness or self.LIVENESS))
         n, victim = 3, 2
         job = f"live{sig}{'r' if rendezvous else 'c'}"
         # Ranks 0..n-2 in this process, the victim in its own. Without ``rendezvous`` the victim
@@ -809,7 +815,7 @@ class LivenessTests(ChannelHarness):
                 self.read_ready(proc)
                 os.kill(proc.pid, sig)
                 since = time.monotonic()
-                self._expect_peer_lost(channels, victim, since)
+                self._expect_peer_lost(channels, victim, since, bound)
                 assert victim in channels[0].lost_peers()
             finally:
                 close_all(channels)
@@ -841,6 +847,20 @@ class LivenessTests(ChannelHarness):
             self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return
         self._kill_or_freeze(channel_url, signal.SIGKILL, rendezvous=True)
+
+    @pytest.mark.timeout(120)
+    def test_a_killed_peer_is_noticed_as_soon_as_the_transport_promises(self, channel_url, open_ranks):
+        """A peer killed on this machine, with a liveness timeout of 6 s: a transport that
+        ``notices_exits`` reports it within a second (its connections closed when it died);
+        any other within the liveness timeout's bound."""
+        liveness = {"heartbeat": 0.5, "liveness_timeout": 6}
+        if not self.cross_process:
+            self._stop_in_process(open_ranks, channel_url, rendezvous=True)
+            return
+        transport = locate(channel_url)[1]
+        slowest = liveness["liveness_timeout"] + 4 * liveness["heartbeat"] + transport.liveness_poll + 2.0
+        bound = 1.0 if transport.notices_exits else slowest
+        self._kill_or_freeze(channel_url, signal.SIGKILL, rendezvous=True, liveness=liveness, bound=bound)
 
     @pytest.mark.timeout(120)
     def test_frozen_peer_is_reported_as_peer_lost(self, channel_url, open_ranks):

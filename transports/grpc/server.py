@@ -9,7 +9,9 @@ request (a ``get`` of a missing key, an incomplete collective) costs no thread a
 and its reply is written to the stream its latest copy came in on; once a stream ends, replies
 routed to it are dropped (the client resends on its next stream). The coordinator runs on the
 event loop's thread only (requests, parked replies and the periodic sweep), so nothing races
-inside it.
+inside it. The stream is also the connection the coordinator watches: when it ends, the
+coordinator is told, so a client process that died is noticed without waiting for its
+heartbeats to stop.
 """
 
 from __future__ import annotations
@@ -88,11 +90,12 @@ class _Servicer(control_pb2_grpc.ControlServiceServicer):
         stream = _Stream(context, self._key)
         try:
             while (frame := await context.read()) is not grpc.aio.EOF:
-                reply = self._coordinator.handle_frame(stream, self._key, frame.sealed)
+                reply = self._coordinator.handle_frame(stream, self._key, frame.sealed, stream)
                 if reply is not None:
                     await stream.write(reply)
         finally:
             stream.end()
+            self._coordinator.connection_closed(stream)
 
 
 class GrpcCoordinatorServer:

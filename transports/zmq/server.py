@@ -3,7 +3,9 @@
 Hosted in-process by rank 0 (or the first ``rank=None`` process to bind the port), or run
 standalone by ``dataparallel serve zmq://HOST:PORT``. A frame that fails its MAC gets an
 ``AUTH_FAILED`` reply, one that does not parse a ``BAD_MESSAGE`` reply; either way the
-coordinator carries on serving everyone else.
+coordinator carries on serving everyone else. Each request's connection is its file
+descriptor (``ZMQ_SRCFD``), and a socket monitor reports each one that closes, so the
+coordinator notices a client process that died without waiting for its heartbeats to stop.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import uuid
 
 import zmq
+import zmq.utils.monitor
 from zmq.utils import z85
 
 from dataparallel.coordinator import Coordinator, CoordinatorLimits
@@ -54,6 +57,7 @@ class ZmqCoordinatorServer:
         self._wake_address = f"inproc://dp-wake-{uuid.uuid4().hex}"
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -66,6 +70,7 @@ class ZmqCoordinatorServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_sweep = 0.0
         try:
             while not self._stopped.is_set():
@@ -77,6 +82,8 @@ class ZmqCoordinatorServer:
                     break
                 if self._sock in events:
                     self._drain()
+                if self._monitor in events:
+                    self._closed_connections()
         finally:
             self._ctx.destroy(linger=0)
 
@@ -103,16 +110,21 @@ class ZmqCoordinatorServer:
         for _ in range(10_000):
             if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            route = frames[0].bytes
             if len(frames) != 2:
-                if frames:
-                    self._send(
-                        frames[0], pb.Reply(status=pb.BAD_MESSAGE, error=f"expected 1 frame, got {len(frames) - 1}")
-                    )
+                self._send(route, pb.Reply(status=pb.BAD_MESSAGE, error=f"expected 1 frame, got {len(frames) - 1}"))
                 continue
-            reply = self.coordinator.handle_frame(frames[0], self._key, frames[1])
+            conn = frames[1].get(zmq.SRCFD)  # the descriptor of the connection it came in on
+            reply = self.coordinator.handle_frame(route, self._key, frames[1].bytes, conn)
             if reply is not None:
-                self._send(frames[0], reply)
+                self._send(route, reply)
+
+    def _closed_connections(self) -> None:
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.coordinator.connection_closed(event["value"])
 
     def _send(self, route: bytes, reply: pb.Reply) -> None:
         try:

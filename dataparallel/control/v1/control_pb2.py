@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%dataparallel/control/v1/control.proto\x12\x17\x64\x61taparallel.control.v1\"\x07\n\x05\x45mpty\"~\n\x05Hello\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x18\n\x10liveness_timeout\x18\x05 \x01(\x01\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\r\"#\n\x03Get\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"&\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\"\n\x03\x41\x64\x64\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61mount\x18\x02 \x01(\x03\"<\n\nCompareSet\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x0c\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x0c\"\x12\n\x03Key\x12\x0b\n\x03key\x18\x01 \x01(\t\")\n\x08MultiGet\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"<\n\x08MultiSet\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.dataparallel.control.v1.KeyValue\"\x14\n\x04Keys\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x18\n\x08Register\x12\x0c\n\x04rank\x18\x01 \x01(\r\"i\n\x07\x43ollect\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\r\x12\x0c\n\x04want\x18\x03 \x01(\x08\x12\x11\n\thas_value\x18\x04 \x01(\x08\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0f\n\x07timeout\x18\x06 \x01(\x01\"\xb0\x06\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07session\x18\x02 \x01(\x0c\x12/\n\x05hello\x18\n \x01(\x0b\x32\x1e.dataparallel.control.v1.HelloH\x00\x12\x30\n\x03set\x18\x0b \x01(\x0b\x32!.dataparallel.control.v1.KeyValueH\x00\x12+\n\x03get\x18\x0c \x01(\x0b\x32\x1c.dataparallel.control.v1.GetH\x00\x12+\n\x03\x61\x64\x64\x18\r \x01(\x0b\x32\x1c.dataparallel.control.v1.AddH\x00\x12:\n\x0b\x63ompare_set\x18\x0e \x01(\x0b\x32#.dataparallel.control.v1.CompareSetH\x00\x12.\n\x06\x64\x65lete\x18\x0f \x01(\x0b\x32\x1c.dataparallel.control.v1.KeyH\x00\x12.\n\x05\x63heck\x18\x10 \x01(\x0b\x32\x1d.dataparallel.control.v1.KeysH\x00\x12\x32\n\x08num_keys\x18\x11 \x01(\x0b\x32\x1e.dataparallel.control.v1.EmptyH\x00\x12\x33\n\x07\x63ollect\x18\x12 \x01(\x0b\x32 .dataparallel.control.v1.CollectH\x00\x12\x35\n\x08register\x18\x13 \x01(\x0b\x32!.dataparallel.control.v1.RegisterH\x00\x12\x33\n\theartbeat\x18\x14 \x01(\x0b\x32\x1e.dataparallel.control.v1.EmptyH\x00\x12/\n\x05leave\x18\x15 \x01(\x0b\x32\x1e.dataparallel.control.v1.EmptyH\x00\x12\x36\n\tmulti_get\x18\x16 \x01(\x0b\x32!.dataparallel.control.v1.MultiGetH\x00\x12\x36\n\tmulti_set\x18\x17 \x01(\x0b\x32!.dataparallel.control.v1.MultiSetH\x00\x12\x33\n\x06\x61ppend\x18\x18 \x01(\x0b\x32!.dataparallel.control.v1.KeyValueH\x00\x42\x04\n\x02op\";\n\x08LostPeer\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tlast_seen\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xe3\x01\n\x05Reply\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.dataparallel.control.v1.Status\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0e\n\x06number\x18\x05 \x01(\x03\x12\x0c\n\x04\x66lag\x18\x06 \x01(\x08\x12\x0e\n\x06values\x18\x07 \x03(\x0c\x12\x0f\n\x07session\x18\x08 \x01(\x0c\x12/\n\x04lost\x18\t \x01(\x0b\x32!.dataparallel.control.v1.LostPeer\x12\x0f\n\x07\x61rrived\x18\n \x03(\r\"\x17\n\x05\x46rame\x12\x0e\n\x06sealed\x18\x01 \x01(\x0c*u\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0b\n\x07TIMEOUT\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x0f\n\x0b\x41UTH_FAILED\x10\x03\x12\x0f\n\x0b\x42\x41\x44_MESSAGE\x10\x04\x12\n\n\x06\x43LOSED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x12\r\n\tPEER_LEFT\x10\x07\x32^\n\x0e\x43ontrolService\x12L\n\x06Stream\x12\x1e.dataparallel.control.v1.Frame\x1a\x1e.dataparallel.control.v1.Frame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%dataparallel/control/v1/control.proto\x12\x17\x64\x61taparallel.control.v1\"\x07\n\x05\x45mpty\"\xb9\x01\n\x05Hello\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x18\n\x10liveness_timeout\x18\x05 \x01(\x01\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\r\x12\x0f\n\x07\x62oot_id\x18\x08 \x01(\t\x12\x15\n\rpid_namespace\x18\t \x01(\x04\x12\x11\n\theartbeat\x18\n \x01(\x01\"#\n\x03Get\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"&\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\"\n\x03\x41\x64\x64\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61mount\x18\x02 \x01(\x03\"<\n\nCompareSet\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x0c\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x0c\"\x12\n\x03Key\x12\x0b\n\x03key\x18\x01 \x01(\t\")\n\x08MultiGet\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"<\n\x08MultiSet\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.dataparallel.control.v1.KeyValue\"\x14\n\x04Keys\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x18\n\x08Register\x12\x0c\n\x04rank\x18\x01 \x01(\r\"i\n\x07\x43ollect\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\r\x12\x0c\n\x04want\x18\x03 \x01(\x08\x12\x11\n\thas_value\x18\x04 \x01(\x08\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0f\n\x07timeout\x18\x06 \x01(\x01\"\xb0\x06\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07session\x18\x02 \x01(\x0c\x12/\n\x05hello\x18\n \x01(\x0b\x32\x1e.dataparallel.control.v1.HelloH\x00\x12\x30\n\x03set\x18\x0b \x01(\x0b\x32!.dataparallel.control.v1.KeyValueH\x00\x12+\n\x03get\x18\x0c \x01(\x0b\x32\x1c.dataparallel.control.v1.GetH\x00\x12+\n\x03\x61\x64\x64\x18\r \x01(\x0b\x32\x1c.dataparallel.control.v1.AddH\x00\x12:\n\x0b\x63ompare_set\x18\x0e \x01(\x0b\x32#.dataparallel.control.v1.CompareSetH\x00\x12.\n\x06\x64\x65lete\x18\x0f \x01(\x0b\x32\x1c.dataparallel.control.v1.KeyH\x00\x12.\n\x05\x63heck\x18\x10 \x01(\x0b\x32\x1d.dataparallel.control.v1.KeysH\x00\x12\x32\n\x08num_keys\x18\x11 \x01(\x0b\x32\x1e.dataparallel.control.v1.EmptyH\x00\x12\x33\n\x07\x63ollect\x18\x12 \x01(\x0b\x32 .dataparallel.control.v1.CollectH\x00\x12\x35\n\x08register\x18\x13 \x01(\x0b\x32!.dataparallel.control.v1.RegisterH\x00\x12\x33\n\theartbeat\x18\x14 \x01(\x0b\x32\x1e.dataparallel.control.v1.EmptyH\x00\x12/\n\x05leave\x18\x15 \x01(\x0b\x32\x1e.dataparallel.control.v1.EmptyH\x00\x12\x36\n\tmulti_get\x18\x16 \x01(\x0b\x32!.dataparallel.control.v1.MultiGetH\x00\x12\x36\n\tmulti_set\x18\x17 \x01(\x0b\x32!.dataparallel.control.v1.MultiSetH\x00\x12\x33\n\x06\x61ppend\x18\x18 \x01(\x0b\x32!.dataparallel.control.v1.KeyValueH\x00\x42\x04\n\x02op\";\n\x08LostPeer\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tlast_seen\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xe3\x01\n\x05Reply\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.dataparallel.control.v1.Status\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0e\n\x06number\x18\x05 \x01(\x03\x12\x0c\n\x04\x66lag\x18\x06 \x01(\x08\x12\x0e\n\x06values\x18\x07 \x03(\x0c\x12\x0f\n\x07session\x18\x08 \x01(\x0c\x12/\n\x04lost\x18\t \x01(\x0b\x32!.dataparallel.control.v1.LostPeer\x12\x0f\n\x07\x61rrived\x18\n \x03(\r\"\x17\n\x05\x46rame\x12\x0e\n\x06sealed\x18\x01 \x01(\x0c*u\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0b\n\x07TIMEOUT\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x0f\n\x0b\x41UTH_FAILED\x10\x03\x12\x0f\n\x0b\x42\x41\x44_MESSAGE\x10\x04\x12\n\n\x06\x43LOSED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x12\r\n\tPEER_LEFT\x10\x07\x32^\n\x0e\x43ontrolService\x12L\n\x06Stream\x12\x1e.dataparallel.control.v1.Frame\x1a\x1e.dataparallel.control.v1.Frame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dataparallel.control.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUS']._serialized_start=1793
-  _globals['_STATUS']._serialized_end=1910
+  _globals['_STATUS']._serialized_start=1853
+  _globals['_STATUS']._serialized_end=1970
   _globals['_EMPTY']._serialized_start=66
   _globals['_EMPTY']._serialized_end=73
-  _globals['_HELLO']._serialized_start=75
-  _globals['_HELLO']._serialized_end=201
-  _globals['_GET']._serialized_start=203
-  _globals['_GET']._serialized_end=238
-  _globals['_KEYVALUE']._serialized_start=240
-  _globals['_KEYVALUE']._serialized_end=278
-  _globals['_ADD']._serialized_start=280
-  _globals['_ADD']._serialized_end=314
-  _globals['_COMPARESET']._serialized_start=316
-  _globals['_COMPARESET']._serialized_end=376
-  _globals['_KEY']._serialized_start=378
-  _globals['_KEY']._serialized_end=396
-  _globals['_MULTIGET']._serialized_start=398
-  _globals['_MULTIGET']._serialized_end=439
-  _globals['_MULTISET']._serialized_start=441
-  _globals['_MULTISET']._serialized_end=501
-  _globals['_KEYS']._serialized_start=503
-  _globals['_KEYS']._serialized_end=523
-  _globals['_REGISTER']._serialized_start=525
-  _globals['_REGISTER']._serialized_end=549
-  _globals['_COLLECT']._serialized_start=551
-  _globals['_COLLECT']._serialized_end=656
-  _globals['_REQUEST']._serialized_start=659
-  _globals['_REQUEST']._serialized_end=1475
-  _globals['_LOSTPEER']._serialized_start=1477
-  _globals['_LOSTPEER']._serialized_end=1536
-  _globals['_REPLY']._serialized_start=1539
-  _globals['_REPLY']._serialized_end=1766
-  _globals['_FRAME']._serialized_start=1768
-  _globals['_FRAME']._serialized_end=1791
-  _globals['_CONTROLSERVICE']._serialized_start=1912
-  _globals['_CONTROLSERVICE']._serialized_end=2006
+  _globals['_HELLO']._serialized_start=76
+  _globals['_HELLO']._serialized_end=261
+  _globals['_GET']._serialized_start=263
+  _globals['_GET']._serialized_end=298
+  _globals['_KEYVALUE']._serialized_start=300
+  _globals['_KEYVALUE']._serialized_end=338
+  _globals['_ADD']._serialized_start=340
+  _globals['_ADD']._serialized_end=374
+  _globals['_COMPARESET']._serialized_start=376
+  _globals['_COMPARESET']._serialized_end=436
+  _globals['_KEY']._serialized_start=438
+  _globals['_KEY']._serialized_end=456
+  _globals['_MULTIGET']._serialized_start=458
+  _globals['_MULTIGET']._serialized_end=499
+  _globals['_MULTISET']._serialized_start=501
+  _globals['_MULTISET']._serialized_end=561
+  _globals['_KEYS']._serialized_start=563
+  _globals['_KEYS']._serialized_end=583
+  _globals['_REGISTER']._serialized_start=585
+  _globals['_REGISTER']._serialized_end=609
+  _globals['_COLLECT']._serialized_start=611
+  _globals['_COLLECT']._serialized_end=716
+  _globals['_REQUEST']._serialized_start=719
+  _globals['_REQUEST']._serialized_end=1535
+  _globals['_LOSTPEER']._serialized_start=1537
+  _globals['_LOSTPEER']._serialized_end=1596
+  _globals['_REPLY']._serialized_start=1599
+  _globals['_REPLY']._serialized_end=1826
+  _globals['_FRAME']._serialized_start=1828
+  _globals['_FRAME']._serialized_end=1851
+  _globals['_CONTROLSERVICE']._serialized_start=1972
+  _globals['_CONTROLSERVICE']._serialized_end=2066
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol", "job", "world_size", "nonce", "liveness_timeout", "host", "pid")
+    __slots__ = ("protocol", "job", "world_size", "nonce", "liveness_timeout", "host", "pid", "boot_id", "pid_namespace", "heartbeat")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,9 @@ class Hello(_message.Message):
     LIVENESS_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     job: str
     world_size: int
@@ -46,7 +49,10 @@ class Hello(_message.Message):
     liveness_timeout: float
     host: str
     pid: int
-    def __init__(self, protocol: _Optional[int] = ..., job: _Optional[str] = ..., world_size: _Optional[int] = ..., nonce: _Optional[bytes] = ..., liveness_timeout: _Optional[float] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    boot_id: str
+    pid_namespace: int
+    heartbeat: float
+    def __init__(self, protocol: _Optional[int] = ..., job: _Optional[str] = ..., world_size: _Optional[int] = ..., nonce: _Optional[bytes] = ..., liveness_timeout: _Optional[float] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., heartbeat: _Optional[float] = ...) -> None: ...
 
 class Get(_message.Message):
     __slots__ = ("key", "timeout")

@@ -16,6 +16,8 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
   gpu         NCCL through each channel, all-reduce bandwidth, training throughput vs plain
               DDP (only where CUDA is present)                              -> gpu_nccl.py
   faults      detection times of the fault-injection tests, as a table     -> faults.py
+  elastic     recovery after a follower is killed: elastic regroup vs restart + checkpoint,
+              per transport                                                 -> elastic.py
 
 Results (JSON and PNG) go to ``benchmarks/results/``; ``summary.json`` holds the targets and
 how each came out.
@@ -32,7 +34,7 @@ from pathlib import Path
 from benchmarks.common import can_look_up_locally, run_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults"]
+SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         out = RESULTS / "quick"  # a smoke run never overwrites the published results
     out.mkdir(parents=True, exist_ok=True)
 
-    from benchmarks import control_plane, faults, gpu_nccl, rendezvous, swarm, train_loop
+    from benchmarks import control_plane, elastic, faults, gpu_nccl, rendezvous, swarm, train_loop
 
     if "control" in args.only:
         # N=64 left out: tcpstore fails there on 2 cores (README, Performance)
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu: no CUDA device here, skipped (results from a GPU machine: benchmarks/results/gpu_nccl_*.json)")
     if "faults" in args.only and not quick:
         faults.main(["--out", str(out / "faults.json")])
+    if "elastic" in args.only:
+        trials = ["--trials", "2", "--restart-trials", "1"] if quick else []
+        elastic.main([*trials, "--out", str(out / "elastic.json")])
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     previous = _load(RESULTS / "previous" / "summary.json") or {"targets": []}
@@ -165,6 +170,19 @@ def summarize(out: Path) -> dict:
             ratio = train["median_s"]["dp.fit"] / train["median_s"]["plain DDP"]
             world = f", {train['world_size']} ranks" if "world_size" in train else ""
             row(f"dp.fit epoch <= 1.02x plain DDP ({label}{world})", f"{ratio:.3f}x", ratio <= 1.02)
+    recovery = _load(out / "elastic.json")
+    if recovery:
+        # Elastic recovery targets (kill to the survivors' next step, default liveness settings).
+        limits = {"zmq": 2.0, "grpc": 2.0, "etcd": 11.0, "tcpstore": 11.0}
+        for key, stats in recovery["summary"].items():
+            transport, path = key.split(" ", 1)
+            if path != "elastic" or stats["p50_s"] is None:
+                continue
+            restart = recovery["summary"].get(f"{transport} restart", {}).get("p50_s")
+            versus = f"; restart path {restart:.1f} s" if restart else ""
+            measured = f"p50 {stats['p50_s']:.2f} s, p99 {stats['p99_s']:.2f} s ({stats['trials']} kills{versus})"
+            met = stats["p99_s"] <= limits[transport] and not stats["failed"]
+            row(f"{transport}: killed follower to survivors' next step <= {limits[transport]:g} s", measured, met)
     from benchmarks.common import machine
 
     return {"machine": machine(), "targets": targets}

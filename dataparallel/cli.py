@@ -47,6 +47,12 @@ def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
         group.add_argument(
             "--max-restarts", help="restart a failed worker group up to N times (resume from a checkpoint)"
         )
+        group.add_argument(
+            "--elastic",
+            action="store_const",
+            const=True,
+            help="a follower that dies ends nothing: the others carry on (dp.fit regroups without it)",
+        )
 
 
 def _load(args: argparse.Namespace):

@@ -18,6 +18,7 @@ exists. Every setting has the same name in all three places::
     nodes = 2                    # DP_NODES              --nodes
     node_rank = 0                # DP_NODE_RANK          --node-rank
     max_restarts = 0             # DP_MAX_RESTARTS       --max-restarts (launch: restart a failed group)
+    elastic = false              # DP_ELASTIC            --elastic     (a lost follower ends nothing: dp.fit regroups)
     [options]                    # DP_OPTIONS="a=1&b=2"  --option a=1  (URL query options)
     curve = 1
 
@@ -70,6 +71,7 @@ SETTINGS: dict[str, tuple[type, str | None]] = {
     "nodes": (int, "DP_NODES"),
     "node_rank": (int, "DP_NODE_RANK"),
     "max_restarts": (int, "DP_MAX_RESTARTS"),
+    "elastic": (bool, "DP_ELASTIC"),
 }
 #: torchrun's variables, read below the ``DP_*`` ones.
 TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
@@ -90,6 +92,7 @@ class JobConfig:
     nodes: int = 1
     node_rank: int = 0
     max_restarts: int = 0
+    elastic: bool = False
     origin: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def describe(self, name: str) -> str:
@@ -156,6 +159,7 @@ def load_config(
         nodes=values.get("nodes", 1),
         node_rank=values.get("node_rank", 0),
         max_restarts=values.get("max_restarts", 0),
+        elastic=values.get("elastic", False),
         origin={k: v for k, v in origin.items() if not k.startswith("__")},
     )
     _validate(config)
@@ -267,6 +271,13 @@ def _coerce(name: str, raw: Any, where: str) -> Any:
             return int(str(raw).strip())
         except ValueError:
             raise ConfigError(f"{name} (from {where}) must be an integer, got {raw!r}") from None
+    if kind is bool:
+        text = str(raw).strip().lower() if not isinstance(raw, bool) else ("true" if raw else "false")
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{name} (from {where}) must be true or false (1/0, yes/no), got {raw!r}")
     if kind is float:
         if isinstance(raw, bool) or not isinstance(raw, int | float | str):
             raise ConfigError(f"{name} (from {where}) must be a number, got {raw!r}")
@@ -360,3 +371,14 @@ def _validate(c: JobConfig) -> None:
         raise ConfigError(f"{c.describe('node_rank')} = {c.node_rank} is out of range 0..{c.nodes - 1}")
     if not c.job or "/" in c.job or "\x00" in c.job:
         raise ConfigError(f"{c.describe('job')} must be a non-empty name without '/', got {c.job!r}")
+
+
+def env_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The value of setting ``name`` in its ``DP_*`` variable (checked as the loader checks
+    it), or None when unset: for code that reads one setting, such as ``dp.fit`` reading
+    ``elastic`` under ``dataparallel launch --elastic``."""
+    env = os.environ if env is None else env
+    var = SETTINGS[name][1]
+    if var is None or env.get(var, "") == "":
+        return None
+    return _coerce(name, env[var], var)

@@ -102,7 +102,9 @@ def launch(
     group is restarted (all of it, as job ``JOB.attemptK``) that many times: a script that
     checkpoints and resumes (``TrainOptions(checkpoint=..., resume=True)``) carries on from
     its last epoch. On several nodes a lost peer fails every node's group, so the nodes'
-    attempts stay in step.
+    attempts stay in step. With ``config.elastic`` a worker other than rank 0 that fails
+    stops nothing: the others carry on (``dp.fit`` regroups without it), and the node's exit
+    code is that of the first failure only if rank 0 failed or no worker of the node is left.
     """
     url, nprocs, world = plan(config)
     log = log or sys.stderr
@@ -126,6 +128,8 @@ def launch(
     )
     if config.token:
         env["DP_TOKEN"] = config.token
+    if config.elastic:
+        env["DP_ELASTIC"] = "1"
     master = _master_address(url, config.nodes)
     if master is not None:  # for scripts that call init_process_group() with env://, as under torchrun
         env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), TORCHELASTIC_RUN_ID=config.job)
@@ -150,7 +154,7 @@ def launch(
             # A new job name: the restarted group never meets the failed group's keys.
             env["DP_JOB"] = f"{config.job}.attempt{attempt}"
             env["DP_RESTART_COUNT"] = str(attempt)
-        supervisor = _Supervisor(grace, log)
+        supervisor = _Supervisor(grace, log, tolerate=config.elastic)
         with supervisor.forwarding_signals():
             for local in range(nprocs):
                 rank = base + local
@@ -210,9 +214,11 @@ def _omp_threads(env: dict[str, str], nprocs: int) -> int | None:
 
 
 class _Supervisor:
-    def __init__(self, grace: float, log: IO[str]) -> None:
+    def __init__(self, grace: float, log: IO[str], tolerate: bool = False) -> None:
         self.grace = grace
         self.log = log
+        self.tolerate = tolerate  # elastic: a failed follower stops nothing
+        self.tolerated: list[Worker] = []
         self.workers: list[Worker] = []
         self.pumps: list[threading.Thread] = []
         self.signalled: int | None = None
@@ -281,7 +287,19 @@ class _Supervisor:
             running = [w for w in self.workers if w.proc.poll() is None]
             if self.signalled is not None:
                 break
-            failed = next((w for w in self.workers if w.proc.returncode not in (None, 0)), None)
+            failed = next(
+                (w for w in self.workers if w.proc.returncode not in (None, 0) and w not in self.tolerated), None
+            )
+            if failed is not None and self.tolerate and failed.rank != 0 and running:
+                self.tolerated.append(failed)
+                print(
+                    f"[launch] rank {failed.rank} exited with {_describe(failed.proc.returncode)}; "
+                    "the others carry on without it (elastic)",
+                    file=self.log,
+                    flush=True,
+                )
+                failed = None
+                continue
             if failed is not None or not running:
                 break
             time.sleep(0.05)
@@ -300,6 +318,8 @@ class _Supervisor:
             return 128 + self.signalled
         if failed is not None:
             return _exit_code(failed.proc.returncode)
+        if self.tolerated and all(w in self.tolerated for w in self.workers):
+            return _exit_code(self.tolerated[0].proc.returncode)
         return 0
 
     def _send(self, signum: int) -> None:

@@ -14,13 +14,18 @@ and runs under torch's ``Join`` so no rank blocks in an all-reduce its peers nev
 
 Failure: a watchdog thread on every rank watches the channel's liveness; when a peer is
 lost it aborts the process group so that no rank sits in a collective, and the loop
-raises :class:`PeerLost` naming the rank and the epoch.
+raises :class:`PeerLost` naming the rank and the epoch. With ``elastic=True`` a lost
+follower does not end the job: every rank keeps the state of the current epoch's start in
+memory, and the survivors move to a new generation of the job (:mod:`dataparallel.elastic`:
+a new channel and process group over the survivors), restore that state and redo the epoch
+on the smaller group, resharded; no process restarts and no file is read.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import inspect
 import json
 import logging
@@ -37,9 +42,9 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import checkpoint
+from . import checkpoint, elastic
 from .channel import ControlChannel
-from .errors import ChannelClosed, ControlError, PeerLost
+from .errors import ChannelClosed, ControlError, PeerLeft, PeerLost
 from .process_group import init_process_group
 
 log = logging.getLogger(__name__)
@@ -81,6 +86,13 @@ class TrainOptions:
     sampler: Callable[..., Any] | None = None
     collective_timeout: float = 300.0
     progress: bool = True
+    #: Survive a lost follower without a restart: the survivors (at least ``min_world_size``)
+    #: regroup as a new generation of the job and redo the current epoch from its start (kept
+    #: in memory on every rank). The driver's loss still ends the job. ``fit`` must own the
+    #: process group (no ``process_group=``). None: the ``elastic`` setting (``DP_ELASTIC``,
+    #: as ``dataparallel launch --elastic`` sets it), else False.
+    elastic: bool | None = None
+    min_world_size: int = 1
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -95,6 +107,12 @@ class TrainOptions:
             raise ValueError("checkpoint_every and log_every must be >= 1")
         if self.scheduler_interval not in ("epoch", "step"):
             raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {self.scheduler_interval!r}")
+        if self.elastic is None:
+            from .config import env_setting
+
+            self.elastic = bool(env_setting("elastic"))
+        if self.min_world_size < 1:
+            raise ValueError(f"min_world_size must be >= 1, got {self.min_world_size!r}")
         reserved = {"batch_size", "shuffle", "sampler", "batch_sampler"} & set(self.loader_options)
         if reserved:
             raise ValueError(f"loader_options may not set {', '.join(sorted(reserved))}: the loop sets them")
@@ -118,6 +136,18 @@ class EpochMetrics:
     control_seconds: float = 0.0
     #: Batches each rank trained on (``train_batches`` is their sum).
     train_batches_per_rank: list[int] = field(default_factory=list)
+    world_size: int = 0  # ranks that trained this epoch
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """An elastic job carried on after losing ranks (see ``TrainOptions.elastic``)."""
+
+    epoch: int  # the epoch redone by the survivors
+    lost: list[int]  # ranks of the previous generation left behind
+    world_size: int  # ranks in the new generation
+    generation: int
+    seconds: float  # from the failure to the new group's being ready
 
 
 @dataclass(frozen=True)
@@ -138,6 +168,7 @@ class FitResult:
 
     epochs: list[EpochMetrics] = field(default_factory=list)
     stopped_early: bool = False
+    regroups: list[Regroup] = field(default_factory=list)
 
     @property
     def last(self) -> EpochMetrics:
@@ -242,17 +273,24 @@ class _Trainer:
         self._watcher: threading.Thread | None = None
         self._bar: Any = None  # the driver's progress bar during an epoch
         self._told_uneven = False
+        self.generation = 0
+        self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
+        self._snapshot: dict[str, Any] | None = None  # the current epoch's start (elastic)
+        self._epoch = -1  # the epoch being trained (for messages)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
+        if self.opts.elastic and (self.pg is not None or dist.is_initialized()):
+            raise ValueError(
+                "elastic training makes its own process groups: pass no process_group= and initialise none"
+            )
         self.ch.rendezvous()
         if self.pg is None:
             if not dist.is_initialized():
                 init_process_group(self.ch, device=self.device, timeout=self.opts.collective_timeout)
                 self._own_pg = True
             self.pg = dist.group.WORLD
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(self.model, device_ids=ids, process_group=self.pg)
+        self._wrap()
         self.optimizer = self._make_optimizer(
             self.ddp.module if _first_parameter(self._make_optimizer) == "model" else self.ddp.parameters()
         )
@@ -261,8 +299,22 @@ class _Trainer:
         self.history = FitResult()
         self.start_epoch = 0
         self.best = (float("inf"), -1)  # (val loss, epoch)
+        self._start_watchdog()
+
+    def _wrap(self) -> None:
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids, process_group=self.pg)
+
+    def _start_watchdog(self) -> None:
+        self._lost = None
+        self._stop_watch = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True)
         self._watcher.start()
+
+    def _stop_watchdog(self) -> None:
+        self._stop_watch.set()
+        if self._watcher is not None:  # no abort() may run while the group is destroyed
+            self._watcher.join(timeout=5)
 
     def _watch(self) -> None:
         """Abort the process group when the channel declares a peer lost, so that no rank
@@ -280,38 +332,135 @@ class _Trainer:
     def run(self) -> FitResult:
         self._preflight()
         self._setup()
-        epoch = -1
         try:
-            self._maybe_resume()
-            epoch = self.start_epoch
+            epoch = None
             while True:
-                started = time.perf_counter()
-                command = self._command(epoch)
-                if command["cmd"] == "stop":
-                    self.history.stopped_early = command.get("early", False)
+                try:
+                    if epoch is None:
+                        self._maybe_resume()
+                        epoch = self.start_epoch
+                    self._epochs(epoch)
                     break
-                epoch = command["epoch"]
-                stamps = [started, time.perf_counter()]
-                lr = self.optimizer.param_groups[0]["lr"]  # at the epoch's first step
-                train = self._train_epoch(epoch)
-                stamps.append(time.perf_counter())
-                val = self._validate(epoch)
-                stamps.append(time.perf_counter())
-                if self.scheduler is not None and self.opts.scheduler_interval == "epoch":
-                    self.scheduler.step()
-                self._report(epoch, train, val, lr, stamps)
-                epoch += 1
-            self.ch.barrier("dp-fit-end", timeout=self.opts.collective_timeout)
-        except (RuntimeError, ControlError) as err:
-            raise self._explain(err, epoch) from err
+                except (RuntimeError, ControlError) as err:
+                    failure = self._explain(err, self._epoch)
+                    if not self._can_regroup(failure):
+                        raise failure from err
+                    epoch = self._regroup(failure)
         finally:
-            self._stop_watch.set()
-            if self._watcher is not None:  # no abort() may run while the group is destroyed
-                self._watcher.join(timeout=5)
+            self._stop_watchdog()
             if self._own_pg and self._lost is None:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
+            for channel in reversed(self._opened):
+                channel.close()
         return self.history
+
+    def _epochs(self, epoch: int) -> None:
+        """Train from ``epoch`` until the driver says stop, then meet at the end."""
+        while True:
+            started = time.perf_counter()
+            command = self._command(epoch)
+            if command["cmd"] == "stop":
+                self.history.stopped_early = command.get("early", False)
+                break
+            epoch = self._epoch = command["epoch"]
+            if self.opts.elastic:
+                self._snapshot = self._state_now(epoch)
+            stamps = [started, time.perf_counter()]
+            lr = self.optimizer.param_groups[0]["lr"]  # at the epoch's first step
+            train = self._train_epoch(epoch)
+            stamps.append(time.perf_counter())
+            val = self._validate(epoch)
+            stamps.append(time.perf_counter())
+            if self.scheduler is not None and self.opts.scheduler_interval == "epoch":
+                self.scheduler.step()
+            self._report(epoch, train, val, lr, stamps)
+            epoch += 1
+        self.ch.barrier("dp-fit-end", timeout=self.opts.collective_timeout)
+
+    # ------------------------------------------------------------------ elastic
+    def _can_regroup(self, failure: Exception) -> bool:
+        """A follower lost (not one that left, not the driver) in an elastic job that has
+        state to go back to."""
+        return (
+            self.opts.elastic
+            and isinstance(failure, PeerLost)
+            and not isinstance(failure, PeerLeft)
+            and failure.rank != 0
+            and self._snapshot is not None
+        )
+
+    def _state_now(self, epoch: int) -> dict[str, Any]:
+        """What an epoch redone from its start needs, copied (it stays in memory, every rank)."""
+        return {
+            "epoch": epoch,
+            "model": {k: v.detach().clone() for k, v in self.ddp.module.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            "scaler": copy.deepcopy(self.scaler.state_dict()),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            "step": self.global_step,
+            "epochs": len(self.history.epochs),
+            "best": self.best,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        state = copy.deepcopy(state)  # kept intact for another loss in the same epoch
+        self.ddp.module.load_state_dict(state["model"])
+        self.ddp.module.zero_grad(set_to_none=True)  # the interrupted step's partial gradients
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.global_step = state["step"]
+        del self.history.epochs[state["epochs"] :]
+        self.best = state["best"]
+
+    def _regroup(self, failure: PeerLost) -> int:
+        """Carry on without the lost ranks: agree on the survivors through the old channel,
+        open the next generation's channel and process group, go back to the state of the
+        current epoch's start. Returns the epoch to redo."""
+        from .connect import connect
+
+        started = time.monotonic()
+        log.warning("rank %d: %s; regrouping without it", self.rank, failure)
+        self._stop_watchdog()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        old, generation = self.ch, self.generation + 1
+        members = elastic.survivors(old, generation, settle=old.liveness_timeout + 2 * old.heartbeat_interval)
+        lost = sorted(set(range(old.world_size)) - set(members))
+        if len(members) < self.opts.min_world_size:
+            reason = (
+                f"{failure.reason}; {len(members)} rank(s) left, fewer than min_world_size={self.opts.min_world_size}"
+            )
+            raise PeerLost(failure.rank, failure.last_seen, reason, during=failure.during)
+        job = elastic.generation_job(old.job, generation)
+        new = connect(old.url.raw, rank=members.index(old.rank), world_size=len(members), job=job,
+                      token=old.token, timeout=old.timeout)  # fmt: skip
+        self._opened.append(new)
+        self.ch, self.rank, self.world, self.generation = new, new.rank, new.world_size, generation
+        self._restore(self._snapshot)
+        init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
+        self.pg = dist.group.WORLD
+        self._wrap()
+        self._start_watchdog()
+        epoch = self._snapshot["epoch"]
+        seconds = time.monotonic() - started
+        self.history.regroups.append(Regroup(epoch, lost, len(members), generation, seconds))
+        log.warning(
+            "rank %d (was %d): generation %d carries on with %d ranks without rank(s) %s, from the start of epoch %d "
+            "(regrouped in %.2fs)",
+            self.rank, old.rank, generation, len(members), lost, epoch, seconds,
+        )  # fmt: skip
+        return epoch
 
     def _command(self, next_epoch: int) -> dict:
         payload = None
@@ -330,6 +479,8 @@ class _Trainer:
 
     def _explain(self, err: Exception, epoch: int) -> Exception:
         """Turn a collective failure caused by a lost peer into PeerLost naming it."""
+        if isinstance(err, PeerLeft):  # not a loss: that rank closed its channel
+            return err
         if isinstance(err, PeerLost):
             return PeerLost(err.rank, err.last_seen, err.reason, during=f"epoch {epoch}")
         deadline = time.monotonic() + self.ch.liveness_timeout + 2 * self.ch.heartbeat_interval + 1
@@ -535,6 +686,7 @@ class _Trainer:
             train_samples=t_n,
             train_batches=t_b,
             train_batches_per_rank=[p["train"][2] for p in parsed],
+            world_size=self.world,
             val_loss=v_loss / v_n if v_n else None,
             val_samples=v_n,
             val_accuracy=v_correct / v_classified if v_classified else None,
@@ -620,6 +772,7 @@ class _Trainer:
         if state is None:
             return
         self.ddp.module.load_state_dict(state["model"])
+        self.ddp.module.zero_grad(set_to_none=True)  # the interrupted step's partial gradients
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])

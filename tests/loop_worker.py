@@ -6,6 +6,8 @@ and saves the final parameters and metrics to ``out`` (rank 0)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -107,6 +109,8 @@ def main(cfg: dict) -> None:
         log_every=cfg.get("log_every"),
         loader_options={"collate_fn": counted_collate} if cfg.get("features") else {},
         sampler={"half": FirstHalf, "uneven": UnevenHalf}.get(cfg.get("sampler")),
+        elastic=cfg.get("elastic", False),
+        min_world_size=cfg.get("min_world", 1),
     )
     net = model(cfg.get("dropout", 0.0))
     loss_fn = torch.nn.functional.mse_loss
@@ -132,6 +136,13 @@ def main(cfg: dict) -> None:
             "step_callbacks": [lambda info: seen["steps"].append([info.epoch, info.step, info.batch, info.rank])],
             "extra_state": (save_extra, lambda value: seen.update(loaded=value)),
         }
+    if cfg.get("die"):  # [rank, epoch, batch]: that rank is killed there, mid-epoch
+
+        def die(info: dp.StepInfo, at: list = cfg["die"]) -> None:
+            if [ch.rank, info.epoch, info.batch] == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        hooks.setdefault("step_callbacks", []).append(die)
     result = dp.fit(
         ch,
         trained,
@@ -144,7 +155,11 @@ def main(cfg: dict) -> None:
         **hooks,
     )
     if ch.rank == 0:
-        summary = {"epochs": [vars(m) for m in result.epochs], "stopped_early": result.stopped_early}
+        summary = {
+            "epochs": [vars(m) for m in result.epochs],
+            "stopped_early": result.stopped_early,
+            "regroups": [vars(r) for r in result.regroups],
+        }
         torch.save({**summary, "state": net.state_dict()}, cfg["out"])
     if cfg.get("features"):
         seen["collated"] = COLLATED[0]

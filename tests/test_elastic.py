@@ -1,0 +1,100 @@
+"""Elastic training: a follower killed mid-epoch does not end the job. The survivors regroup
+as a new generation (new channel, new gloo group), go back to the epoch's start kept in
+memory, and finish on fewer ranks: no process restarts, no checkpoint file is read. The
+result equals a job resumed on the survivors from a checkpoint of that epoch's start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from etcdserver import EtcdServer, require_etcd
+from test_loop import assert_same_params, run_ranks
+
+from dataparallel.testing import free_port, with_options
+
+FAST = {"heartbeat": 0.2, "liveness_timeout": 2}
+
+
+@pytest.fixture(params=["zmq", "grpc", "tcpstore", "etcd"])
+def new_url(request, tmp_path):
+    """``new_url()``: the URL of a fresh job (a free port; the one etcd server)."""
+    if request.param == "etcd":
+        require_etcd()
+        server = EtcdServer(tmp_path / "etcd").start().wait_ready()
+        yield lambda: with_options(server.url, **FAST)
+        server.stop()
+    else:
+        yield lambda: with_options(f"{request.param}://127.0.0.1:{free_port()}", **FAST)
+
+
+def run_job(url: str, world: int, tag: str, out: str, **cfg) -> dict:
+    for code, log in run_ranks(url, world, tag, out=out, **cfg):
+        assert code == 0, f"{tag}: {log[-3000:]}"
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_follower_leaves_the_survivors_training_to_the_same_result(tmp_path, new_url):
+    url = new_url()
+    out = str(tmp_path / "elastic.pt")
+    common = {"epochs": 3, "dropout": 0.2}
+    runs = run_ranks(url, 3, "elastic", out=out, elastic=True, die=[2, 1, 2], **common)
+    assert runs[2][0] == -9, "the victim was killed"
+    for code, log in runs[:2]:
+        assert code == 0, log[-3000:]
+    elastic = torch.load(out, weights_only=False)
+    assert [e["world_size"] for e in elastic["epochs"]] == [3, 2, 2]
+    (regroup,) = elastic["regroups"]
+    assert (regroup["epoch"], regroup["lost"], regroup["world_size"], regroup["generation"]) == (1, [2], 2, 1)
+    assert "regrouping without it" in runs[1][1] and "generation 1 carries on with 2 ranks" in runs[0][1]
+
+    # The same job stopped after epoch 0 and resumed on two ranks from its checkpoint.
+    ckpt = str(tmp_path / "epoch0.ckpt")
+    run_job(new_url(), 3, "first", str(tmp_path / "first.pt"), epochs=1, checkpoint=ckpt, dropout=0.2)
+    resumed = run_job(new_url(), 2, "resumed", str(tmp_path / "resumed.pt"), checkpoint=ckpt, resume=True, **common)
+    assert_same_params(elastic, resumed, rtol=0, atol=0)
+    assert [e["val_loss"] for e in elastic["epochs"]] == [e["val_loss"] for e in resumed["epochs"]]
+
+
+@pytest.mark.timeout(120)
+def test_fewer_survivors_than_min_world_size_end_the_job_saying_so(tmp_path):
+    url = with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)
+    runs = run_ranks(url, 3, "too-few", out=str(tmp_path / "x.pt"), elastic=True, min_world=3, die=[2, 0, 1])
+    for code, log in runs[:2]:
+        assert code != 0
+        assert "PeerLost" in log and "fewer than min_world_size=3" in log, log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_the_digits_example_carries_on_under_launch_when_a_follower_is_killed(tmp_path):
+    """README's command: ``launch --elastic`` keeps the survivors running (exit code 0) and
+    the driver reports the regroup; no restart happened (one launch attempt)."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--elastic",
+            "--kill",
+            "2",
+            "--epochs",
+            "3",
+            "--result",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=tmp_path,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "rank 2 exited with signal SIGKILL; the others carry on without it (elastic)" in out
+    assert "driver: 3 epochs on 3/2 processes" in out and "carried on with 2" in out, out[-3000:]
+    assert "restarting" not in out
+    assert json.loads((tmp_path / "r.json").read_text())["val_accuracy"] > 0.5

@@ -132,10 +132,15 @@ class ControlChannel(Collectives, abc.ABC):
     ``gather`` and ``all_gather`` (:mod:`dataparallel.collectives`; ``rendezvous`` is a
     barrier) may be overridden with native ones keeping their signatures and semantics: call
     ``self._usable()`` first, number rounds with ``self._next_seq(kind, name)``, leave no
-    state behind (the suite checks :meth:`_held_state`). A classmethod ``serve(url, token,
-    ready)`` gives ``dataparallel serve`` a standalone coordinator (calling ``ready(port)``
-    once listening). A fatal condition noticed in the background (the server gone) is
-    reported with ``self._fail(ChannelClosed(...))``: every later call raises it.
+    state behind (the suite checks :meth:`_held_state`). A transport with native
+    collectives also tells its waiting ranks when a rank closed without entering a round
+    (``PeerLeft``, checked by the suite): it overrides ``_depart`` (what a closing rank
+    records; the core's writes ``__dp/departure/RANK``) and ``_raise_if_departed`` (what a
+    waiting rank checks between slices), or its server answers the waiters itself, as the
+    coordinator does. A classmethod ``serve(url, token, ready)`` gives ``dataparallel serve``
+    a standalone coordinator (calling ``ready(port)`` once listening). A fatal condition
+    noticed in the background (the server gone) is reported with
+    ``self._fail(ChannelClosed(...))``: every later call raises it.
 
     *Runs.* A job's state belongs to a run, the ranks that joined it together: a rerun under
     the same job name after a crash must not see what the crashed run left (claimed ranks,

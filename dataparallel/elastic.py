@@ -30,9 +30,8 @@ _POLL = 0.05
 
 
 def generation_job(job: str, generation: int) -> str:
-    """The job name of ``generation`` (0: the job itself)."""
-    base = job.split("~", 1)[0]
-    return base if generation == 0 else f"{base}~{generation}"
+    """The name of ``job``'s ``generation`` (0: the job itself)."""
+    return job if generation == 0 else f"{job}~{generation}"
 
 
 def survivors(ch: ControlChannel, generation: int, settle: float) -> list[int]:

@@ -274,6 +274,7 @@ class _Trainer:
         self._bar: Any = None  # the driver's progress bar during an epoch
         self._told_uneven = False
         self.generation = 0
+        self._first = channel  # generation 0's channel: the caller's
         self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
         self._snapshot: dict[str, Any] | None = None  # the current epoch's start (elastic)
         self._epoch = -1  # the epoch being trained (for messages)
@@ -284,6 +285,8 @@ class _Trainer:
             raise ValueError(
                 "elastic training makes its own process groups: pass no process_group= and initialise none"
             )
+        if self.opts.elastic and self.ch.url.port == 0:
+            raise ValueError(f"elastic training needs the coordinator at a fixed port: {self.ch.url.shown}")
         self.ch.rendezvous()
         if self.pg is None:
             if not dist.is_initialized():
@@ -442,7 +445,7 @@ class _Trainer:
                 f"{failure.reason}; {len(members)} rank(s) left, fewer than min_world_size={self.opts.min_world_size}"
             )
             raise PeerLost(failure.rank, failure.last_seen, reason, during=failure.during)
-        job = elastic.generation_job(old.job, generation)
+        job = elastic.generation_job(self._first.job, generation)
         new = connect(old.url.raw, rank=members.index(old.rank), world_size=len(members), job=job,
                       token=old.token, timeout=old.timeout)  # fmt: skip
         self._opened.append(new)

@@ -38,12 +38,25 @@ def run_job(url: str, world: int, tag: str, out: str, **cfg) -> dict:
     return torch.load(out, weights_only=False)
 
 
+COMMON = {"epochs": 3, "dropout": 0.2}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict:
+    """The job stopped after epoch 0 and resumed on two ranks from its checkpoint (the
+    transport does not change the numbers: the conformance suite and test_loop show it)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    url = lambda: f"zmq://127.0.0.1:{free_port()}"  # noqa: E731
+    ckpt = str(tmp / "epoch0.ckpt")
+    run_job(url(), 3, "first", str(tmp / "first.pt"), epochs=1, checkpoint=ckpt, dropout=COMMON["dropout"])
+    return run_job(url(), 2, "resumed", str(tmp / "resumed.pt"), checkpoint=ckpt, resume=True, **COMMON)
+
+
 @pytest.mark.timeout(240)
-def test_a_killed_follower_leaves_the_survivors_training_to_the_same_result(tmp_path, new_url):
+def test_a_killed_follower_leaves_the_survivors_training_to_the_same_result(tmp_path, new_url, resumed):
     url = new_url()
     out = str(tmp_path / "elastic.pt")
-    common = {"epochs": 3, "dropout": 0.2}
-    runs = run_ranks(url, 3, "elastic", out=out, elastic=True, die=[2, 1, 2], **common)
+    runs = run_ranks(url, 3, "elastic", out=out, elastic=True, die=[2, 1, 2], **COMMON)
     assert runs[2][0] == -9, "the victim was killed"
     for code, log in runs[:2]:
         assert code == 0, log[-3000:]
@@ -52,11 +65,6 @@ def test_a_killed_follower_leaves_the_survivors_training_to_the_same_result(tmp_
     (regroup,) = elastic["regroups"]
     assert (regroup["epoch"], regroup["lost"], regroup["world_size"], regroup["generation"]) == (1, [2], 2, 1)
     assert "regrouping without it" in runs[1][1] and "generation 1 carries on with 2 ranks" in runs[0][1]
-
-    # The same job stopped after epoch 0 and resumed on two ranks from its checkpoint.
-    ckpt = str(tmp_path / "epoch0.ckpt")
-    run_job(new_url(), 3, "first", str(tmp_path / "first.pt"), epochs=1, checkpoint=ckpt, dropout=0.2)
-    resumed = run_job(new_url(), 2, "resumed", str(tmp_path / "resumed.pt"), checkpoint=ckpt, resume=True, **common)
     assert_same_params(elastic, resumed, rtol=0, atol=0)
     assert [e["val_loss"] for e in elastic["epochs"]] == [e["val_loss"] for e in resumed["epochs"]]
 

@@ -706,7 +706,7 @@ class CollectiveTests(ChannelHarness):
         """A rank that closes its channel (it ended early, or skipped a collective) fails
         every collective round it never entered, for every rank waiting in it or entering
         it later, with PeerLeft naming it, within a slice of the wait; never at the timeout.
-        The channel itself goes on."""
+        The channel itself goes on. (Each collective in its own job, all at once.)"""
         waits: dict[str, Callable[[dp.ControlChannel], object]] = {
             "rendezvous": lambda c: c.rendezvous(timeout=STEP_TIMEOUT),
             "barrier": lambda c: c.barrier("end", timeout=STEP_TIMEOUT),
@@ -714,33 +714,36 @@ class CollectiveTests(ChannelHarness):
             "all_gather": lambda c: c.all_gather("end", b"v", timeout=STEP_TIMEOUT),
             "gather": lambda c: c.gather("end", b"v", dst=0, timeout=STEP_TIMEOUT),  # only rank 0 waits
         }
-        for name, wait in waits.items():
-            for closes_first in (False, True):
-                channels = open_ranks(3, job=f"left-{name}-{closes_first}")
-                if name != "rendezvous":  # one earlier round everyone entered: not a miss
-                    self.rendezvous_all(channels)
-                with ThreadPoolExecutor(2) as pool:
-                    if closes_first:
-                        channels[2].close()
-                        closed = time.monotonic()
-                    futures = [pool.submit(wait, c) for c in channels[:2]]
-                    if not closes_first:
-                        time.sleep(0.3)  # they wait in it
-                        closed = time.monotonic()
-                        channels[2].close()
-                    if name == "gather":
-                        assert futures.pop().result(timeout=STEP_TIMEOUT) is None
-                    for future in futures:
-                        with pytest.raises(dp.PeerLeft) as info:
-                            future.result(timeout=STEP_TIMEOUT)
-                        elapsed = time.monotonic() - closed
-                        err = info.value
-                        assert err.rank == 2 and isinstance(err, dp.PeerLost), str(err)
-                        assert "closed its channel without entering" in str(err), str(err)
-                        bound = channels[0].liveness_poll + 3.0
-                        assert elapsed < bound, f"{name}: PeerLeft after {elapsed:.1f}s (bound {bound:g}s)"
-                channels[0].set("after", b"1")
-                assert channels[1].get("after", timeout=5) == b"1"
+        cases = [(name, first) for name in waits for first in (False, True)]
+        jobs = run_all([lambda n=n, f=f: open_ranks(3, job=f"left-{n}-{f}") for n, f in cases])
+
+        def case(name: str, closes_first: bool, channels: list[dp.ControlChannel]) -> None:
+            if name != "rendezvous":  # one earlier round everyone entered: not a miss
+                self.rendezvous_all(channels)
+            with ThreadPoolExecutor(2) as pool:
+                if closes_first:
+                    channels[2].close()
+                    closed = time.monotonic()
+                futures = [pool.submit(waits[name], c) for c in channels[:2]]
+                if not closes_first:
+                    time.sleep(0.3)  # they wait in it
+                    closed = time.monotonic()
+                    channels[2].close()
+                if name == "gather":
+                    assert futures.pop().result(timeout=STEP_TIMEOUT) is None
+                for future in futures:
+                    with pytest.raises(dp.PeerLeft) as info:
+                        future.result(timeout=STEP_TIMEOUT)
+                    elapsed = time.monotonic() - closed
+                    err = info.value
+                    assert err.rank == 2 and isinstance(err, dp.PeerLost), str(err)
+                    assert "closed its channel without entering" in str(err), str(err)
+                    bound = channels[0].liveness_poll + 3.0
+                    assert elapsed < bound, f"{name}: PeerLeft after {elapsed:.1f}s (bound {bound:g}s)"
+            channels[0].set("after", b"1")
+            assert channels[1].get("after", timeout=5) == b"1"
+
+        run_all([lambda c=c, j=j: case(*c, j) for c, j in zip(cases, jobs, strict=True)], timeout=100)
 
     @pytest.mark.timeout(60)
     def test_a_rank_that_closed_after_its_part_does_not_end_a_collective(self, open_ranks):
@@ -850,10 +853,10 @@ class LivenessTests(ChannelHarness):
 
     @pytest.mark.timeout(120)
     def test_a_killed_peer_is_noticed_as_soon_as_the_transport_promises(self, channel_url, open_ranks):
-        """A peer killed on this machine, with a liveness timeout of 6 s: a transport that
+        """A peer killed on this machine, with a liveness timeout of 3 s: a transport that
         ``notices_exits`` reports it within a second (its connections closed when it died);
         any other within the liveness timeout's bound."""
-        liveness = {"heartbeat": 0.5, "liveness_timeout": 6}
+        liveness = {"heartbeat": 0.3, "liveness_timeout": 3}
         if not self.cross_process:
             self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return

@@ -115,7 +115,7 @@ class ZmqCoordinatorServer:
             if len(frames) != 2:
                 self._send(route, pb.Reply(status=pb.BAD_MESSAGE, error=f"expected 1 frame, got {len(frames) - 1}"))
                 continue
-            conn = frames[1].get(zmq.SRCFD)  # the descriptor of the connection it came in on
+            conn = _connection(frames[1])
             reply = self.coordinator.handle_frame(route, self._key, frames[1].bytes, conn)
             if reply is not None:
                 self._send(route, reply)
@@ -133,6 +133,15 @@ class ZmqCoordinatorServer:
             log.debug("reply to %r dropped: peer queue full", route)
         except zmq.ZMQError as err:  # the peer is gone; it will resend or be declared lost
             log.debug("reply to %r dropped: %s", route, err)
+
+
+def _connection(frame: zmq.Frame) -> int | None:
+    """The descriptor of the connection ``frame`` came in on, or None where libzmq does not
+    say (it refuses ``ZMQ_SRCFD`` for some messages, an empty one among them)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
 
 
 def _bind_host(host: str) -> str:

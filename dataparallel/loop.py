@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from . import checkpoint, elastic
 from .channel import ControlChannel
 from .errors import ChannelClosed, ControlError, PeerLeft, PeerLost
-from .process_group import init_process_group
+from .process_group import abort_process_group, init_process_group
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +269,7 @@ class _Trainer:
         self._make_optimizer = optimizer
         self._make_scheduler = scheduler
         self._lost: PeerLost | None = None
+        self._stalled = 0.0  # the longest this process stood still (stopped, or starved), seconds
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
         self._bar: Any = None  # the driver's progress bar during an epoch
@@ -321,14 +322,20 @@ class _Trainer:
 
     def _watch(self) -> None:
         """Abort the process group when the channel declares a peer lost, so that no rank
-        waits in a collective for a peer that will never come."""
+        waits in a collective for a peer that will never come. It also notes when this process
+        itself stood still (SIGSTOP, a starved machine) for longer than the liveness timeout:
+        its peers have given it up by then, which explains its next collective failing."""
+        last = time.monotonic()
         while not self._stop_watch.wait(0.2):
+            now = time.monotonic()
+            if now - last > self.ch.liveness_timeout:
+                self._stalled = max(self._stalled, now - last)
+            last = now
             lost = self.ch.lost_peers()
             if lost:
                 self._lost = next(iter(lost.values()))
                 log.error("rank %d: %s; aborting the process group", self.rank, self._lost)
-                with contextlib.suppress(Exception):
-                    self.pg.abort()
+                abort_process_group(self.pg)
                 return
 
     # ------------------------------------------------------------------ the loop
@@ -494,6 +501,12 @@ class _Trainer:
         lost = self._lost or next(iter(self.ch.lost_peers().values()), None)
         if lost is not None:
             return PeerLost(lost.rank, lost.last_seen, lost.reason, during=f"epoch {epoch}")
+        if self._stalled:
+            return ChannelClosed(
+                f"rank {self.rank} stood still for {self._stalled:.1f}s, longer than the liveness timeout "
+                f"({self.ch.liveness_timeout:g}s): its peers have gone on without it "
+                f"(noticed in epoch {epoch} as: {err})"
+            )
         if self.ch.failure is not None and not isinstance(err, ControlError):
             # The coordinator went away with the rank that hosted it (or on its own).
             return ChannelClosed(f"{self.ch.failure} (noticed in epoch {epoch} as: {err})")

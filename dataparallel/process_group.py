@@ -1,9 +1,12 @@
-"""``init_process_group(channel)``: torch's process group, rendezvoused through the channel."""
+"""``init_process_group(channel)``: torch's process group, rendezvoused through the channel;
+``abort_process_group()``: end every collective in flight on it at once."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +50,7 @@ def init_process_group(
         os.environ.setdefault("GLOO_ENABLE_STORE_V2_API", "1")
     if device is not None and device.type == "cuda":
         kwargs.setdefault("device_id", device)
+    before = _sockets()
     dist.init_process_group(
         backend,
         store=channel.as_store(),
@@ -55,3 +59,78 @@ def init_process_group(
         timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         **kwargs,
     )
+    global _gloo
+    _gloo = None
+    if "gloo" in backend:
+        control = channel.url.port
+        made = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+        _gloo = (dist.group.WORLD, {fd: link for fd, link in made.items() if _peer_connection(fd, control)})
+
+
+# The connections gloo opened for the group made last by init_process_group: (group, {fd: link}).
+_gloo: tuple[Any, dict[int, str]] | None = None
+
+
+def abort_process_group(group: Any = None) -> None:
+    """End every collective in flight on ``group`` (the default group when None), at once, on
+    every rank of this process: called when a peer is known lost, so that no rank waits for
+    one that will never come. The group is of no further use; destroy it.
+
+    ``ProcessGroup.abort()`` does it for NCCL. gloo's abort leaves a collective waiting for
+    a peer that is frozen or cut off (its connection stays open) until the group's timeout;
+    so for a group made by :func:`init_process_group` the TCP connections gloo opened are
+    also shut down, which ends its collectives with gloo's "connection closed" error (as
+    when a peer dies). gloo's listening socket is left alone: gloo ends the process if its
+    ``accept`` fails."""
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        return
+    with contextlib.suppress(Exception):
+        group.abort()
+    global _gloo
+    if _gloo is None or _gloo[0] is not group:
+        return
+    connections, _gloo = _gloo[1], None
+    for fd, link in connections.items():
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == link:  # still gloo's (an fd number is reused)
+                _with_socket(fd, lambda s: s.shutdown(socket.SHUT_RDWR))
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket file descriptors and their ``socket:[INODE]`` links (empty where
+    ``/proc`` is not there)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/self/fd/{name}")
+                if link.startswith("socket:"):
+                    found[int(name)] = link
+    return found
+
+
+def _with_socket(fd: int, use: Any) -> Any:
+    """``use(socket)`` on a socket object over ``fd`` that does not take the fd over."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return use(sock)
+    finally:
+        sock.detach()
+
+
+def _peer_connection(fd: int, control_port: int) -> bool:
+    """A connected TCP socket that is not the control plane's (which uses ``control_port`` at
+    one end): one of gloo's connections to a peer."""
+
+    def check(sock: socket.socket) -> bool:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return False
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        return control_port not in (sock.getsockname()[1], sock.getpeername()[1])
+
+    try:
+        return _with_socket(fd, check)
+    except OSError:
+        return False

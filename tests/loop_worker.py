@@ -136,11 +136,12 @@ def main(cfg: dict) -> None:
             "step_callbacks": [lambda info: seen["steps"].append([info.epoch, info.step, info.batch, info.rank])],
             "extra_state": (save_extra, lambda value: seen.update(loaded=value)),
         }
-    if cfg.get("die"):  # [rank, epoch, batch]: that rank is killed there, mid-epoch
+    if cfg.get("die") or cfg.get("freeze"):  # [rank, epoch, batch]: that rank is killed (frozen) there, mid-epoch
+        at, sig = (cfg["die"], signal.SIGKILL) if cfg.get("die") else (cfg["freeze"], signal.SIGSTOP)
 
-        def die(info: dp.StepInfo, at: list = cfg["die"]) -> None:
+        def die(info: dp.StepInfo) -> None:
             if [ch.rank, info.epoch, info.batch] == at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
 
         hooks.setdefault("step_callbacks", []).append(die)
     result = dp.fit(

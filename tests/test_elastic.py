@@ -6,6 +6,8 @@ result equals a job resumed on the survivors from a checkpoint of that epoch's s
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from etcdserver import EtcdServer, require_etcd
-from test_loop import assert_same_params, run_ranks
+from test_loop import assert_same_params, run_ranks, spawn
 
 from dataparallel.testing import free_port, with_options
 
@@ -106,3 +108,31 @@ def test_the_digits_example_carries_on_under_launch_when_a_follower_is_killed(tm
     assert "driver: 3 epochs on 3/2 processes" in out and "carried on with 2" in out, out[-3000:]
     assert "restarting" not in out
     assert json.loads((tmp_path / "r.json").read_text())["val_accuracy"] > 0.5
+
+
+@pytest.mark.timeout(240)
+def test_a_frozen_follower_is_left_behind_without_waiting_for_a_collective_timeout(tmp_path, new_url, resumed):
+    """A follower stopped mid-epoch (SIGSTOP: alive, its gloo connections open, silent) is
+    declared lost by its missing heartbeats; the survivors' gloo all-reduce that waits for it
+    ends then (not at the group's 300 s timeout) and they carry on to the same result. When
+    it wakes up it cannot carry on and exits saying why."""
+    url = new_url()
+    out = str(tmp_path / "elastic.pt")
+    cfg = {"url": url, "world": 3, "out": out, "elastic": True, "freeze": [2, 1, 2], "collective_timeout": 150}
+    procs = [spawn({**cfg, "rank": r, **COMMON}) for r in range(3)]
+    try:  # the whole job takes ~20 s; waiting for gloo's timeout, 150 s more
+        survivors = [p.communicate(timeout=75) for p in procs[:2]]
+        for p, (stdout, stderr) in zip(procs[:2], survivors, strict=True):
+            assert p.returncode == 0, (stdout + stderr)[-3000:]
+        assert Path(f"/proc/{procs[2].pid}/stat").read_text().split(") ")[1].startswith("T"), "still frozen"
+        procs[2].send_signal(signal.SIGCONT)
+        stdout, stderr = procs[2].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[2].returncode not in (0, None), "the frozen rank cannot carry on"
+    assert re.search(r"ChannelClosed: rank 2 (stood still for|of job .* was declared lost)", stderr), stderr[-2000:]
+    elastic = torch.load(out, weights_only=False)
+    assert [e["world_size"] for e in elastic["epochs"]] == [3, 2, 2]
+    assert elastic["regroups"][0]["lost"] == [2]
+    assert_same_params(elastic, resumed, rtol=0, atol=0)

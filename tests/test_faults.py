@@ -24,9 +24,9 @@ from dataparallel.testing import free_port, with_options
 WORKER = Path(__file__).with_name("loop_worker.py")
 LIVENESS = 2.0  # seconds of silence before a peer is declared lost, for these jobs
 BOUND = LIVENESS + 8.0  # detection must come within this (the error path includes torch's abort)
-# gloo cannot abort a collective in progress: a rank waiting on a frozen peer (whose sockets
-# stay open) leaves it when the collective times out, then names the peer the channel lost.
-COLLECTIVE_TIMEOUT = 10.0
+# Far above BOUND: a rank that waited for gloo's timeout (a frozen peer's connections stay
+# open) would fail the bound.
+COLLECTIVE_TIMEOUT = 60.0
 REPORT = os.environ.get("DP_FAULT_REPORT")
 _measured: list[dict] = []
 
@@ -102,12 +102,16 @@ def test_follower_killed_or_frozen_mid_epoch(job_url, tmp_path, sig):
         seconds = done - hit
         assert code != 0
         assert "PeerLost" in err and "peer rank 1 lost" in err and "epoch" in err, err[-3000:]
+        # Frozen, its gloo connections stay open: the abort must end the all-reduce that
+        # waits for it, not gloo's collective timeout.
+        assert seconds < BOUND, f"driver took {seconds:.1f}s"
         frozen = sig == signal.SIGSTOP
-        assert seconds < BOUND + (COLLECTIVE_TIMEOUT if frozen else 0), f"driver took {seconds:.1f}s"
         what = "frozen (SIGSTOP)" if frozen else "killed (SIGKILL)"
-        outcome = "driver raises PeerLost naming rank 1"
-        if frozen:
-            outcome += f" (after gloo's collective timeout, {COLLECTIVE_TIMEOUT:g} s here)"
+        if _transport(job_url) == "etcd":
+            how = "its lease expired"
+        else:
+            how = "no heartbeat for the liveness timeout" if frozen else "its connections closed"
+        outcome = f"driver raises PeerLost naming rank 1 ({how})"
         record(f"follower {what} mid-epoch", _transport(job_url), outcome, seconds)
     finally:
         job.close()

@@ -18,6 +18,8 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
   faults      detection times of the fault-injection tests, as a table     -> faults.py
   elastic     recovery after a follower is killed: elastic regroup vs restart + checkpoint,
               per transport                                                 -> elastic.py
+  ports       lines changed by porting a torchrun DDP script to dp.fit, against its
+              Lightning Fabric port                                         -> ports.py
 
 Results (JSON and PNG) go to ``benchmarks/results/``; ``summary.json`` holds the targets and
 how each came out.
@@ -34,7 +36,7 @@ from pathlib import Path
 from benchmarks.common import can_look_up_locally, run_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic"]
+SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic", "ports"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         out = RESULTS / "quick"  # a smoke run never overwrites the published results
     out.mkdir(parents=True, exist_ok=True)
 
-    from benchmarks import control_plane, elastic, faults, gpu_nccl, rendezvous, swarm, train_loop
+    from benchmarks import control_plane, elastic, faults, gpu_nccl, ports, rendezvous, swarm, train_loop
 
     if "control" in args.only:
         # N=64 left out: tcpstore fails there on 2 cores (README, Performance)
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if "elastic" in args.only:
         trials = ["--trials", "2", "--restart-trials", "1"] if quick else []
         elastic.main([*trials, "--out", str(out / "elastic.json")])
+    if "ports" in args.only:
+        ports.main(["--out", str(out / "ports.json")])
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     previous = _load(RESULTS / "previous" / "summary.json") or {"targets": []}

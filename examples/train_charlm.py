@@ -1,145 +1,49 @@
-"""A character-level language model with the shape of a real training script: a GPT-style model
-whose forward returns ``(logits, loss)``, AdamW with weight-decay groups built from the model,
-bf16 autocast, gradient clipping, a warm-up then cosine learning rate stepped every optimizer
-step, a log line every few steps and a snapshot every 2 epochs that the next run resumes.
+"""A character-level language model with the shape of a real training script, ported to
+``dp.fit`` from ``train_charlm_torchrun.py`` (a plain torchrun DDP script) with every feature
+kept: a GPT-style model whose forward returns ``(logits, loss)``, AdamW with weight-decay
+groups built from the model, bf16 autocast, gradient clipping, a warm-up then cosine learning
+rate stepped every optimizer step, a log line every 20 steps and a snapshot every 2 epochs
+that the next run resumes. ``python -m benchmarks --only ports`` counts the lines the port
+changed, beside the Lightning Fabric port's (``train_charlm_fabric.py``).
 
-    python examples/train_charlm.py --nprocs 2                      # a local job over zmq
-    dataparallel launch --nprocs 2 examples/train_charlm.py         # the same, launched
+    dataparallel launch --nprocs 2 examples/train_charlm.py         # a local job over zmq
     torchrun --nproc-per-node 2 examples/train_charlm.py            # torchrun's store as the channel
 
-The text is a few paragraphs held in this file (no download). 8 epochs take about a minute
-on 2 CPU cores; validation loss falls from ~3.3 (uniform over the characters) to ~1.6.
+8 epochs take about a minute on 2 CPU cores; validation loss falls from ~3.3 (uniform over the
+characters) to ~1.6.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 from pathlib import Path
 
 import torch
-from torch import nn
+from charlm_model import TinyGPT, adamw, datasets, schedule_steps, warmup_cosine
 from torch.nn import functional
-from torch.utils.data import Dataset
 
 import dataparallel as dp
-from dataparallel.launcher import in_worker, relaunch
-
-TEXT = """\
-Alice was beginning to get very tired of sitting by her sister on the bank, and of having
-nothing to do: once or twice she had peeped into the book her sister was reading, but it had
-no pictures or conversations in it, and what is the use of a book, thought Alice, without
-pictures or conversations? So she was considering in her own mind (as well as she could, for
-the hot day made her feel very sleepy and stupid), whether the pleasure of making a
-daisy-chain would be worth the trouble of getting up and picking the daisies, when suddenly a
-White Rabbit with pink eyes ran close by her. There was nothing so very remarkable in that;
-nor did Alice think it so very much out of the way to hear the Rabbit say to itself, Oh dear!
-Oh dear! I shall be late! But when the Rabbit actually took a watch out of its
-waistcoat-pocket, and looked at it, and then hurried on, Alice started to her feet, for it
-flashed across her mind that she had never before seen a rabbit with either a
-waistcoat-pocket, or a watch to take out of it, and burning with curiosity, she ran across the
-field after it, and fortunately was just in time to see it pop down a large rabbit-hole under
-the hedge. In another moment down went Alice after it, never once considering how in the
-world she was to get out again. The rabbit-hole went straight on like a tunnel for some way,
-and then dipped suddenly down, so suddenly that Alice had not a moment to think about
-stopping herself before she found herself falling down a very deep well.
-"""
-
-BLOCK = 32  # characters of context
-SCHEDULE_EPOCHS = 8  # the learning-rate schedule spans this many epochs, however many a run trains
 
 
-class Windows(Dataset):
-    """Every ``BLOCK``-character window of ``ids`` and the same window shifted by one."""
-
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids) - BLOCK
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.ids[i : i + BLOCK + 1]
-        return chunk[:-1], chunk[1:]
-
-
-class TinyGPT(nn.Module):
-    """Token and position embeddings, two causal transformer blocks, a linear head. Like
-    minGPT's, ``forward(idx, targets=None)`` returns ``(logits, loss)`` (loss None without
-    targets)."""
-
-    def __init__(self, vocab: int, width: int = 64, layers: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Embedding(BLOCK, width)
-        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.1, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(BLOCK), persistent=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        n = idx.shape[1]
-        h = self.tokens(idx) + self.positions(torch.arange(n, device=idx.device))
-        logits = self.head(self.norm(self.blocks(h, mask=self.mask[:n, :n], is_causal=True)))
-        loss = None if targets is None else functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
-
-
-def adamw(model: TinyGPT, lr: float) -> torch.optim.Optimizer:
-    """minGPT's grouping: weight decay on the weights of linear layers, none on biases,
-    norms and embeddings. dp.fit passes the model because the parameter is named ``model``."""
-    decay, no_decay = [], []
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            wants = name.endswith("weight") and isinstance(module, nn.Linear)
-            (decay if wants else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-
-
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def train(epochs: int, snapshot: str | None, result: str | None) -> None:
+def main(epochs, snapshot, result):
     ch = dp.connect()  # from `dataparallel launch`'s or torchrun's environment
     torch.manual_seed(0)
-    chars = sorted(set(TEXT))
-    ids = torch.tensor([chars.index(c) for c in TEXT])
-    cut = int(0.9 * len(ids))
-    train_set, val_set = Windows(ids[:cut]), Windows(ids[cut - BLOCK :])
+    train_set, val_set, vocab = datasets()
     batch = 32
-    steps = SCHEDULE_EPOCHS * math.ceil(len(train_set) / (batch * ch.world_size))
-    model = TinyGPT(len(chars))
+    model = TinyGPT(vocab)
 
-    def report(m: dp.EpochMetrics) -> None:
+    def report(m: dp.EpochMetrics):
+        batches = m.train_batches_per_rank
         print(
-            f"epoch {m.epoch}  train loss {m.train_loss:.3f}  val loss {m.val_loss:.3f}  lr {m.lr:.2e}  "
-            f"batches per rank {m.train_batches_per_rank}  {m.seconds:.1f}s",
-            flush=True,
+            f"epoch {m.epoch}  train loss {m.train_loss:.3f}  val loss {m.val_loss:.3f}  batches {batches}", flush=True
         )
 
     options = dp.TrainOptions(
-        epochs=epochs,
-        batch_size=batch,
-        amp="bf16",
-        clip_grad_norm=1.0,
-        scheduler_interval="step",
-        log_every=20,
-        checkpoint=snapshot,
-        checkpoint_every=2,
-        resume=snapshot is not None,
-        progress=False,
-    )
-    outcome = dp.fit(
+        epochs=epochs, batch_size=batch, amp="bf16", clip_grad_norm=1.0, scheduler_interval="step",
+        log_every=20, checkpoint=snapshot, checkpoint_every=2, resume=snapshot is not None, progress=False,
+    )  # fmt: skip
+    val_loss = dp.fit(
         ch,
         model,
         lambda out, targets: functional.cross_entropy(out[0].float().flatten(0, 1), targets.flatten()),
@@ -147,29 +51,20 @@ def train(epochs: int, snapshot: str | None, result: str | None) -> None:
         train_set,
         val_set,
         options=options,
-        scheduler=lambda opt: warmup_cosine(opt, warmup=10, total=steps),
+        scheduler=lambda opt: warmup_cosine(opt, warmup=10, total=schedule_steps(train_set, batch, ch.world_size)),
         callbacks=[report],
-    )
+    ).last.val_loss
     if ch.rank == 0:
-        print(f"driver: final validation loss {outcome.last.val_loss:.4f} over {ch.url.scheme}", flush=True)
+        print(f"driver: final validation loss {val_loss:.4f}", flush=True)
         if result:
-            summary = {"val_loss": outcome.last.val_loss, "epochs": len(outcome.epochs), "transport": ch.url.scheme}
-            Path(result).write_text(json.dumps(summary))
+            Path(result).write_text(json.dumps({"val_loss": val_loss, "epochs": epochs, "transport": ch.url.scheme}))
     ch.close()
 
 
-def main() -> int:
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nprocs", type=int, default=None, help="processes to start when run by hand (default 2)")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--snapshot", default=None, help="snapshot file, written every 2 epochs and resumed")
     parser.add_argument("--result", default=None, help="write the final validation loss here (JSON)")
     args = parser.parse_args()
-    if in_worker():
-        train(args.epochs, args.snapshot, args.result)
-        return 0
-    return relaunch(__file__, sys.argv[1:], nprocs=args.nprocs or 2)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    main(args.epochs, args.snapshot, args.result)

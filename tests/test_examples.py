@@ -69,3 +69,38 @@ def test_the_language_model_example_snapshots_resumes_and_runs_under_torchrun(tm
     a, b = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
     assert (a["transport"], b["transport"]) == ("zmq", "tcpstore")
     assert a["val_loss"] == b["val_loss"] and a["val_loss"] < 3.0, (a, b)
+
+
+@pytest.mark.timeout(300)
+def test_the_torchrun_script_and_its_fabric_port_train_as_the_dp_fit_port_does(tmp_path):
+    """The script ports are counted against (benchmarks/ports.py) and its Lightning Fabric port
+    both run under torchrun with their features (Fabric's snapshot resumed by a second run),
+    and land where the dp.fit port does; README's line counts are the code's."""
+    from benchmarks.ports import RESULTS, measure
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "OMP_"))}
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+
+    def run(script: str, *argv) -> dict:
+        result = tmp_path / f"{script}.json"
+        command = [torchrun, "--nproc-per-node", "2", EXAMPLES / script, *argv, "--result", result]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=140, env=env, cwd=tmp_path)
+        # torch 2.13 alone (no code of ours runs in these two scripts) sometimes aborts a rank
+        # as it exits after destroy_process_group (~1 run in 14 here): "terminate called without
+        # an active exception", exit code -6. Such a run still finished its work.
+        torn_down = "terminate called without an active exception" in done.stderr and "exitcode  : -6" in done.stderr
+        finished = "driver: final validation loss" in done.stdout and result.exists()
+        assert done.returncode == 0 or (torn_down and finished), (
+            f"{script}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
+        assert "epoch 0 step 20: loss" in done.stdout or "resuming from epoch 2" in done.stdout, done.stdout
+        return json.loads(result.read_text())
+
+    plain = run("train_charlm_torchrun.py", "--epochs", "2")
+    fabric = run("train_charlm_fabric.py", "--epochs", "2", "--snapshot", tmp_path / "fabric.ckpt")
+    # bf16-mixed is the same autocast: Fabric's port computes what the script does.
+    assert abs(plain["val_loss"] - fabric["val_loss"]) < 1e-3, (plain, fabric)
+    assert plain["val_loss"] < 3.0
+    resumed = run("train_charlm_fabric.py", "--epochs", "3", "--snapshot", tmp_path / "fabric.ckpt")
+    assert resumed["val_loss"] < fabric["val_loss"]
+    assert measure() == json.loads((RESULTS / "ports.json").read_text()), "python -m benchmarks --only ports"

@@ -18,6 +18,8 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
   faults      detection times of the fault-injection tests, as a table     -> faults.py
   elastic     recovery after a follower is killed: elastic regroup vs restart + checkpoint,
               per transport                                                 -> elastic.py
+  strategies  samples/s of DDP and local SGD, 4 ranks, with and without a 2x straggler
+                                                                            -> strategies.py
   ports       lines changed by porting a torchrun DDP script to dp.fit, against its
               Lightning Fabric port                                         -> ports.py
 
@@ -36,7 +38,7 @@ from pathlib import Path
 from benchmarks.common import can_look_up_locally, run_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic", "ports"]
+SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic", "strategies", "ports"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         out = RESULTS / "quick"  # a smoke run never overwrites the published results
     out.mkdir(parents=True, exist_ok=True)
 
-    from benchmarks import control_plane, elastic, faults, gpu_nccl, ports, rendezvous, swarm, train_loop
+    from benchmarks import control_plane, elastic, faults, gpu_nccl, ports, rendezvous, strategies, swarm, train_loop
 
     if "control" in args.only:
         # N=64 left out: tcpstore fails there on 2 cores (README, Performance)
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if "elastic" in args.only:
         trials = ["--trials", "2", "--restart-trials", "1"] if quick else []
         elastic.main([*trials, "--out", str(out / "elastic.json")])
+    if "strategies" in args.only:
+        strategies.main(["--repeats", "1" if quick else "3", "--out", str(out / "strategies.json")])
     if "ports" in args.only:
         ports.main(["--out", str(out / "ports.json")])
     summary = summarize(out)
@@ -187,6 +191,14 @@ def summarize(out: Path) -> dict:
             measured = f"p50 {stats['p50_s']:.2f} s, p99 {stats['p99_s']:.2f} s ({stats['trials']} kills{versus})"
             met = stats["p99_s"] <= limits[transport] and not stats["failed"]
             row(f"{transport}: killed follower to survivors' next step <= {limits[transport]:g} s", measured, met)
+    strategies = _load(out / "strategies.json")
+    if strategies:
+        for case in ("fixed", "random"):
+            by = strategies["median"][case]
+            for name, stats in by.items():
+                if name != "ddp":
+                    measured = f"{stats['x_ddp']:.2f}x ({stats['samples_per_s']:.0f} samples/s)"
+                    row(f"{name}, {case} 2x straggler >= 1.5x DDP", measured, stats["x_ddp"] >= 1.5)
     from benchmarks.common import machine
 
     return {"machine": machine(), "targets": targets}

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -93,6 +94,17 @@ class TrainOptions:
     #: as ``dataparallel launch --elastic`` sets it), else False.
     elastic: bool | None = None
     min_world_size: int = 1
+    #: How the replicas agree. ``"ddp"``: gradients are averaged every optimizer step
+    #: (DistributedDataParallel). ``"local_sgd"``: every rank steps its own optimizer on its
+    #: own gradients, no collective per step; the parameters (and floating-point buffers) are
+    #: averaged every ``sync_every`` optimizer steps, and parameters, buffers and optimizer
+    #: state at the end of every epoch, so that validation, checkpoints and elastic
+    #: snapshots see one replica. ``sync_every=1`` with SGD (momentum included) trains as
+    #: ``"ddp"`` does; larger values trade staleness for fewer waits on a slow rank. Needs
+    #: equal batch counts on every rank (a ``Dataset`` with ``DistributedSampler``, or a
+    #: sampler with equal shards).
+    strategy: str = "ddp"
+    sync_every: int = 8
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -113,6 +125,10 @@ class TrainOptions:
             self.elastic = bool(env_setting("elastic"))
         if self.min_world_size < 1:
             raise ValueError(f"min_world_size must be >= 1, got {self.min_world_size!r}")
+        if self.strategy not in ("ddp", "local_sgd"):
+            raise ValueError(f"strategy must be 'ddp' or 'local_sgd', got {self.strategy!r}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every!r}")
         reserved = {"batch_size", "shuffle", "sampler", "batch_sampler"} & set(self.loader_options)
         if reserved:
             raise ValueError(f"loader_options may not set {', '.join(sorted(reserved))}: the loop sets them")
@@ -546,19 +562,31 @@ class _Trainer:
             total = len(batches) if hasattr(batches, "__len__") else None
             bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
         self._bar = bar
+        uneven = self._uneven(epoch, batches)
+        local = self.opts.strategy == "local_sgd"
+        if local and uneven:
+            raise ValueError(
+                "strategy='local_sgd' needs the same number of batches on every rank (its averages are "
+                "collectives every rank makes): train on a Dataset with DistributedSampler or a sampler with "
+                "equal shards"
+            )
+        # Local SGD runs the bare module: no DDP forward, so no gradient all-reduce.
+        forward = self.ddp.module if local else self.ddp
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
-        with Join([self.ddp], enable=self._uneven(epoch, batches)):
+        with Join([self.ddp], enable=uneven):
             for i, ((x, y), last) in enumerate(_with_last(batches)):
                 count += 1
                 x, y = _to(x, self.device), _to(y, self.device)
                 boundary = (i + 1) % k == 0 or last
-                sync = contextlib.nullcontext() if boundary else self.ddp.no_sync()
+                sync = contextlib.nullcontext() if boundary and not local else self.ddp.no_sync()
                 with sync:
                     with self._autocast():
-                        loss = self.loss_fn(self.ddp(x), y)
+                        loss = self.loss_fn(forward(x), y)
                     self.scaler.scale(loss / k).backward()
                 if boundary:
                     self._step(epoch, i, loss)
+                    if local and self.global_step % self.opts.sync_every == 0:
+                        self._average(optimizer=False)
                 n = _count(y)
                 loss_sum += float(loss.detach()) * n
                 samples += n
@@ -567,7 +595,21 @@ class _Trainer:
         if bar is not None:
             bar.close()
         self._bar = None
+        if local:
+            self._average(optimizer=True)
         return loss_sum, samples, count
+
+    def _average(self, optimizer: bool) -> None:
+        """Local SGD: average the parameters and floating-point buffers over the ranks (one
+        all-reduce, torch's ``model_averaging``), with ``optimizer`` the optimizer's
+        floating-point state too (momentum, Adam's moments). Integer buffers and state
+        (step counts) are the same on every rank already."""
+        module = self.ddp.module
+        tensors = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
+        if optimizer:
+            for state in self.optimizer.state.values():
+                tensors += [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
+        average_parameters(iter(tensors), self.pg)
 
     def _uneven(self, epoch: int, batches: Iterable[Batch]) -> bool:
         """Whether ranks may have different numbers of batches this epoch: a batch source may;

@@ -111,6 +111,8 @@ def main(cfg: dict) -> None:
         sampler={"half": FirstHalf, "uneven": UnevenHalf}.get(cfg.get("sampler")),
         elastic=cfg.get("elastic", False),
         min_world_size=cfg.get("min_world", 1),
+        strategy=cfg.get("strategy", "ddp"),
+        sync_every=cfg.get("sync_every", 8),
     )
     net = model(cfg.get("dropout", 0.0))
     loss_fn = torch.nn.functional.mse_loss
@@ -162,6 +164,8 @@ def main(cfg: dict) -> None:
             "regroups": [vars(r) for r in result.regroups],
         }
         torch.save({**summary, "state": net.state_dict()}, cfg["out"])
+    if cfg.get("replicas"):  # every rank's own parameters, to compare the replicas
+        torch.save(net.state_dict(), f"{cfg['out']}.rank{ch.rank}.pt")
     if cfg.get("features"):
         seen["collated"] = COLLATED[0]
         Path(f"{cfg['out']}.rank{ch.rank}.json").write_text(json.dumps(seen))

@@ -53,6 +53,12 @@ def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
             const=True,
             help="a follower that dies ends nothing: the others carry on (dp.fit regroups without it)",
         )
+        group.add_argument(
+            "--log-format",
+            choices=["text", "json"],
+            help="json: every output line one JSON object (time, rank, stream, message; "
+            "dp.fit's per-epoch metrics as fields) for log collectors (default text)",
+        )
 
 
 def _load(args: argparse.Namespace):

@@ -19,6 +19,7 @@ exists. Every setting has the same name in all three places::
     node_rank = 0                # DP_NODE_RANK          --node-rank
     max_restarts = 0             # DP_MAX_RESTARTS       --max-restarts (launch: restart a failed group)
     elastic = false              # DP_ELASTIC            --elastic     (a lost follower ends nothing: dp.fit regroups)
+    log_format = "text"          # DP_LOG_FORMAT         --log-format  ("json": launch writes one JSON object per line)
     [options]                    # DP_OPTIONS="a=1&b=2"  --option a=1  (URL query options)
     curve = 1
 
@@ -72,7 +73,10 @@ SETTINGS: dict[str, tuple[type, str | None]] = {
     "node_rank": (int, "DP_NODE_RANK"),
     "max_restarts": (int, "DP_MAX_RESTARTS"),
     "elastic": (bool, "DP_ELASTIC"),
+    "log_format": (str, "DP_LOG_FORMAT"),
 }
+#: The settings that take one of a few words.
+CHOICES: dict[str, tuple[str, ...]] = {"log_format": ("text", "json")}
 #: torchrun's variables, read below the ``DP_*`` ones.
 TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
 
@@ -93,6 +97,7 @@ class JobConfig:
     node_rank: int = 0
     max_restarts: int = 0
     elastic: bool = False
+    log_format: str = "text"
     origin: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def describe(self, name: str) -> str:
@@ -160,6 +165,7 @@ def load_config(
         node_rank=values.get("node_rank", 0),
         max_restarts=values.get("max_restarts", 0),
         elastic=values.get("elastic", False),
+        log_format=values.get("log_format", "text"),
         origin={k: v for k, v in origin.items() if not k.startswith("__")},
     )
     _validate(config)
@@ -287,6 +293,8 @@ def _coerce(name: str, raw: Any, where: str) -> Any:
             raise ConfigError(f"{name} (from {where}) must be a number, got {raw!r}") from None
     if not isinstance(raw, str) or not raw.strip():
         raise ConfigError(f"{name} (from {where}) must be a non-empty string, got {raw!r}")
+    if name in CHOICES and raw.strip() not in CHOICES[name]:
+        raise ConfigError(f"{name} (from {where}) must be one of {', '.join(CHOICES[name])}, got {raw!r}")
     return raw.strip()
 
 

@@ -13,6 +13,9 @@ forwarded to every worker.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
+import json
 import os
 import re
 import signal
@@ -21,9 +24,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 from .config import JobConfig
 from .errors import ConfigError
@@ -108,6 +111,9 @@ def launch(
     """
     url, nprocs, world = plan(config)
     log = log or sys.stderr
+    as_json = config.log_format == "json"
+    if as_json:  # every line out of this launcher a JSON object, its own included
+        log, prefix = _JsonLines(log, source="launch"), True
     base = config.node_rank * nprocs
     env = dict(os.environ)
     stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
@@ -130,6 +136,8 @@ def launch(
         env["DP_TOKEN"] = config.token
     if config.elastic:
         env["DP_ELASTIC"] = "1"
+    if as_json:
+        env["DP_LOG_FORMAT"] = "json"  # dp.fit's per-epoch lines become JSON objects too
     master = _master_address(url, config.nodes)
     if master is not None:  # for scripts that call init_process_group() with env://, as under torchrun
         env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), TORCHELASTIC_RUN_ID=config.job)
@@ -154,7 +162,7 @@ def launch(
             # A new job name: the restarted group never meets the failed group's keys.
             env["DP_JOB"] = f"{config.job}.attempt{attempt}"
             env["DP_RESTART_COUNT"] = str(attempt)
-        supervisor = _Supervisor(grace, log, tolerate=config.elastic)
+        supervisor = _Supervisor(grace, log, tolerate=config.elastic, as_json=as_json)
         with supervisor.forwarding_signals():
             for local in range(nprocs):
                 rank = base + local
@@ -214,8 +222,9 @@ def _omp_threads(env: dict[str, str], nprocs: int) -> int | None:
 
 
 class _Supervisor:
-    def __init__(self, grace: float, log: IO[str], tolerate: bool = False) -> None:
+    def __init__(self, grace: float, log: IO[str], tolerate: bool = False, as_json: bool = False) -> None:
         self.grace = grace
+        self.as_json = as_json
         self.log = log
         self.tolerate = tolerate  # elastic: a failed follower stops nothing
         self.tolerated: list[Worker] = []
@@ -250,24 +259,31 @@ class _Supervisor:
             raise ConfigError(f"cannot start {command[0]!r}: {err.strerror}") from None
         self.workers.append(Worker(rank, local, proc))
         if prefix:
-            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                pump = threading.Thread(target=self._pump, args=(stream, sink, f"[rank {rank}] "), daemon=True)
+            for stream, sink, name in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
+                if self.as_json:
+                    shape = functools.partial(_json_line, rank=rank, stream=name)
+                else:
+                    shape = functools.partial(bytes.__add__, f"[rank {rank}] ".encode())
+                pump = threading.Thread(target=self._pump, args=(stream, sink, shape), daemon=True)
                 pump.start()
                 self.pumps.append(pump)
 
-    def _pump(self, stream: IO[bytes], sink: IO[str], tag: str) -> None:
+    def _pump(self, stream: IO[bytes], sink: IO[str], shape: Callable[[bytes], bytes]) -> None:
         """Copy ``stream`` to ``sink`` whole line by whole line (so ranks never interleave
-        within a line), the rank's tag at the start of each; a carriage return ends a line
-        too, so progress bars redraw in place."""
-        prefix = tag.encode()
+        within a line), each non-empty line passed through ``shape`` (the rank's tag put in
+        front, or the line made a JSON object); a carriage return ends a line too, so
+        progress bars redraw in place (JSON: the redraws are lines of their own)."""
         pending = b""
         while chunk := stream.read1(65536):
             parts = re.split(rb"(\r\n|\r|\n)", pending + chunk)
             pending = parts.pop()  # not yet terminated
             lines = zip(parts[::2], parts[1::2], strict=True)
-            self._write(sink, b"".join((prefix + text if text else b"") + end for text, end in lines))
-        if pending:
-            self._write(sink, prefix + pending + b"\n")
+            if self.as_json:
+                self._write(sink, b"".join(shape(text) for text, _ in lines if text.strip()))
+            else:
+                self._write(sink, b"".join((shape(text) if text else b"") + end for text, end in lines))
+        if pending.strip():
+            self._write(sink, shape(pending) if self.as_json else shape(pending) + b"\n")
         stream.close()
 
     def _write(self, sink: IO[str], data: bytes) -> None:
@@ -375,3 +391,37 @@ def relaunch(script: str, args: Sequence[str], **settings: object) -> int:
     from .config import load_config
 
     return launch(worker_command([script, *args]), load_config(settings))
+
+
+def _json_line(text: bytes, **fields: Any) -> bytes:
+    """One output line as a JSON object for log collectors: the time, ``fields`` (the rank and
+    stream it came from), and the line as ``message``; a line that is a JSON object already
+    (``dp.fit``'s per-epoch metrics under ``DP_LOG_FORMAT=json``) gives its fields instead."""
+    message = text.decode(errors="replace").rstrip()
+    record: dict[str, Any] = {"time": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"), **fields}
+    try:
+        parsed = json.loads(message) if message.startswith("{") else None
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        record.update({k: v for k, v in parsed.items() if k not in record})
+    else:
+        record["message"] = message
+    return json.dumps(record).encode() + b"\n"
+
+
+class _JsonLines:
+    """A text stream that writes each whole line given to it as a JSON object (``_json_line``)."""
+
+    def __init__(self, sink: IO[str], **fields: Any) -> None:
+        self.sink, self.fields, self.pending = sink, fields, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if line.strip():
+                self.sink.write(_json_line(line.encode(), **self.fields).decode())
+        return len(text)
+
+    def flush(self) -> None:
+        self.sink.flush()

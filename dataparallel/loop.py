@@ -30,6 +30,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -45,6 +46,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import checkpoint, elastic
 from .channel import ControlChannel
+from .config import env_setting
 from .errors import ChannelClosed, ControlError, PeerLeft, PeerLost
 from .process_group import abort_process_group, init_process_group
 
@@ -120,8 +122,6 @@ class TrainOptions:
         if self.scheduler_interval not in ("epoch", "step"):
             raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {self.scheduler_interval!r}")
         if self.elastic is None:
-            from .config import env_setting
-
             self.elastic = bool(env_setting("elastic"))
         if self.min_world_size < 1:
             raise ValueError(f"min_world_size must be >= 1, got {self.min_world_size!r}")
@@ -290,6 +290,11 @@ class _Trainer:
         self._watcher: threading.Thread | None = None
         self._bar: Any = None  # the driver's progress bar during an epoch
         self._told_uneven = False
+        # Output to a log, not a terminal: one line per epoch ("text", or "json" as
+        # `dataparallel launch --log-format json` asks) in place of a progress bar. None: a bar.
+        self._lines: str | None = "json" if env_setting("log_format") == "json" else None
+        if self._lines is None and not sys.stderr.isatty():
+            self._lines = "text"
         self.generation = 0
         self._first = channel  # generation 0's channel: the caller's
         self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
@@ -556,7 +561,7 @@ class _Trainer:
         k = self.opts.grad_accum
         loss_sum, samples, count = 0.0, 0, 0
         bar = None
-        if self.rank == 0 and self.opts.progress:
+        if self.rank == 0 and self.opts.progress and self._lines is None:
             from tqdm import tqdm
 
             total = len(batches) if hasattr(batches, "__len__") else None
@@ -654,6 +659,8 @@ class _Trainer:
             callback(info)
         if log_now:
             line = f"epoch {epoch} step {info.step} loss {info.loss:.4f} lr {lr:.3g}"
+            if self._lines == "json":
+                line = json.dumps({"event": "step", **asdict(info)})
             if self._bar is not None:
                 self._bar.write(line)
             else:
@@ -758,10 +765,25 @@ class _Trainer:
         if metrics.val_loss is not None and metrics.val_loss < self.best[0]:
             self.best = (metrics.val_loss, epoch)
         if self.rank == 0:
+            self._print_epoch(metrics)
             for callback in self.callbacks:
                 callback(metrics)
             if rng_states is not None:
                 self._save(epoch, [state.decode() for state in rng_states])
+
+    def _print_epoch(self, m: EpochMetrics) -> None:
+        """The epoch's line, where output goes to a log rather than a terminal (no progress bar
+        there: a file would get every redraw): JSON under ``DP_LOG_FORMAT=json``."""
+        if self._lines == "json":
+            print(json.dumps({"event": "epoch", **asdict(m)}), flush=True)
+        elif self._lines == "text" and self.opts.progress:
+            val = "" if m.val_loss is None else f", val loss {m.val_loss:.4f}"
+            accuracy = "" if m.val_accuracy is None else f", val accuracy {m.val_accuracy:.1%}"
+            print(
+                f"epoch {m.epoch}: train loss {m.train_loss:.4f}{val}{accuracy}, {m.train_samples} samples "
+                f"on {m.world_size} ranks, {m.seconds:.1f}s",
+                flush=True,
+            )
 
     def _sync_after_join(self, batches: list[int]) -> None:
         """After an epoch of uneven batch counts, Join gave every rank the parameters of the

@@ -115,6 +115,7 @@ def test_torchrun_environment(tmp_path):
         ({"config": "/nonexistent/dp.toml"}, {}, "cannot read the configuration file '/nonexistent/dp.toml'"),
         ({"token_file": "/nonexistent/token"}, {}, "cannot read --token-file = '/nonexistent/token'"),
         ({"job": "a/b"}, {}, "job (from --job) must be a non-empty name without '/'"),
+        ({}, {"DP_LOG_FORMAT": "yaml"}, "log_format (from DP_LOG_FORMAT) must be one of text, json, got 'yaml'"),
     ],
 )
 def test_bad_values_are_named_with_their_source(flags, env, message):

@@ -3,6 +3,7 @@ rank, the first failure stops the group and is the exit code, signals are forwar
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -24,6 +25,17 @@ if mode == "job":
     got = ch.all_gather("hello", f"{ch.rank}:{os.environ['LOCAL_RANK']}:{os.environ['WORLD_SIZE']}".encode())
     print("gathered", sorted(v.decode() for v in got), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
+    ch.close()
+elif mode == "fit":  # a small dp.fit with its progress bar asked for, and a print
+    import torch
+    from torch.utils.data import TensorDataset
+    ch = dp.connect()
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    options = dp.TrainOptions(epochs=2, batch_size=8, log_every=2)
+    dp.fit(ch, torch.nn.Linear(4, 1), torch.nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.01),
+           data, data, options=options)
+    print(f"rank {ch.rank} done", flush=True)
     ch.close()
 elif mode == "fail":
     if rank == 1:
@@ -180,3 +192,39 @@ def test_help_and_version():
         assert sub.returncode == 0 and "--config" in sub.stdout
     version = subprocess.run([sys.executable, "-m", "dataparallel", "--version"], capture_output=True, text=True)
     assert version.stdout.startswith("dataparallel ")
+
+
+@pytest.mark.timeout(120)
+def test_log_format_json_makes_every_output_line_a_json_object(tmp_path):
+    """For log collectors: the launcher's own lines, every worker line (rank and stream
+    named) and dp.fit's per-epoch metrics and step lines as fields of their own; no progress
+    bar redraws (output to a pipe is not a terminal)."""
+    proc = _launch(tmp_path, "fit", "--nprocs", "2", "--log-format", "json")
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err[-3000:]
+    records = [json.loads(line) for line in (out + err).splitlines()]  # every line parses
+    assert all("time" in r for r in records)
+    assert any(r.get("source") == "launch" and "node 0/1" in r["message"] for r in records)
+    assert {(r["rank"], r["message"]) for r in records if "done" in r.get("message", "")} == {
+        (0, "rank 0 done"),
+        (1, "rank 1 done"),
+    }
+    epochs = [r for r in records if r.get("event") == "epoch"]
+    assert [(r["rank"], r["epoch"], r["world_size"]) for r in epochs] == [(0, 0, 2), (0, 1, 2)]
+    assert epochs[0]["train_samples"] == 64 and epochs[0]["val_loss"] > 0
+    steps = [r for r in records if r.get("event") == "step"]
+    assert [r["step"] for r in steps] == [2, 4, 6, 8] and all(r["rank"] == 0 for r in steps)
+    assert "\r" not in out + err
+
+
+@pytest.mark.timeout(120)
+def test_progress_goes_to_a_log_as_one_line_per_epoch(tmp_path):
+    """Under launch the workers' output is a pipe: dp.fit prints one line per epoch in place
+    of a progress bar's redraws."""
+    proc = _launch(tmp_path, "fit", "--nprocs", "2")
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err[-3000:]
+    epochs = [line for line in out.splitlines() if ": train loss" in line]
+    assert len(epochs) == 2 and epochs[0].startswith("[rank 0] epoch 0: train loss "), out
+    assert "val loss" in epochs[0] and "64 samples on 2 ranks" in epochs[0]
+    assert "\r" not in out + err and "batch/s" not in err

@@ -332,6 +332,7 @@ class _Trainer:
 
     def _start_watchdog(self) -> None:
         self._lost = None
+        self._stalled = 0.0
         self._stop_watch = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True)
         self._watcher.start()
@@ -560,13 +561,6 @@ class _Trainer:
         batches = self._batches(self.train_data, epoch, train=True)
         k = self.opts.grad_accum
         loss_sum, samples, count = 0.0, 0, 0
-        bar = None
-        if self.rank == 0 and self.opts.progress and self._lines is None:
-            from tqdm import tqdm
-
-            total = len(batches) if hasattr(batches, "__len__") else None
-            bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
-        self._bar = bar
         uneven = self._uneven(epoch, batches)
         local = self.opts.strategy == "local_sgd"
         if local and uneven:
@@ -575,6 +569,13 @@ class _Trainer:
                 "collectives every rank makes): train on a Dataset with DistributedSampler or a sampler with "
                 "equal shards"
             )
+        bar = None
+        if self.rank == 0 and self.opts.progress and self._lines is None:
+            from tqdm import tqdm
+
+            total = len(batches) if hasattr(batches, "__len__") else None
+            bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
+        self._bar = bar
         # Local SGD runs the bare module: no DDP forward, so no gradient all-reduce.
         forward = self.ddp.module if local else self.ddp
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).

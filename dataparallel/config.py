@@ -1,9 +1,10 @@
 """Job configuration from a TOML file, ``DP_*`` environment variables and flags.
 
 Precedence, highest first: flags (or keyword arguments), ``DP_*`` variables, torchrun's
-variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), the
-file, defaults. The file is ``--config``/``DP_CONFIG``, else ``./dataparallel.toml`` if it
-exists. Every setting has the same name in all three places::
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), an MPI
+launcher's (Open MPI's ``OMPI_COMM_WORLD_*``, MPICH's and Intel MPI's ``PMI_RANK``,
+``PMI_SIZE``, ``MPI_LOCALRANKID``), the file, defaults. The file is ``--config``/``DP_CONFIG``,
+else ``./dataparallel.toml`` if it exists. Every setting has the same name in all three places::
 
     # dataparallel.toml            environment           flag
     transport = "zmq"            # DP_TRANSPORT          --transport   (a scheme, or a whole URL)
@@ -53,6 +54,7 @@ else:  # pragma: no cover
 
 DEFAULT_FILE = "dataparallel.toml"
 DEFAULT_JOB = "default"
+DEFAULT_PORT = 29500  # the coordinator's port where a launcher gives none (mpirun)
 DEFAULT_TIMEOUT = 300.0
 
 #: setting -> (type, environment variable); file keys and flag names follow the setting name.
@@ -79,6 +81,12 @@ SETTINGS: dict[str, tuple[type, str | None]] = {
 CHOICES: dict[str, tuple[str, ...]] = {"log_format": ("text", "json")}
 #: torchrun's variables, read below the ``DP_*`` ones.
 TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
+#: MPI launchers' variables (rank, world size, local rank, ranks on this host), below torchrun's:
+#: Open MPI's mpirun, then MPICH's and Intel MPI's (Hydra).
+MPI = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,7 @@ def load_config(
     layers: list[tuple[str, dict[str, Any]]] = []  # lowest precedence first
     if path is not None:
         layers.append((f"file {path}", _read_file(path, path_origin)))
+    layers.append(("mpirun", _mpi(env)))
     layers.append(("torchrun", _torchrun(env)))
     layers.append(("env", _environment(env)))
     layers.append(("flag", _check_keys(flags, "argument")))
@@ -241,6 +250,24 @@ def _torchrun(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def _mpi(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Rank, world size and local rank from an MPI launcher (``mpirun -np N python train.py``:
+    no mpi4py needed, the environment says it all). The coordinator's address is the
+    configuration's, else ``MASTER_ADDR``/``MASTER_PORT`` (torchrun's layer reads them), else,
+    where every rank runs on this host, loopback (``__mpi_hosts``: how many hosts there are,
+    1 or more)."""
+    for rank, size, local_rank, local_size in MPI:
+        if env.get(rank, "") == "" or env.get(size, "") == "":
+            continue
+        out: dict[str, tuple[Any, str]] = {"rank": (env[rank], rank), "world_size": (env[size], size)}
+        if env.get(local_rank, "") != "":
+            out["local_rank"] = (env[local_rank], local_rank)
+        alone = env.get(local_size, "") != "" and env[local_size] == env[size]
+        out["__mpi_hosts"] = ("one" if alone else "several", size)
+        return out
+    return {}
+
+
 def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str]) -> tuple[str | None, str]:
     # Flags > environment > file: --token-file beats DP_TOKEN, which beats the file's token_file.
     path = values.get("token_file")
@@ -332,8 +359,15 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
         url, origin["url"] = values["__rdzv_url"], "DP_RDZV_URL (torchrun's --rdzv-backend dp-*)"
     elif values.get("__torchrun_store") and transport in (None, "tcpstore"):
         url, origin["url"] = f"tcpstore://{values['host']}:{values['port']}", "torchrun (MASTER_ADDR, MASTER_PORT)"
-    elif transport is not None:
+    elif transport is not None or values.get("__mpi_hosts") == "one":
+        transport = transport or "zmq"
+        origin.setdefault("transport", "default (under mpirun)")
         host, port = values.get("host"), values.get("port")
+        if values.get("__mpi_hosts") == "one":  # every rank on this host: loopback, the default port
+            if host is None:
+                host, origin["host"] = "127.0.0.1", "mpirun (every rank on this host)"
+            if port is None:
+                port, origin["port"] = DEFAULT_PORT, "default"
         if host is None or port is None:
             missing = " and ".join(n for n, v in (("host", host), ("port", port)) if v is None)
             raise ConfigError(f"transport {transport!r} (from {origin['transport']}) needs {missing} as well")
@@ -343,6 +377,11 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
         host = f"[{host}]" if ":" in host else host
         url = f"{transport}://{host}:{port}"
         origin["url"] = f"{origin['transport']}, {origin['host']}, {origin['port']}"
+    elif values.get("__mpi_hosts") == "several":
+        raise ConfigError(
+            "mpirun started ranks on several hosts: say where the coordinator is (rank 0's host): "
+            "MASTER_ADDR and MASTER_PORT, DP_HOST and DP_PORT, or url in dataparallel.toml"
+        )
     else:
         return None
     if options:  # the URL's own query wins over options given separately

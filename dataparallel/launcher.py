@@ -379,9 +379,11 @@ def _describe(returncode: int) -> str:
 
 
 def in_worker(env: Mapping[str, str] | None = None) -> bool:
-    """True in a process started by ``dataparallel launch`` or torchrun."""
+    """True in a process started by ``dataparallel launch``, torchrun or an MPI launcher."""
+    from .config import MPI
+
     env = os.environ if env is None else env
-    return bool(env.get("DP_RANK") or env.get("RANK"))
+    return any(env.get(var) for var in ("DP_RANK", "RANK", *(names[0] for names in MPI)))
 
 
 def relaunch(script: str, args: Sequence[str], **settings: object) -> int:

@@ -1,10 +1,12 @@
 """Job configuration from a TOML file, ``DP_*`` environment variables and flags.
 
 Precedence, highest first: flags (or keyword arguments), ``DP_*`` variables, torchrun's
-variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), an MPI
-launcher's (Open MPI's ``OMPI_COMM_WORLD_*``, MPICH's and Intel MPI's ``PMI_RANK``,
-``PMI_SIZE``, ``MPI_LOCALRANKID``), the file, defaults. The file is ``--config``/``DP_CONFIG``,
-else ``./dataparallel.toml`` if it exists. Every setting has the same name in all three places::
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), a
+cluster launcher's (Slurm's ``srun``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+``SLURM_LOCALID``, ``SLURM_STEP_NODELIST``; Open MPI's ``OMPI_COMM_WORLD_*``; MPICH's and
+Intel MPI's ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``), the file, defaults. The file
+is ``--config``/``DP_CONFIG``, else ``./dataparallel.toml`` if it exists. Every setting has
+the same name in all three places::
 
     # dataparallel.toml            environment           flag
     transport = "zmq"            # DP_TRANSPORT          --transport   (a scheme, or a whole URL)
@@ -81,11 +83,19 @@ SETTINGS: dict[str, tuple[type, str | None]] = {
 CHOICES: dict[str, tuple[str, ...]] = {"log_format": ("text", "json")}
 #: torchrun's variables, read below the ``DP_*`` ones.
 TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
-#: MPI launchers' variables (rank, world size, local rank, ranks on this host), below torchrun's:
-#: Open MPI's mpirun, then MPICH's and Intel MPI's (Hydra).
-MPI = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+#: Cluster launchers' variables (rank, world size, local rank, ranks on this host), below
+#: torchrun's: Slurm's srun (a step's tasks: the batch script itself has no SLURM_STEP_NUM_TASKS),
+#: Open MPI's mpirun, MPICH's and Intel MPI's (Hydra).
+CLUSTER = (
+    ("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
+    (
+        "mpirun",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 )
 
 
@@ -138,7 +148,7 @@ def load_config(
     layers: list[tuple[str, dict[str, Any]]] = []  # lowest precedence first
     if path is not None:
         layers.append((f"file {path}", _read_file(path, path_origin)))
-    layers.append(("mpirun", _mpi(env)))
+    layers.append(("cluster", _cluster(env)))
     layers.append(("torchrun", _torchrun(env)))
     layers.append(("env", _environment(env)))
     layers.append(("flag", _check_keys(flags, "argument")))
@@ -250,22 +260,64 @@ def _torchrun(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def _mpi(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """Rank, world size and local rank from an MPI launcher (``mpirun -np N python train.py``:
-    no mpi4py needed, the environment says it all). The coordinator's address is the
-    configuration's, else ``MASTER_ADDR``/``MASTER_PORT`` (torchrun's layer reads them), else,
-    where every rank runs on this host, loopback (``__mpi_hosts``: how many hosts there are,
-    1 or more)."""
-    for rank, size, local_rank, local_size in MPI:
+def _cluster(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Rank, world size and local rank from a cluster launcher (``srun python train.py``,
+    ``mpirun -np N python train.py``: the environment says it all, no mpi4py). The coordinator
+    is the configuration's, else ``MASTER_ADDR``/``MASTER_PORT`` (torchrun's layer reads them),
+    else what the launcher tells (``__cluster``): with every rank on this host, loopback; under
+    Slurm, the step's first node, at a port derived from the job id (15000 + its last 4
+    digits, as Lightning does: two jobs sharing a first node do not collide)."""
+    for launcher, rank, size, local_rank, local_size in CLUSTER:
         if env.get(rank, "") == "" or env.get(size, "") == "":
             continue
         out: dict[str, tuple[Any, str]] = {"rank": (env[rank], rank), "world_size": (env[size], size)}
         if env.get(local_rank, "") != "":
             out["local_rank"] = (env[local_rank], local_rank)
-        alone = env.get(local_size, "") != "" and env[local_size] == env[size]
-        out["__mpi_hosts"] = ("one" if alone else "several", size)
+        host, port, where = None, DEFAULT_PORT, f"{launcher} (every rank on this host)"
+        if launcher == "srun":
+            nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+            host = "127.0.0.1" if len(nodes) <= 1 else nodes[0]
+            if len(nodes) > 1:
+                where = "srun (the step's first node, SLURM_STEP_NODELIST)"
+            job_id = env.get("SLURM_JOB_ID", "")
+            port = 15000 + int(job_id[-4:]) if job_id.isdigit() else DEFAULT_PORT
+        elif local_size and env.get(local_size, "") == env[size]:
+            host = "127.0.0.1"
+        out["__cluster"] = ({"launcher": launcher, "host": host, "port": port, "where": where}, size)
         return out
     return {}
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list as host names, in order: ``node[01-03,07],gpu1`` ->
+    ``node01 node02 node03 node07 gpu1`` (zero padding kept; several bracket groups in one
+    name, ``rack[1-2]-n[1-2]``, expand as Slurm does, the first group outermost)."""
+    names: list[str] = []
+    depth, start = 0, 0
+    for i, char in enumerate(hostlist + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            if hostlist[start:i].strip():
+                names += _expand_one(hostlist[start:i].strip())
+            start = i + 1
+    return names
+
+
+def _expand_one(pattern: str) -> list[str]:
+    opened = pattern.find("[")
+    if opened < 0:
+        return [pattern]
+    closed = pattern.index("]", opened)
+    head, ranges, tail = pattern[:opened], pattern[opened + 1 : closed], pattern[closed + 1 :]
+    values: list[str] = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        if not high:
+            values.append(low)
+            continue
+        width = len(low)
+        values += [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
+    return [f"{head}{value}{rest}" for value in values for rest in _expand_one(tail)]
 
 
 def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str]) -> tuple[str | None, str]:
@@ -351,6 +403,7 @@ def _as_options(raw: Any, where: str) -> dict[str, str]:
 
 def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]) -> str | None:
     transport = values.get("transport")
+    cluster = values.get("__cluster")
     if "url" in values:
         url = values["url"]
     elif transport is not None and "://" in transport:
@@ -359,15 +412,15 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
         url, origin["url"] = values["__rdzv_url"], "DP_RDZV_URL (torchrun's --rdzv-backend dp-*)"
     elif values.get("__torchrun_store") and transport in (None, "tcpstore"):
         url, origin["url"] = f"tcpstore://{values['host']}:{values['port']}", "torchrun (MASTER_ADDR, MASTER_PORT)"
-    elif transport is not None or values.get("__mpi_hosts") == "one":
-        transport = transport or "zmq"
-        origin.setdefault("transport", "default (under mpirun)")
+    elif transport is not None or (cluster is not None and cluster["host"] is not None):
+        if transport is None:
+            transport, origin["transport"] = "zmq", f"default (under {cluster['launcher']})"
         host, port = values.get("host"), values.get("port")
-        if values.get("__mpi_hosts") == "one":  # every rank on this host: loopback, the default port
+        if cluster is not None and cluster["host"] is not None:  # where the launcher puts rank 0
             if host is None:
-                host, origin["host"] = "127.0.0.1", "mpirun (every rank on this host)"
+                host, origin["host"] = cluster["host"], cluster["where"]
             if port is None:
-                port, origin["port"] = DEFAULT_PORT, "default"
+                port, origin["port"] = cluster["port"], f"default (under {cluster['launcher']})"
         if host is None or port is None:
             missing = " and ".join(n for n, v in (("host", host), ("port", port)) if v is None)
             raise ConfigError(f"transport {transport!r} (from {origin['transport']}) needs {missing} as well")
@@ -377,9 +430,9 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
         host = f"[{host}]" if ":" in host else host
         url = f"{transport}://{host}:{port}"
         origin["url"] = f"{origin['transport']}, {origin['host']}, {origin['port']}"
-    elif values.get("__mpi_hosts") == "several":
+    elif cluster is not None:
         raise ConfigError(
-            "mpirun started ranks on several hosts: say where the coordinator is (rank 0's host): "
+            f"{cluster['launcher']} started ranks on several hosts: say where the coordinator is (rank 0's host): "
             "MASTER_ADDR and MASTER_PORT, DP_HOST and DP_PORT, or url in dataparallel.toml"
         )
     else:

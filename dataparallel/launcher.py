@@ -379,11 +379,13 @@ def _describe(returncode: int) -> str:
 
 
 def in_worker(env: Mapping[str, str] | None = None) -> bool:
-    """True in a process started by ``dataparallel launch``, torchrun or an MPI launcher."""
-    from .config import MPI
+    """True in a process started by ``dataparallel launch``, torchrun, or a cluster launcher
+    (``srun``, ``mpirun``)."""
+    from .config import CLUSTER
 
     env = os.environ if env is None else env
-    return any(env.get(var) for var in ("DP_RANK", "RANK", *(names[0] for names in MPI)))
+    launched = any(env.get(rank) and env.get(size) for _, rank, size, _, _ in CLUSTER)
+    return bool(env.get("DP_RANK") or env.get("RANK") or launched)
 
 
 def relaunch(script: str, args: Sequence[str], **settings: object) -> int:

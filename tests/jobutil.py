@@ -129,3 +129,24 @@ def grpc_call(channel, sealed: bytes, timeout: float = 5) -> bytes:
 
     [reply] = grpc_stream(channel, [pb.Frame(sealed=sealed).SerializeToString()], timeout)
     return pb.Frame.FromString(reply).sealed
+
+
+def digits_under(launcher: list[str], cwd, **env: str) -> None:
+    """examples/train_digits.py for 2 epochs on 3 processes started by a cluster launcher
+    (``launcher`` the command before the script, e.g. ``["srun", "-n", "3"]``), with no flag
+    of ours: only the launcher's environment (``env`` added, one thread per rank as
+    ``dataparallel launch`` would set, no ``DP_*`` or other launcher's variables of this
+    process). The job must run to its end over zmq."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "train_digits.py")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "SLURM_", "OMPI_", "PMI"))}
+    run = subprocess.run(
+        [*launcher, sys.executable, script, "--epochs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**clean, "OMP_NUM_THREADS": "1", **env},
+        cwd=cwd,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "driver: 2 epochs on 3 processes over zmq" in out, out[-3000:]

@@ -5,19 +5,15 @@ host, loopback."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from jobutil import digits_under
 
 import dataparallel as dp
 from dataparallel.config import load_config
 from dataparallel.testing import free_port
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 OPEN_MPI = {"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_RANK": "1"}
 
 
@@ -64,20 +60,6 @@ def test_the_digits_example_runs_unchanged_under_open_mpi(tmp_path):
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("Open MPI's mpirun is not installed (apt-get install openmpi-bin)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "OMPI_", "PMI"))}
-    # No flag for the job: only where its coordinator listens (a free port, not the default,
-    # as tests run side by side) and one thread per rank, as launch would set.
-    env.update(DP_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # CI runs as root
-    script = EXAMPLES / "train_digits.py"
-    run = subprocess.run(
-        [mpirun, "--oversubscribe", "-np", "3", sys.executable, str(script), "--epochs", "2"],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=env,
-        cwd=tmp_path,
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-3000:]
-    assert "driver: 2 epochs on 3 processes over zmq" in out, out[-3000:]
+    # Where its coordinator listens: a free port, not the default, as tests run side by side.
+    root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # CI runs as root
+    digits_under([mpirun, "--oversubscribe", "-np", "3"], tmp_path, DP_PORT=str(free_port()), **root)

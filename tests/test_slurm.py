@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from jobutil import digits_under
 from slurmcluster import SlurmCluster, missing
 
 from dataparallel.config import expand_hostlist, load_config
 from dataparallel.launcher import in_worker
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEP = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "123456"}
 
 
@@ -71,17 +69,4 @@ def test_host_lists_expand_as_slurms_scontrol_expands_them(cluster):
 
 @pytest.mark.timeout(180)
 def test_the_digits_example_runs_unchanged_under_srun(cluster, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "SLURM_", "OMPI_", "PMI"))}
-    env.update(cluster.env, OMP_NUM_THREADS="1")
-    script = EXAMPLES / "train_digits.py"
-    run = subprocess.run(
-        ["srun", "-n", "3", "--kill-on-bad-exit=1", sys.executable, str(script), "--epochs", "2"],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=env,
-        cwd=tmp_path,
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-3000:]
-    assert "driver: 2 epochs on 3 processes over zmq" in out, out[-3000:]
+    digits_under(["srun", "-n", "3", "--kill-on-bad-exit=1"], tmp_path, **cluster.env)

@@ -273,16 +273,16 @@ def _cluster(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         out: dict[str, tuple[Any, str]] = {"rank": (env[rank], rank), "world_size": (env[size], size)}
         if env.get(local_rank, "") != "":
             out["local_rank"] = (env[local_rank], local_rank)
-        host, port, where = None, DEFAULT_PORT, f"{launcher} (every rank on this host)"
+        host, port = None, DEFAULT_PORT
         if launcher == "srun":
             nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
             host = "127.0.0.1" if len(nodes) <= 1 else nodes[0]
-            if len(nodes) > 1:
-                where = "srun (the step's first node, SLURM_STEP_NODELIST)"
             job_id = env.get("SLURM_JOB_ID", "")
             port = 15000 + int(job_id[-4:]) if job_id.isdigit() else DEFAULT_PORT
         elif local_size and env.get(local_size, "") == env[size]:
             host = "127.0.0.1"
+        local = host == "127.0.0.1"
+        where = f"{launcher} ({'every rank on this host' if local else 'the first node, SLURM_STEP_NODELIST'})"
         out["__cluster"] = ({"launcher": launcher, "host": host, "port": port, "where": where}, size)
         return out
     return {}
@@ -404,6 +404,7 @@ def _as_options(raw: Any, where: str) -> dict[str, str]:
 def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]) -> str | None:
     transport = values.get("transport")
     cluster = values.get("__cluster")
+    placed = cluster["host"] if cluster is not None else None  # where the launcher puts rank 0
     if "url" in values:
         url = values["url"]
     elif transport is not None and "://" in transport:
@@ -412,13 +413,13 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
         url, origin["url"] = values["__rdzv_url"], "DP_RDZV_URL (torchrun's --rdzv-backend dp-*)"
     elif values.get("__torchrun_store") and transport in (None, "tcpstore"):
         url, origin["url"] = f"tcpstore://{values['host']}:{values['port']}", "torchrun (MASTER_ADDR, MASTER_PORT)"
-    elif transport is not None or (cluster is not None and cluster["host"] is not None):
+    elif transport is not None or placed is not None:
         if transport is None:
             transport, origin["transport"] = "zmq", f"default (under {cluster['launcher']})"
         host, port = values.get("host"), values.get("port")
-        if cluster is not None and cluster["host"] is not None:  # where the launcher puts rank 0
+        if placed is not None:
             if host is None:
-                host, origin["host"] = cluster["host"], cluster["where"]
+                host, origin["host"] = placed, cluster["where"]
             if port is None:
                 port, origin["port"] = cluster["port"], f"default (under {cluster['launcher']})"
         if host is None or port is None:

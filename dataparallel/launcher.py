@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .config import JobConfig
+from .config import CLUSTER, JobConfig
 from .errors import ConfigError
 from .registry import locate, resolve
 
@@ -381,8 +381,6 @@ def _describe(returncode: int) -> str:
 def in_worker(env: Mapping[str, str] | None = None) -> bool:
     """True in a process started by ``dataparallel launch``, torchrun, or a cluster launcher
     (``srun``, ``mpirun``)."""
-    from .config import CLUSTER
-
     env = os.environ if env is None else env
     launched = any(env.get(rank) and env.get(size) for _, rank, size, _, _ in CLUSTER)
     return bool(env.get("DP_RANK") or env.get("RANK") or launched)

@@ -50,7 +50,7 @@ def init_process_group(
         os.environ.setdefault("GLOO_ENABLE_STORE_V2_API", "1")
     if device is not None and device.type == "cuda":
         kwargs.setdefault("device_id", device)
-    before = _sockets()
+    before = _sockets() if "gloo" in backend else {}  # to tell the connections gloo opens
     dist.init_process_group(
         backend,
         store=channel.as_store(),

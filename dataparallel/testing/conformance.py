@@ -721,6 +721,17 @@ class CollectiveTests(ChannelHarness):
             if name != "rendezvous":  # one earlier round everyone entered: not a miss
                 self.rendezvous_all(channels)
             with ThreadPoolExecutor(2) as pool:
+                # The pool's threads make their calls first outside the timed part: a transport
+                # may open a connection per thread (tcpstore), slow on its own (torch's reverse
+                # DNS lookup stalls its server up to 5 s), which is no part of noticing a leave.
+                started = threading.Barrier(2)
+                warm = [
+                    pool.submit(lambda: ([c.check(["warm"]) for c in channels[:2]], started.wait(STEP_TIMEOUT)))
+                    for _ in range(2)
+                ]
+                for future in warm:
+                    future.result(timeout=STEP_TIMEOUT)
+                channels[2].check(["warm"])  # and this thread, which closes it
                 if closes_first:
                     channels[2].close()
                     closed = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -18,6 +19,9 @@ examples:
 
   # three machines, 2 workers each; the same command on each, with its --node-rank
   dataparallel launch --url zmq://10.0.0.1:29500 --nodes 3 --nprocs 2 --node-rank 0 train.py
+
+  # the same from one machine: every host started over ssh (its slots = its workers)
+  dataparallel launch --hosts 10.0.0.1:2,10.0.0.2:2,10.0.0.3:2 train.py
 
   # settings from a file (flags > DP_* environment > file)
   dataparallel launch --config dataparallel.toml --node-rank 1 train.py
@@ -53,6 +57,8 @@ def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
             const=True,
             help="a follower that dies ends nothing: the others carry on (dp.fit regroups without it)",
         )
+        group.add_argument("--hosts", help="start the job on these hosts over ssh: HOST:SLOTS,HOST:SLOTS...")
+        group.add_argument("--hostfile", help="the same from a file: one 'HOST slots=N' a line, # comments")
         group.add_argument(
             "--log-format",
             choices=["text", "json"],
@@ -72,7 +78,8 @@ def _load(args: argparse.Namespace):
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .launcher import launch, worker_command
+    from .launcher import launch, read_line, worker_command
+    from .ssh import SshOptions, launch_hosts
 
     target = list(args.target)
     if target and target[0] == "--":
@@ -82,7 +89,19 @@ def _launch(args: argparse.Namespace) -> int:
     elif args.module:
         target = [args.module]
     command = worker_command(target, module=bool(args.module), no_python=args.no_python)
-    return launch(command, _load(args), grace=args.grace, prefix=not args.no_prefix)
+    config = _load(args)
+    prefix = not args.no_prefix
+    if args.from_launcher:  # a host's part of a job started over ssh: the token on stdin, then its end
+        lifeline = sys.stdin.fileno()
+        token = read_line(lifeline).strip()
+        config = dataclasses.replace(config, token=token or config.token)
+        return launch(command, config, grace=args.grace, prefix=prefix, first_rank=args.first_rank, lifeline=lifeline)
+    if config.hosts:
+        ssh = SshOptions(
+            port=args.ssh_port, options=tuple(args.ssh_option), python=args.remote_python or sys.executable
+        )
+        return launch_hosts(command, config, grace=args.grace, prefix=prefix, ssh=ssh)
+    return launch(command, config, grace=args.grace, prefix=prefix)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -146,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--no-python", action="store_true", help="run the command itself, not with this Python")
     launch.add_argument("--no-prefix", action="store_true", help="leave the workers' output as it is")
     launch.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    remote = launch.add_argument_group("over ssh (with --hosts or --hostfile)")
+    remote.add_argument("--ssh-port", type=int, help="ssh port on every host (default: ssh's, as ~/.ssh/config says)")
+    remote.add_argument(
+        "--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="an ssh -o option, repeatable"
+    )
+    remote.add_argument("--remote-python", help="the Python on the hosts (default: this one's path)")
+    launch.add_argument("--from-launcher", action="store_true", help=argparse.SUPPRESS)
+    launch.add_argument("--first-rank", type=int, help=argparse.SUPPRESS)
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script and its arguments")
     launch.set_defaults(run=_launch)
 

@@ -78,6 +78,8 @@ SETTINGS: dict[str, tuple[type, str | None]] = {
     "max_restarts": (int, "DP_MAX_RESTARTS"),
     "elastic": (bool, "DP_ELASTIC"),
     "log_format": (str, "DP_LOG_FORMAT"),
+    "hosts": (str, "DP_HOSTS"),
+    "hostfile": (str, "DP_HOSTFILE"),
 }
 #: The settings that take one of a few words.
 CHOICES: dict[str, tuple[str, ...]] = {"log_format": ("text", "json")}
@@ -116,6 +118,9 @@ class JobConfig:
     max_restarts: int = 0
     elastic: bool = False
     log_format: str = "text"
+    #: The job's hosts and their slots (workers; None: ``nprocs``, else 1), from ``hosts``
+    #: (``h1:2,h2:2``) or ``hostfile``: ``dataparallel launch`` starts each over ssh.
+    hosts: tuple[tuple[str, int | None], ...] = ()
     origin: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def describe(self, name: str) -> str:
@@ -168,6 +173,7 @@ def load_config(
                 # An explicitly chosen transport is not re-pointed at torchrun's store.
                 values.pop("__torchrun_store", None)
     token, origin["token"] = _token(values, origin, env)
+    _hosts(values, origin)
     url = _url(values, origin, options)
     if "__restart" in values:  # torchrun restarted the workers: a fresh job, not the dead one's keys
         values["job"] = f"{values.get('job', DEFAULT_JOB)}.{values['__restart']}"
@@ -185,6 +191,7 @@ def load_config(
         max_restarts=values.get("max_restarts", 0),
         elastic=values.get("elastic", False),
         log_format=values.get("log_format", "text"),
+        hosts=values.get("__hosts", ()),
         origin={k: v for k, v in origin.items() if not k.startswith("__")},
     )
     _validate(config)
@@ -320,6 +327,90 @@ def _expand_one(pattern: str) -> list[str]:
     return [f"{head}{value}{rest}" for value in values for rest in _expand_one(tail)]
 
 
+def parse_hosts(text: str, where: str) -> list[tuple[str, int | None]]:
+    """``h1:2,user@h2:4,h3`` as (host, slots) pairs (slots None where not given); an IPv6
+    address in brackets, ``[fd00::1]:2``."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, slots = item, None
+        head, sep, tail = item.rpartition(":")
+        if sep and tail.isdigit() and (not head.count(":") or head.endswith("]")):
+            host, slots = head, int(tail)
+        out.append(_host_entry(host, slots, f"{item!r} (from {where})"))
+    if not out:
+        raise ConfigError(f"hosts (from {where}) names no host")
+    return out
+
+
+def read_hostfile(path: str | os.PathLike, where: str) -> list[tuple[str, int | None]]:
+    """A host file as DeepSpeed and Open MPI write it: one host a line, ``HOST slots=N`` (or
+    ``HOST:N``, or ``HOST`` alone), ``#`` starting a comment."""
+    try:
+        lines = Path(path).expanduser().read_text().splitlines()
+    except OSError as err:
+        raise ConfigError(f"cannot read the host file {str(path)!r} (from {where}): {err.strerror}") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        at = f"{path}:{number}"
+        slots = [w for w in words[1:] if w.startswith("slots=")]
+        if len(words) - 1 != len(slots) or len(slots) > 1:
+            raise ConfigError(f"{at}: expected 'HOST slots=N', got {line.strip()!r}")
+        if slots:
+            count = slots[0].removeprefix("slots=")
+            if not count.isdigit():
+                raise ConfigError(f"{at}: slots must be a whole number, got {count!r}")
+            out.append(_host_entry(words[0], int(count), at))
+        else:
+            out += parse_hosts(words[0], at)
+    if not out:
+        raise ConfigError(f"the host file {str(path)!r} (from {where}) names no host")
+    return out
+
+
+def _host_entry(host: str, slots: int | None, where: str) -> tuple[str, int | None]:
+    if not host or host.startswith("-") or any(c.isspace() or c in "'\"`$;&|<>" for c in host):
+        raise ConfigError(f"{where}: {host!r} is not a host name")
+    if slots is not None and slots < 1:
+        raise ConfigError(f"{where}: slots must be >= 1, got {slots}")
+    return host, slots
+
+
+def address_of(host: str) -> str:
+    """The network address in an ssh destination: ``user@node1`` -> ``node1``, ``[fd00::1]`` -> ``fd00::1``."""
+    return host.rpartition("@")[2].strip("[]")
+
+
+def _hosts(values: dict[str, Any], origin: dict[str, str]) -> None:
+    """``hosts`` or ``hostfile`` as ``__hosts``; the first host hosts the coordinator unless
+    the configuration says otherwise (``__cluster``, as a cluster launcher places rank 0)."""
+    if "hosts" in values and "hostfile" in values:
+        raise ConfigError(f"both {origin['hosts']} and {origin['hostfile']} name the job's hosts: give one")
+    if "hosts" in values:
+        hosts = parse_hosts(values["hosts"], origin["hosts"])
+    elif "hostfile" in values:
+        hosts = read_hostfile(values["hostfile"], origin["hostfile"])
+    else:
+        return
+    for name in ("nodes", "node_rank"):
+        if name in values:
+            where = origin.get("hosts") or origin["hostfile"]
+            raise ConfigError(f"{name} (from {origin[name]}) and the hosts (from {where}) both place nodes: give one")
+    values["__hosts"] = tuple(hosts)
+    values["nodes"] = len(hosts)
+    origin["nodes"] = origin.get("hosts") or origin["hostfile"]
+    if "__cluster" not in values:
+        first = address_of(hosts[0][0])
+        values["__cluster"] = {
+            "launcher": "ssh",
+            "host": first,
+            "port": DEFAULT_PORT,
+            "where": "the first of the hosts",
+        }
+
+
 def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str]) -> tuple[str | None, str]:
     # Flags > environment > file: --token-file beats DP_TOKEN, which beats the file's token_file.
     path = values.get("token_file")
@@ -348,6 +439,8 @@ def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str
 def _coerce(name: str, raw: Any, where: str) -> Any:
     if name.startswith("__"):
         return raw
+    if name == "hosts" and isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        raw = ",".join(raw)  # hosts = ["node1:2", "node2:2"] in the file
     kind = SETTINGS[name][0]
     if kind is int:
         if isinstance(raw, bool) or not isinstance(raw, int | str):

@@ -42,6 +42,10 @@ class Worker:
     rank: int
     local_rank: int
     proc: subprocess.Popen
+    label: str = ""  # how output and messages name it: "rank 3", or a host
+
+    def __post_init__(self) -> None:
+        self.label = self.label or f"rank {self.rank}"
 
 
 def default_nprocs() -> int:
@@ -61,11 +65,17 @@ def local_url() -> str:
         return f"zmq://127.0.0.1:{s.getsockname()[1]}"
 
 
-def plan(config: JobConfig) -> tuple[str, int, int]:
-    """(url, nprocs, world_size) of this node's part of the job, validated."""
+def plan(config: JobConfig, first_rank: int | None = None) -> tuple[str, int, int]:
+    """(url, nprocs, world_size) of this node's part of the job, validated. With
+    ``first_rank`` (nodes of different sizes, as a host file gives them) the world size is
+    the configuration's and this node's ranks are ``first_rank .. first_rank + nprocs - 1``."""
     nprocs = config.nprocs or default_nprocs()
     world = config.nodes * nprocs
-    if config.world_size is not None and config.world_size != world:
+    if first_rank is not None:
+        world = config.require("world_size")
+        if not 0 <= first_rank <= world - nprocs:
+            raise ConfigError(f"ranks {first_rank}..{first_rank + nprocs - 1} do not fit a world of {world}")
+    elif config.world_size is not None and config.world_size != world:
         raise ConfigError(
             f"{config.describe('world_size')} = {config.world_size} does not match nodes x nprocs = "
             f"{config.nodes} x {nprocs} = {world}; set one or the other"
@@ -97,6 +107,8 @@ def launch(
     grace: float = DEFAULT_GRACE,
     prefix: bool = True,
     log: IO[str] | None = None,
+    first_rank: int | None = None,
+    lifeline: int | None = None,
 ) -> int:
     """Run this node's workers of ``command`` (a full argv) until they all exit.
 
@@ -108,13 +120,24 @@ def launch(
     attempts stay in step. With ``config.elastic`` a worker other than rank 0 that fails
     stops nothing: the others carry on (``dp.fit`` regroups without it), and the node's exit
     code is that of the first failure only if rank 0 failed or no worker of the node is left.
+
+    With ``config.hosts`` it starts this function on every host over ssh instead
+    (:func:`dataparallel.ssh.launch_hosts`). ``lifeline``: a file descriptor whose end stops the
+    workers as SIGTERM does (a host's launcher started over ssh reads its stdin: when the
+    connection to the launcher that started it goes, so do its workers).
     """
-    url, nprocs, world = plan(config)
+    if config.hosts and lifeline is None:
+        from .ssh import launch_hosts
+
+        return launch_hosts(command, config, grace=grace, log=log)
+    url, nprocs, world = plan(config, first_rank)
     log = log or sys.stderr
+    if lifeline is not None:
+        threading.Thread(target=_on_end, args=(lifeline,), daemon=True).start()
     as_json = config.log_format == "json"
     if as_json:  # every line out of this launcher a JSON object, its own included
         log, prefix = _JsonLines(log, source="launch"), True
-    base = config.node_rank * nprocs
+    base = config.node_rank * nprocs if first_rank is None else first_rank
     env = dict(os.environ)
     stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
     for name in (*stale, "DP_RDZV_ROUND"):
@@ -173,7 +196,8 @@ def launch(
                     "RANK": str(rank),
                     "LOCAL_RANK": str(local),
                 }
-                supervisor.start(rank, local, list(command), worker_env, prefix)
+                stdin = subprocess.DEVNULL if lifeline is not None else None  # the lifeline is the launcher's
+                supervisor.start(rank, local, list(command), worker_env, prefix, stdin=stdin)
             code = supervisor.wait()
         if code == 0 or supervisor.signalled is not None or attempt == restarts:
             return code
@@ -183,6 +207,23 @@ def launch(
             flush=True,
         )
     return code
+
+
+def _on_end(fd: int) -> None:
+    """Read ``fd`` to its end, then stop this launcher as SIGTERM does (unbuffered: a
+    thread blocked in a buffered stream's read would hold its lock at interpreter exit)."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 65536):
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def read_line(fd: int, limit: int = 4096) -> str:
+    """One line from ``fd``, read a byte at a time so that nothing after it is taken."""
+    data = b""
+    while len(data) < limit and (byte := os.read(fd, 1)) and byte != b"\n":
+        data += byte
+    return data.decode(errors="replace")
 
 
 def _master_address(url: str, nodes: int) -> tuple[str, int] | None:
@@ -251,22 +292,38 @@ class _Supervisor:
             self.signalled = signum
             self._send(signum)
 
-    def start(self, rank: int, local: int, command: list[str], env: dict[str, str], prefix: bool) -> None:
+    def start(
+        self,
+        rank: int,
+        local: int,
+        command: list[str],
+        env: dict[str, str] | None,
+        prefix: bool,
+        *,
+        label: str = "",
+        stdin: int | None = None,
+    ) -> Worker:
+        """Start one process of the group. Its output lines get ``[LABEL] `` in front (``[rank
+        R] ``), or, in JSON, the label's field (``rank``, or ``host`` for a host's launcher
+        whose lines carry their ranks already)."""
         pipe = subprocess.PIPE if prefix else None
         try:
-            proc = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, start_new_session=True)
+            proc = subprocess.Popen(command, env=env, stdin=stdin, stdout=pipe, stderr=pipe, start_new_session=True)
         except OSError as err:
             raise ConfigError(f"cannot start {command[0]!r}: {err.strerror}") from None
-        self.workers.append(Worker(rank, local, proc))
+        worker = Worker(rank, local, proc, label)
+        self.workers.append(worker)
         if prefix:
+            tag = {"rank": rank} if not label else {"host": label}
             for stream, sink, name in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
                 if self.as_json:
-                    shape = functools.partial(_json_line, rank=rank, stream=name)
+                    shape = functools.partial(_json_line, **tag, stream=name)
                 else:
-                    shape = functools.partial(bytes.__add__, f"[rank {rank}] ".encode())
+                    shape = functools.partial(bytes.__add__, f"[{worker.label}] ".encode())
                 pump = threading.Thread(target=self._pump, args=(stream, sink, shape), daemon=True)
                 pump.start()
                 self.pumps.append(pump)
+        return worker
 
     def _pump(self, stream: IO[bytes], sink: IO[str], shape: Callable[[bytes], bytes]) -> None:
         """Copy ``stream`` to ``sink`` whole line by whole line (so ranks never interleave
@@ -309,7 +366,7 @@ class _Supervisor:
             if failed is not None and self.tolerate and failed.rank != 0 and running:
                 self.tolerated.append(failed)
                 print(
-                    f"[launch] rank {failed.rank} exited with {_describe(failed.proc.returncode)}; "
+                    f"[launch] {failed.label} exited with {_describe(failed.proc.returncode)}; "
                     "the others carry on without it (elastic)",
                     file=self.log,
                     flush=True,
@@ -322,8 +379,8 @@ class _Supervisor:
         if failed is not None:
             others = [w for w in self.workers if w.proc.poll() is None]
             print(
-                f"[launch] rank {failed.rank} exited with {_describe(failed.proc.returncode)}"
-                + (f"; stopping ranks {', '.join(str(w.rank) for w in others)}" if others else ""),
+                f"[launch] {failed.label} exited with {_describe(failed.proc.returncode)}"
+                + (f"; stopping {_names(others)}" if others else ""),
                 file=self.log,
                 flush=True,
             )
@@ -341,8 +398,11 @@ class _Supervisor:
     def _send(self, signum: int) -> None:
         for w in self.workers:
             if w.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(w.proc.pid, signum)
+                self._deliver(w, signum)
+
+    def _deliver(self, worker: Worker, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.proc.pid, signum)
 
     def stop(self, signum: int, quiet: bool = False) -> None:
         """Send ``signum`` to every live worker's process group; SIGKILL what is left after the grace."""
@@ -355,7 +415,7 @@ class _Supervisor:
         stubborn = [w for w in self.workers if w.proc.poll() is None]
         if stubborn and not quiet:
             print(
-                f"[launch] killing ranks {', '.join(str(w.rank) for w in stubborn)} (no exit within {self.grace:g}s)",
+                f"[launch] killing {_names(stubborn)} (no exit within {self.grace:g}s)",
                 file=self.log,
                 flush=True,
             )
@@ -363,6 +423,13 @@ class _Supervisor:
         for w in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
+
+
+def _names(workers: Sequence[Worker]) -> str:
+    """``ranks 1, 2`` (or ``rank 1``), or the labels as they are where they are not ranks."""
+    if all(w.label == f"rank {w.rank}" for w in workers):
+        return ("ranks " if len(workers) > 1 else "rank ") + ", ".join(str(w.rank) for w in workers)
+    return ", ".join(w.label for w in workers)
 
 
 def _exit_code(returncode: int) -> int:

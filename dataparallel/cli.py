@@ -131,8 +131,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from .check import check
+    from .config import describe_launch
 
     config = _load(args)
+    if args.env:
+        print(describe_launch(config), flush=True)
+        for name in ("rank", "world_size", "local_rank", "url", "job"):
+            if getattr(config, name) is not None:
+                print(f"  {name} = {getattr(config, name)} (from {config.origin.get(name, 'default')})", flush=True)
+        return 0
     timeout = float(args.timeout) if args.timeout else 5.0
     report = check(
         config.require("url"), token=config.token, timeout=timeout, rounds=args.rounds, where=config.describe("url")
@@ -195,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
     check.add_argument("--rounds", type=int, default=20, help="round trips to time (default 20)")
+    check.add_argument(
+        "--env",
+        action="store_true",
+        help="say which launcher started this process (dataparallel launch, torchrun, srun, mpirun) and its place "
+        "in the job, each value with where it came from; reaches nothing",
+    )
     _config_flags(check, launcher=False)
     check.set_defaults(run=_check)
     return parser

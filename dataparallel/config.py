@@ -86,10 +86,11 @@ CHOICES: dict[str, tuple[str, ...]] = {"log_format": ("text", "json")}
 #: torchrun's variables, read below the ``DP_*`` ones.
 TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
 #: Cluster launchers' variables (rank, world size, local rank, ranks on this host), below
-#: torchrun's: Slurm's srun (a step's tasks: the batch script itself has no SLURM_STEP_NUM_TASKS),
-#: Open MPI's mpirun, MPICH's and Intel MPI's (Hydra).
+#: torchrun's, the innermost launcher first: Open MPI's mpirun (inside a Slurm allocation it
+#: starts its daemons with srun, so its ranks see a step's SLURM_PROCID too: the node's),
+#: Slurm's srun (a step's tasks: the batch script itself has no SLURM_STEP_NUM_TASKS), MPICH's
+#: and Intel MPI's (Hydra; ``srun --mpi=pmi2`` sets PMI_RANK too, equal to SLURM_PROCID).
 CLUSTER = (
-    ("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
     (
         "mpirun",
         "OMPI_COMM_WORLD_RANK",
@@ -97,8 +98,12 @@ CLUSTER = (
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
+    ("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
     ("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 )
+#: What a launcher that starts processes inside another's sets: its ranks are the processes'
+#: (torchrun's agent, and ``dataparallel launch``, which sets GROUP_RANK too).
+NESTED = ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "DP_RANK")
 
 
 @dataclass(frozen=True)
@@ -153,8 +158,10 @@ def load_config(
     layers: list[tuple[str, dict[str, Any]]] = []  # lowest precedence first
     if path is not None:
         layers.append((f"file {path}", _read_file(path, path_origin)))
-    layers.append(("cluster", _cluster(env)))
-    layers.append(("torchrun", _torchrun(env)))
+    cluster, torchrun = _cluster(env), _torchrun(env)
+    _agree(cluster, torchrun, env)
+    layers.append(("cluster", cluster))
+    layers.append(("torchrun", torchrun))
     layers.append(("env", _environment(env)))
     layers.append(("flag", _check_keys(flags, "argument")))
 
@@ -277,22 +284,81 @@ def _cluster(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     for launcher, rank, size, local_rank, local_size in CLUSTER:
         if env.get(rank, "") == "" or env.get(size, "") == "":
             continue
+        if launcher == "srun" and env.get("PMI_RANK", env[rank]) != env[rank]:
+            continue  # mpiexec (Hydra) inside an allocation: srun started its proxies, PMI has the ranks
         out: dict[str, tuple[Any, str]] = {"rank": (env[rank], rank), "world_size": (env[size], size)}
         if env.get(local_rank, "") != "":
             out["local_rank"] = (env[local_rank], local_rank)
         host, port = None, DEFAULT_PORT
-        if launcher == "srun":
-            nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-            host = "127.0.0.1" if len(nodes) <= 1 else nodes[0]
-            job_id = env.get("SLURM_JOB_ID", "")
-            port = 15000 + int(job_id[-4:]) if job_id.isdigit() else DEFAULT_PORT
-        elif local_size and env.get(local_size, "") == env[size]:
+        nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+        job_id = env.get("SLURM_JOB_ID", "")
+        if local_size and env.get(local_size, "") == env[size]:
             host = "127.0.0.1"
+        elif launcher == "srun" or nodes:  # srun, or mpirun in an allocation: rank 0 on its first node
+            host = "127.0.0.1" if len(nodes) <= 1 else nodes[0]
+            port = 15000 + int(job_id[-4:]) if job_id.isdigit() else DEFAULT_PORT
         local = host == "127.0.0.1"
         where = f"{launcher} ({'every rank on this host' if local else 'the first node, SLURM_STEP_NODELIST'})"
         out["__cluster"] = ({"launcher": launcher, "host": host, "port": port, "where": where}, size)
         return out
     return {}
+
+
+def _agree(
+    cluster: Mapping[str, tuple[Any, str]], torchrun: Mapping[str, tuple[Any, str]], env: Mapping[str, str]
+) -> None:
+    """A cluster launcher's rank and world size and ``RANK``/``WORLD_SIZE`` must agree unless
+    a launcher started this process inside the other's (torchrun under srun, ``dataparallel
+    launch`` under mpirun: then the inner one's are the process's, below). A stale ``export
+    RANK=0`` in a batch script would otherwise make every task rank 0."""
+    if any(env.get(var, "") != "" for var in NESTED):
+        return
+    for name in ("rank", "world_size"):
+        if name in cluster and name in torchrun and str(cluster[name][0]).strip() != str(torchrun[name][0]).strip():
+            (theirs, their_var), (ours, our_var) = cluster[name], torchrun[name]
+            launcher = cluster["__cluster"][0]["launcher"]
+            raise ConfigError(
+                f"two launchers disagree on this process's {name.replace('_', ' ')}: {our_var}={ours} and "
+                f"{their_var}={theirs} ({launcher}); unset the stale one (or start the job with one launcher)"
+            )
+
+
+def describe_launch(config: JobConfig, env: Mapping[str, str] | None = None) -> str:
+    """One line: which launcher started this process and its place in the job, as ``dataparallel
+    check --env`` reports it, e.g. ``Slurm job 42 (srun), rank 3 of 8, local rank 1,
+    coordinator zmq://node01:15042``."""
+    env = os.environ if env is None else env
+    source = config.origin.get("rank", "")
+    names = {
+        "SLURM_PROCID": f"Slurm job {env.get('SLURM_JOB_ID', '?')} (srun, step {env.get('SLURM_STEP_ID', '?')})",
+        "OMPI_COMM_WORLD_RANK": "Open MPI (mpirun)",
+        "PMI_RANK": "MPICH or Intel MPI (PMI)",
+        "DP_RANK": f"dataparallel launch (node {config.node_rank} of {config.nodes})",
+    }
+    if source == "RANK":
+        torchrun = env.get("TORCHELASTIC_RUN_ID", "") != ""
+        who = (
+            f"torchrun (run {env['TORCHELASTIC_RUN_ID']})"
+            if torchrun
+            else "RANK and WORLD_SIZE (env://, as a Kubernetes PyTorchJob sets them)"
+        )
+    elif config.hosts:
+        slots = [count or config.nprocs or 1 for _, count in config.hosts]
+        who = f"a job over ssh on {len(config.hosts)} hosts, {sum(slots)} ranks (this is its launcher, not a rank)"
+    else:
+        who = names.get(
+            source,
+            "no launcher: this process is no rank of a job "
+            "(start it with dataparallel launch, torchrun, srun or mpirun)",
+        )
+    parts = [who]
+    if config.rank is not None:
+        parts.append(f"rank {config.rank} of {config.world_size if config.world_size is not None else '?'}")
+    if config.local_rank is not None:
+        parts.append(f"local rank {config.local_rank}")
+    if config.url is not None:
+        parts.append(f"coordinator {config.url}")
+    return ", ".join(parts)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:

@@ -13,6 +13,7 @@ forwarded to every worker.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -130,6 +131,7 @@ def launch(
         from .ssh import launch_hosts
 
         return launch_hosts(command, config, grace=grace, log=log)
+    config = _node_of_cluster(config)
     url, nprocs, world = plan(config, first_rank)
     log = log or sys.stderr
     if lifeline is not None:
@@ -207,6 +209,25 @@ def launch(
             flush=True,
         )
     return code
+
+
+def _node_of_cluster(config: JobConfig) -> JobConfig:
+    """Under ``srun`` or ``mpirun``, ``dataparallel launch`` is one node's launcher (as torchrun
+    is under srun): the cluster's tasks are the job's nodes, each starting ``nprocs`` workers,
+    and the coordinator is where the cluster layer put rank 0."""
+    tasks = {rank: size for _, rank, size, _, _ in CLUSTER}
+    source = config.origin.get("rank", "")
+    if source not in tasks or config.origin.get("world_size") != tasks[source] or "node_rank" in config.origin:
+        return config
+    return dataclasses.replace(
+        config,
+        nodes=config.world_size or 1,
+        node_rank=config.rank or 0,
+        rank=None,
+        local_rank=None,
+        world_size=None,
+        origin={**config.origin, "nodes": tasks[source], "node_rank": source},
+    )
 
 
 def _on_end(fd: int) -> None:

@@ -3,6 +3,8 @@ a clear message for every bad value."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,85 @@ def test_a_malformed_url_from_the_configuration_names_where_it_came_from(monkeyp
     (tmp_path / "dataparallel.toml").write_text('url = "memory://a:x"\n')
     with pytest.raises(dp.ConfigError, match=r"^url \(from file .*dataparallel.toml.*bad port 'x'.*memory://NAME"):
         dp.connect()
+
+
+def test_hosts_and_host_files(tmp_path):
+    config = load_config({"hosts": "node1:2,root@node2:4,node3"}, env={})
+    assert config.hosts == (("node1", 2), ("root@node2", 4), ("node3", None))
+    assert config.nodes == 3 and config.url == "zmq://node1:29500"  # the first host hosts the coordinator
+    assert config.origin["url"] == "default (under ssh), the first of the hosts, default (under ssh)"
+    listed = load_config({"hosts": "[fd00::1]:2,[fd00::2]"}, env={})
+    assert listed.hosts == (("[fd00::1]", 2), ("[fd00::2]", None)) and listed.url == "zmq://[fd00::1]:29500"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the job\nworker-1 slots=4\n\nworker-2 slots=4   # the second\nworker-3:2\n")
+    config = load_config({}, env={"DP_HOSTFILE": str(hostfile), "DP_TRANSPORT": "grpc", "DP_PORT": "29600"})
+    assert config.hosts == (("worker-1", 4), ("worker-2", 4), ("worker-3", 2))
+    assert config.url == "grpc://worker-1:29600"
+    explicit = load_config({"hosts": "a:1,b:1", "url": "etcd://etcd1:2379"}, env={})
+    assert explicit.url == "etcd://etcd1:2379"  # the configuration's coordinator wins
+    file = tmp_path / "dataparallel.toml"
+    file.write_text('hosts = ["a:2", "b:2"]\n')
+    assert load_config({"config": file}, env={}).hosts == (("a", 2), ("b", 2))
+
+
+@pytest.mark.parametrize(
+    ("flags", "text", "message"),
+    [
+        ({"hosts": "a:1", "nodes": 2}, None, "nodes (from --nodes) and the hosts (from --hosts) both place nodes"),
+        ({"hosts": "a:0"}, None, "'a:0' (from --hosts): slots must be >= 1, got 0"),
+        ({"hosts": "a;rm -rf /"}, None, "is not a host name"),
+        ({"hosts": "-oProxyCommand=x"}, None, "is not a host name"),
+        ({"hosts": " , "}, None, "hosts (from --hosts) names no host"),
+        ({"hosts": "a", "hostfile": "HOSTFILE"}, "", "both --hosts and --hostfile name the job's hosts"),
+        ({"hostfile": "HOSTFILE"}, "a slots=x\n", "hosts:1: slots must be a whole number, got 'x'"),
+        ({"hostfile": "HOSTFILE"}, "a b\n", "hosts:1: expected 'HOST slots=N', got 'a b'"),
+        ({"hostfile": "HOSTFILE"}, "# nobody\n", "names no host"),
+        ({"hostfile": "MISSING"}, None, "cannot read the host file"),
+    ],
+)
+def test_bad_hosts_are_named(tmp_path, flags, text, message):
+    path = tmp_path / "hosts"
+    if text is not None:
+        path.write_text(text)
+    flags = {
+        k: str(path) if v == "HOSTFILE" else str(tmp_path / "missing") if v == "MISSING" else v
+        for k, v in flags.items()
+    }
+    with pytest.raises(dp.ConfigError, match=re.escape(message)):
+        load_config(flags, env={})
+
+
+def test_the_kubernetes_manifest_gives_each_pod_its_place():
+    """examples/kubernetes/digits-etcd.yaml as the Kubeflow operator runs it: each pod gets
+    RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and the manifest's environment must then
+    give rank and world size, the etcd Service of the same manifest, the job and the token."""
+    import yaml
+
+    from dataparallel.config import describe_launch
+
+    root = Path(__file__).resolve().parents[1]
+    docs = list(yaml.safe_load_all((root / "examples" / "kubernetes" / "digits-etcd.yaml").read_text()))
+    job = next(d for d in docs if d["kind"] == "PyTorchJob")
+    service = next(d for d in docs if d["kind"] == "Service")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    world = sum(spec["replicas"] for spec in specs.values())
+    rank = 0
+    for role in ("Master", "Worker"):  # the operator's order: the master is rank 0
+        for _ in range(specs[role]["replicas"]):
+            (container,) = specs[role]["template"]["spec"]["containers"]
+            assert container["name"] == "pytorch"  # the operator's container name
+            assert (root / container["command"][1]).is_file()
+            env = {e["name"]: e.get("value", "from-the-secret") for e in container["env"]}
+            env |= {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "digits-master-0",
+                "MASTER_PORT": "23456",
+            }
+            config = load_config({"config": os.devnull}, env=env)
+            assert (config.rank, config.world_size, config.job) == (rank, world, "digits")
+            assert config.url == f"etcd://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+            assert config.token == "from-the-secret"
+            assert describe_launch(config, env).startswith("RANK and WORLD_SIZE (env://, as a Kubernetes PyTorchJob")
+            rank += 1
+    assert rank == 3

@@ -146,7 +146,7 @@ def test_killed_worker_and_stubborn_ones(tmp_path):
     _, err = proc.communicate(timeout=100)
     assert proc.returncode == 128 + signal.SIGKILL, err
     assert "rank 0 exited with signal SIGKILL" in err
-    assert "killing ranks 1 (no exit within 1s)" in err
+    assert "killing rank 1 (no exit within 1s)" in err
 
 
 @pytest.mark.timeout(120)

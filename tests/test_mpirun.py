@@ -5,7 +5,10 @@ host, loopback."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from jobutil import digits_under
@@ -63,3 +66,17 @@ def test_the_digits_example_runs_unchanged_under_open_mpi(tmp_path):
     # Where its coordinator listens: a free port, not the default, as tests run side by side.
     root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # CI runs as root
     digits_under([mpirun, "--oversubscribe", "-np", "3"], tmp_path, DP_PORT=str(free_port()), **root)
+
+
+def test_check_env_says_what_mpirun_started():
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("Open MPI's mpirun is not installed (apt-get install openmpi-bin)")
+    root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    argv = [mpirun, "--oversubscribe", "-np", "2", sys.executable, "-m", "dataparallel", "check", "--env"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=90, env={**os.environ, **root})
+    assert run.returncode == 0, run.stderr
+    for rank in (0, 1):
+        assert (
+            f"Open MPI (mpirun), rank {rank} of 2, local rank {rank}, coordinator zmq://127.0.0.1:29500" in run.stdout
+        )

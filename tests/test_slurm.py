@@ -5,12 +5,15 @@ step's environment, the coordinator from the configuration or the step's first n
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 
 import pytest
 from jobutil import digits_under
 from slurmcluster import SlurmCluster, missing
 
+import dataparallel as dp
 from dataparallel.config import expand_hostlist, load_config
 from dataparallel.launcher import in_worker
 
@@ -70,3 +73,84 @@ def test_host_lists_expand_as_slurms_scontrol_expands_them(cluster):
 @pytest.mark.timeout(180)
 def test_the_digits_example_runs_unchanged_under_srun(cluster, tmp_path):
     digits_under(["srun", "-n", "3", "--kill-on-bad-exit=1"], tmp_path, **cluster.env)
+
+
+@pytest.mark.parametrize(
+    ("env", "rank", "world"),
+    [
+        # Open MPI's mpirun inside an allocation starts its daemons with srun: the step is the node's.
+        (
+            {
+                "SLURM_PROCID": "1",
+                "SLURM_STEP_NUM_TASKS": "2",
+                "OMPI_COMM_WORLD_RANK": "5",
+                "OMPI_COMM_WORLD_SIZE": "8",
+            },
+            5,
+            8,
+        ),
+        # MPICH's mpiexec (Hydra) inside an allocation, the same with PMI's variables.
+        ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "PMI_RANK": "5", "PMI_SIZE": "8"}, 5, 8),
+        # srun --mpi=pmi2 sets PMI_RANK itself, equal: srun's rules (the coordinator's node) apply.
+        ({**STEP, "PMI_RANK": "2", "PMI_SIZE": "4", "SLURM_STEP_NODELIST": "n[1-2]"}, 2, 4),
+        # torchrun (or dataparallel launch) started inside a step: its ranks are the processes'.
+        (
+            {
+                **STEP,
+                "RANK": "7",
+                "WORLD_SIZE": "16",
+                "TORCHELASTIC_RUN_ID": "x",
+                "MASTER_ADDR": "n1",
+                "MASTER_PORT": "5",
+            },
+            7,
+            16,
+        ),
+        ({**STEP, "RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "0", "DP_RANK": "1", "DP_URL": "zmq://n1:9"}, 1, 2),
+    ],
+)
+def test_the_innermost_launcher_gives_the_rank(env, rank, world):
+    config = load_config(env={"SLURM_STEP_NODELIST": "n1", **env})
+    assert (config.rank, config.world_size) == (rank, world)
+    if "PMI_RANK" in env and env["PMI_RANK"] == env["SLURM_PROCID"]:
+        assert config.url == "zmq://n1:18456"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"RANK": "0"}, "two launchers disagree on this process's rank: RANK=0 and SLURM_PROCID=2 (srun)"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "9"},
+            "disagree on this process's world size: WORLD_SIZE=9 and SLURM_STEP_NUM_TASKS=4",
+        ),
+    ],
+)
+def test_launchers_that_disagree_are_a_config_error_naming_both(extra, message):
+    with pytest.raises(dp.ConfigError, match=re.escape(message)):
+        load_config(env={**STEP, "SLURM_STEP_NODELIST": "n1", **extra})
+
+
+@pytest.mark.timeout(120)
+def test_check_env_says_what_slurm_started(cluster):
+    env = {**os.environ, **cluster.env}
+    argv = [sys.executable, "-m", "dataparallel", "check", "--env"]
+    run = subprocess.run(["srun", "-n", "2", *argv], capture_output=True, text=True, timeout=90, env=env)
+    assert run.returncode == 0, run.stderr
+    for rank in (0, 1):
+        assert re.search(
+            rf"^Slurm job \d+ \(srun, step \d+\), rank {rank} of 2, local rank {rank}, coordinator zmq://127\.0\.0\.1:\d+$",
+            run.stdout,
+            re.M,
+        ), run.stdout
+    assert "  rank = 1 (from SLURM_PROCID)" in run.stdout
+    # dataparallel launch under srun is a node's launcher (as torchrun is): 2 tasks = 2 nodes of 2
+    # workers; its workers' ranks are theirs, no conflict with the step's.
+    launch = [sys.executable, "-m", "dataparallel", "launch", "--nprocs", "2", "-m", "dataparallel", "check", "--env"]
+    run = subprocess.run(["srun", "-n", "2", *launch], capture_output=True, text=True, timeout=90, env=env)
+    assert run.returncode == 0, run.stderr
+    for rank in range(4):
+        node, local = divmod(rank, 2)
+        assert (
+            f"[rank {rank}] dataparallel launch (node {node} of 2), rank {rank} of 4, local rank {local}" in run.stdout
+        )

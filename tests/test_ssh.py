@@ -187,3 +187,26 @@ def test_a_host_that_cannot_run_the_job_is_named_before_anything_starts(cluster,
             assert f"  {host}: ssh failed: " in err and "Permission denied (publickey)" in err, err
     else:
         assert "  10.77.0.2: cannot import dataparallel with /usr/bin/python3 there: ModuleNotFoundError" in err, err
+
+
+FLAKY = """\
+import os, sys
+import dataparallel as dp
+ch = dp.connect(timeout=60)
+ch.rendezvous()
+if ch.rank == 2 and not os.environ.get("DP_RESTART_COUNT"):
+    os._exit(7)  # the first attempt loses rank 2
+ch.barrier("done", timeout=60)
+print(f"attempt {os.environ.get('DP_RESTART_COUNT', '0')} done on {ch.world_size}", flush=True)
+ch.close()
+"""
+
+
+def test_max_restarts_restarts_every_host_in_step(cluster, tmp_path):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    proc = _launch(cluster, "--hosts", HOSTS, "--max-restarts", "1", "--timeout", "20", str(tmp_path / "flaky.py"))
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-4000:]
+    for host in ("10.77.0.1", "10.77.0.2", "10.77.0.3"):  # every host's group failed once, then all ran again
+        assert f"[{host}] [launch] worker group failed" in err, err[-4000:]
+    assert out.count("attempt 1 done on 3") == 3, out

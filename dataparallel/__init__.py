@@ -8,7 +8,17 @@ dp.init_process_group(ch)  # torch.distributed through the channel's store
 
 from .channel import ControlChannel
 from .connect import connect
-from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLeft, PeerLost
+from .errors import (
+    AuthError,
+    BadMessage,
+    ChannelClosed,
+    ConfigError,
+    ControlError,
+    ControlTimeout,
+    PeerLeft,
+    PeerLost,
+    Preempted,
+)
 from .keyspace import KeySpace
 from .registry import ChannelURL, known_schemes, parse_url, register_transport
 
@@ -59,6 +69,7 @@ __all__ = [
     "KeySpace",
     "PeerLeft",
     "PeerLost",
+    "Preempted",
     "Regroup",
     "Replicas",
     "StepInfo",

@@ -86,3 +86,24 @@ class ChannelClosed(ControlError):
 
 class ConfigError(ControlError, ValueError):
     """A URL, option or argument is invalid; the message says which and what is allowed."""
+
+
+class Preempted(SystemExit):
+    """Raised by ``dp.fit`` on every rank after a stop signal (SIGTERM, as Slurm sends before
+    it preempts a job or its time runs out, or as ``dataparallel launch`` forwards it;
+    SIGUSR1, as ``sbatch --signal=USR1@120`` sends): the ranks agreed on a step, the driver
+    wrote the checkpoint there, and the process should end. The job started again with
+    ``resume=True`` continues from that step. Uncaught, it ends the process with exit code
+    128 + the signal's number, as the signal itself would, without a traceback."""
+
+    def __init__(self, signum: int, epoch: int, batches: int, checkpoint: str) -> None:
+        super().__init__(128 + signum)
+        self.signum, self.epoch, self.batches, self.checkpoint = signum, epoch, batches, checkpoint
+
+    def __str__(self) -> str:
+        import signal
+
+        return (
+            f"stopped by {signal.Signals(self.signum).name} in epoch {self.epoch} after {self.batches} batches; "
+            f"the checkpoint {self.checkpoint} resumes there"
+        )

@@ -27,9 +27,11 @@ import base64
 import contextlib
 import copy
 import inspect
+import itertools
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -47,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from . import checkpoint, elastic
 from .channel import ControlChannel
 from .config import env_setting
-from .errors import ChannelClosed, ControlError, PeerLeft, PeerLost
+from .errors import ChannelClosed, ControlError, PeerLeft, PeerLost, Preempted
 from .process_group import abort_process_group, init_process_group
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,18 @@ class TrainOptions:
     #: sampler with equal shards).
     strategy: str = "ddp"
     sync_every: int = 8
+    #: With ``checkpoint`` set, these signals stop training at a step boundary instead of
+    #: killing the process: SIGTERM as Slurm sends it before it preempts a job or its time
+    #: runs out (and as ``dataparallel launch`` forwards it), SIGUSR1 as ``sbatch
+    #: --signal=USR1@120`` sends it. The ranks agree on the step (a one-element all-reduce
+    #: per optimizer step, started after one step and read after the next, so it overlaps
+    #: the computation; under local SGD at its averaging steps), the driver writes the
+    #: checkpoint there (the position in the epoch, every rank's RNG state and partial loss
+    #: sums with it) and every rank raises :class:`Preempted` (exit code 128 + the signal).
+    #: Started again with ``resume=True`` on as many ranks, the job continues from that step
+    #: and ends exactly as an uninterrupted run would (on another number of ranks, from the
+    #: start of that epoch). A second signal acts at once. Empty: signals act as they would.
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -127,6 +141,9 @@ class TrainOptions:
             raise ValueError(f"min_world_size must be >= 1, got {self.min_world_size!r}")
         if self.strategy not in ("ddp", "local_sgd"):
             raise ValueError(f"strategy must be 'ddp' or 'local_sgd', got {self.strategy!r}")
+        for name in self.stop_signals:
+            if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+                raise ValueError(f"stop_signals: {name!r} is not a signal that can be caught (e.g. 'SIGTERM')")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every!r}")
         reserved = {"batch_size", "shuffle", "sampler", "batch_sampler"} & set(self.loader_options)
@@ -300,6 +317,10 @@ class _Trainer:
         self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
         self._snapshot: dict[str, Any] | None = None  # the current epoch's start (elastic)
         self._epoch = -1  # the epoch being trained (for messages)
+        self._signalled: int | None = None  # a stop signal this process received
+        self._stop_poll: tuple[torch.Tensor, Any] | None = None  # the all-reduce of the ranks' stop flags
+        self._stopped_at: int | None = None  # batches of the epoch done when the ranks agreed to stop
+        self._partial: dict[str, Any] | None = None  # where a resumed epoch starts (a stop's checkpoint)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -329,6 +350,37 @@ class _Trainer:
     def _wrap(self) -> None:
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=ids, process_group=self.pg)
+        if self.opts.strategy == "ddp":
+            self._lay_out_buckets()
+
+    def _lay_out_buckets(self) -> None:
+        """One backward through DDP before training, changing nothing, so that every step of a
+        run uses the same gradient buckets. DDP lays its buckets out again after its first
+        backward (in the order the gradients became ready), and an all-reduce over three or
+        more ranks adds each element in an order that depends on its place in its bucket: a
+        resumed run (or a regrouped one), whose first step would use the first layout where
+        the uninterrupted run used the second, would differ in the last bits. In eval mode
+        (no dropout, batch-norm statistics untouched), the RNG state restored, no optimizer
+        step; skipped on every rank unless every rank has a first batch."""
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        try:
+            first = next(iter(self._batches(self.train_data, 0, train=True)), None)
+            everyone = torch.tensor([0 if first is None else 1], device=self.device)
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.pg)
+            if not everyone.item():
+                return
+            x, y = _to(first[0], self.device), _to(first[1], self.device)
+            self.ddp.eval()
+            with self._autocast():
+                loss = self.loss_fn(self.ddp(x), y)
+            loss.float().backward()
+        finally:
+            self.ddp.train()
+            self.ddp.zero_grad(set_to_none=True)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
 
     def _start_watchdog(self) -> None:
         self._lost = None
@@ -364,6 +416,7 @@ class _Trainer:
     def run(self) -> FitResult:
         self._preflight()
         self._setup()
+        caught = self._catch_stop_signals()
         try:
             epoch = None
             while True:
@@ -379,6 +432,8 @@ class _Trainer:
                         raise failure from err
                     epoch = self._regroup(failure)
         finally:
+            for signum, handler in caught.items():
+                signal.signal(signum, handler)
             self._stop_watchdog()
             if self._own_pg and self._lost is None:
                 with contextlib.suppress(Exception):
@@ -401,6 +456,8 @@ class _Trainer:
             stamps = [started, time.perf_counter()]
             lr = self.optimizer.param_groups[0]["lr"]  # at the epoch's first step
             train = self._train_epoch(epoch)
+            if self._stopped_at is not None:
+                self._stop_here(epoch, self._stopped_at, train)
             stamps.append(time.perf_counter())
             val = self._validate(epoch)
             stamps.append(time.perf_counter())
@@ -578,9 +635,20 @@ class _Trainer:
         self._bar = bar
         # Local SGD runs the bare module: no DDP forward, so no gradient all-reduce.
         forward = self.ddp.module if local else self.ddp
+        batches, skip = iter(batches), 0
+        if self._partial is not None:  # resumed where a stop signal ended the last run
+            skip, (loss_sum, samples, count) = self._partial["batches"], self._partial["train"]
+            for _ in itertools.islice(batches, skip):
+                pass
+            _set_rng_state(self._partial["rng"])  # after the loader's start, which draws from it
+            self._partial = None
+            if bar is not None:
+                bar.update(skip)
+        polling = self._polls_stop() and not uneven  # under Join the ranks' collectives differ
+        self._stop_poll, self._stopped_at = None, None
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
         with Join([self.ddp], enable=uneven):
-            for i, ((x, y), last) in enumerate(_with_last(batches)):
+            for i, ((x, y), last) in enumerate(_with_last(batches), start=skip):
                 count += 1
                 x, y = _to(x, self.device), _to(y, self.device)
                 boundary = (i + 1) % k == 0 or last
@@ -589,21 +657,80 @@ class _Trainer:
                     with self._autocast():
                         loss = self.loss_fn(forward(x), y)
                     self.scaler.scale(loss / k).backward()
+                averaged = False
                 if boundary:
                     self._step(epoch, i, loss)
-                    if local and self.global_step % self.opts.sync_every == 0:
+                    averaged = local and self.global_step % self.opts.sync_every == 0
+                    if averaged:
                         self._average(optimizer=False)
                 n = _count(y)
                 loss_sum += float(loss.detach()) * n
                 samples += n
                 if bar is not None:
                     bar.update()
+                if polling and boundary and (averaged or not local) and self._agreed_to_stop():
+                    self._stopped_at = i + 1
+                    break
+        if polling and self._stopped_at is None and self._agreed_to_stop(last=True):
+            self._stopped_at = count  # agreed at the epoch's last step: stop before validating
         if bar is not None:
             bar.close()
         self._bar = None
         if local:
             self._average(optimizer=True)
         return loss_sum, samples, count
+
+    # ------------------------------------------------------------------ stop signals
+    def _polls_stop(self) -> bool:
+        """Whether the ranks poll for stop signals: the same answer on every rank (options
+        only), whether or not this one could install handlers."""
+        return self.opts.checkpoint is not None and bool(self.opts.stop_signals)
+
+    def _catch_stop_signals(self) -> dict[int, Any]:
+        """Install the stop signals' handlers (main thread only); the previous handlers."""
+        if not self._polls_stop() or threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def stop(signum: int, frame: object) -> None:
+            if self._signalled is not None:  # the second: act as it would have
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            self._signalled = signum
+
+        return {sig: signal.signal(sig, stop) for sig in (signal.Signals[name] for name in self.opts.stop_signals)}
+
+    def _agreed_to_stop(self, last: bool = False) -> bool:
+        """Whether some rank had been signalled by the previous poll (every rank gets the same
+        answer, the maximum of the flags); then the next poll starts, in the background,
+        unless this is the ``last`` of the epoch."""
+        stop = False
+        if self._stop_poll is not None:
+            flag, work = self._stop_poll
+            self._stop_poll = None
+            work.wait()
+            stop = bool(flag.item())
+        if not stop and not last:
+            flag = torch.tensor([0 if self._signalled is None else 1], device=self.device)
+            self._stop_poll = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg, async_op=True))
+        return stop
+
+    def _stop_here(self, epoch: int, batches: int, train: tuple[float, int, int]) -> None:
+        """The ranks agreed to stop after ``batches`` batches of ``epoch``: the driver writes
+        the checkpoint there, with every rank's RNG state and partial sums, then every rank
+        raises :class:`Preempted`."""
+        timeout = self.opts.collective_timeout
+        mine = json.dumps({"rng": _rng_state(), "train": list(train)}).encode()
+        parts = self.ch.gather(f"dp-stop-{epoch}", mine, dst=0, timeout=timeout)
+        if self.rank == 0:
+            parsed = [json.loads(part) for part in parts]
+            partial = {"epoch": epoch, "batches": batches, "train": [p["train"] for p in parsed]}
+            self._save(epoch - 1, [p["rng"] for p in parsed], partial=partial)
+        self.ch.barrier(f"dp-stopped-{epoch}", timeout=timeout)  # no rank ends before the file is there
+        stopped = Preempted(self._signalled or signal.SIGTERM, epoch, batches, str(self.opts.checkpoint))
+        if self.rank == 0:
+            print(f"dataparallel: {stopped}", file=sys.stderr, flush=True)
+        raise stopped
 
     def _average(self, optimizer: bool) -> None:
         """Local SGD: average the parameters and floating-point buffers over the ranks (one
@@ -812,7 +939,7 @@ class _Trainer:
         every = self.opts.checkpoint_every
         return self.opts.checkpoint is not None and ((epoch + 1) % every == 0 or epoch == self.opts.epochs - 1)
 
-    def _save(self, epoch: int, rng_states: list[str]) -> None:
+    def _save(self, epoch: int, rng_states: list[str], partial: dict[str, Any] | None = None) -> None:
         state = {
             "epoch": epoch,
             "model": self.ddp.module.state_dict(),
@@ -826,6 +953,7 @@ class _Trainer:
             "options": {"seed": self.opts.seed, "batch_size": self.opts.batch_size},
             "step": self.global_step,
             "extra": self.extra_state[0]() if self.extra_state is not None else None,
+            "partial": partial,  # a stop signal's: the epoch after ``epoch``, that far in
         }
         checkpoint.save_atomically(state, self.opts.checkpoint)
 
@@ -865,8 +993,30 @@ class _Trainer:
         self.global_step = state.get("step", 0)
         if self.extra_state is not None and state.get("extra") is not None:
             self.extra_state[1](state["extra"])
-        if self.rank == 0:
+        partial = state.get("partial")
+        if partial is not None and state["world_size"] == self.world:
+            train = partial["train"][self.rank]
+            self._partial = {"batches": partial["batches"], "train": tuple(train), "rng": state["rng"][self.rank]}
+        if self.rank != 0:
+            return
+        if partial is None:
             log.warning("resuming from %s after epoch %d", self.opts.checkpoint, state["epoch"])
+        elif self._partial is not None:
+            log.warning(
+                "resuming from %s in epoch %d after %d batches",
+                self.opts.checkpoint,
+                partial["epoch"],
+                partial["batches"],
+            )
+        else:
+            log.warning(
+                "resuming from %s, stopped in epoch %d, with another number of ranks: epoch %d starts over "
+                "(its first %d batches were trained on the old shards)",
+                self.opts.checkpoint,
+                partial["epoch"],
+                partial["epoch"],
+                partial["batches"],
+            )
 
 
 def _first_parameter(factory: Callable[..., Any]) -> str | None:

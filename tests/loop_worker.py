@@ -138,8 +138,10 @@ def main(cfg: dict) -> None:
             "step_callbacks": [lambda info: seen["steps"].append([info.epoch, info.step, info.batch, info.rank])],
             "extra_state": (save_extra, lambda value: seen.update(loaded=value)),
         }
-    if cfg.get("die") or cfg.get("freeze"):  # [rank, epoch, batch]: that rank is killed (frozen) there, mid-epoch
-        at, sig = (cfg["die"], signal.SIGKILL) if cfg.get("die") else (cfg["freeze"], signal.SIGSTOP)
+    if cfg.get("die") or cfg.get("freeze") or cfg.get("term"):
+        # [rank, epoch, batch]: that rank is killed (frozen, sent SIGTERM) there, mid-epoch
+        kinds = (("die", signal.SIGKILL), ("freeze", signal.SIGSTOP), ("term", signal.SIGTERM))
+        at, sig = next((cfg[key], sig) for key, sig in kinds if cfg.get(key))
 
         def die(info: dp.StepInfo) -> None:
             if [ch.rank, info.epoch, info.batch] == at:

@@ -116,10 +116,12 @@ def test_patience_stops_early_when_validation_stops_improving(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_resume_equals_uninterrupted_bitwise(tmp_path):
-    whole = run_job(tmp_path, "zmq", 2, "whole", epochs=4, dropout=0.2, checkpoint=str(tmp_path / "w.ckpt"))
+    # Three ranks: an all-reduce over three adds in an order that depends on the gradient
+    # buckets' layout, which DDP changes after its first backward (laid out before training).
+    whole = run_job(tmp_path, "zmq", 3, "whole", epochs=4, dropout=0.2, checkpoint=str(tmp_path / "w.ckpt"))
     ckpt = str(tmp_path / "r.ckpt")
-    run_job(tmp_path, "zmq", 2, "first", epochs=2, dropout=0.2, checkpoint=ckpt)
-    resumed = run_job(tmp_path, "zmq", 2, "second", epochs=4, dropout=0.2, checkpoint=ckpt, resume=True)
+    run_job(tmp_path, "zmq", 3, "first", epochs=2, dropout=0.2, checkpoint=ckpt)
+    resumed = run_job(tmp_path, "zmq", 3, "second", epochs=4, dropout=0.2, checkpoint=ckpt, resume=True)
     for name in whole["state"]:
         assert torch.equal(whole["state"][name], resumed["state"][name]), name
     assert [e["train_loss"] for e in whole["epochs"]] == [e["train_loss"] for e in resumed["epochs"]]
@@ -269,3 +271,32 @@ def test_checkpoint_write_is_atomic(tmp_path):
     save_atomically({"a": 2}, path)
     assert torch.load(path)["a"] == 2
     assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("at", "stopped"),
+    [
+        ([1, 1, 0], "in epoch 1 after 2 batches"),  # mid-epoch: the ranks agree one step later
+        ([0, 1, 3], "in epoch 1 after 4 batches"),  # at the epoch's last step: before its validation
+        ([2, 0, 0], "in epoch 0 after 2 batches"),  # in the first epoch: no epoch finished yet
+    ],
+    ids=["mid-epoch", "last-step", "first-epoch"],
+)
+def test_a_stop_signal_checkpoints_at_a_step_and_resuming_ends_as_uninterrupted(tmp_path, at, stopped):
+    """SIGTERM to one rank (as Slurm sends before preemption): every rank stops at the same
+    step, the driver checkpoints there, every rank exits 143; the job started again resumes
+    at that step and ends bit for bit as a run that was never stopped (dropout: RNG matters)."""
+    job = {"epochs": 3, "dropout": 0.2}
+    whole = run_job(tmp_path, "zmq", 3, "whole", **job, checkpoint=str(tmp_path / "w.ckpt"))
+    ckpt = str(tmp_path / "s.ckpt")
+    url = f"zmq://127.0.0.1:{free_port()}"
+    results = run_ranks(url, 3, "stopped", out=str(tmp_path / "s.pt"), **job, checkpoint=ckpt, term=at)
+    assert [code for code, _ in results] == [128 + 15] * 3, results
+    assert f"dataparallel: stopped by SIGTERM {stopped}; the checkpoint {ckpt} resumes there" in results[0][1]
+    assert all("Traceback" not in out for _, out in results)  # Preempted ends the process as the signal would
+    resumed = run_job(tmp_path, "zmq", 3, "resumed", **job, checkpoint=ckpt, resume=True)
+    for name in whole["state"]:
+        assert torch.equal(whole["state"][name], resumed["state"][name]), name
+    assert [e["train_loss"] for e in whole["epochs"]] == [e["train_loss"] for e in resumed["epochs"]]
+    assert [e["train_samples"] for e in resumed["epochs"]] == [96] * 3

@@ -8,8 +8,10 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from jobutil import digits_under
 from slurmcluster import SlurmCluster, missing
 
@@ -154,3 +156,43 @@ def test_check_env_says_what_slurm_started(cluster):
         assert (
             f"[rank {rank}] dataparallel launch (node {node} of 2), rank {rank} of 4, local rank {local}" in run.stdout
         )
+
+
+@pytest.mark.timeout(300)
+def test_scancel_signal_term_checkpoints_and_the_job_started_again_resumes(cluster, tmp_path):
+    """Slurm's SIGTERM before a preemption (`scancel --signal=TERM`, as the preemption and the
+    end of a time limit send it): every rank stops at one step, the driver checkpoints there,
+    the ranks exit; the same srun again (a requeued job) resumes and ends as a run that was
+    never stopped."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "train_digits.py")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "SLURM_", "OMPI_", "PMI"))}
+    env = {**clean, "OMP_NUM_THREADS": "1", **cluster.env}
+
+    def srun(name: str, *args: str, **kwargs):
+        argv = ["srun", "-n", "3", "-J", name, "--kill-on-bad-exit=0", sys.executable, script, "--epochs", "3", *args]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+
+    whole = srun("dp-whole", "--result", str(tmp_path / "whole.json"))
+    out, err = whole.communicate(timeout=200)
+    assert whole.returncode == 0, err[-3000:]
+    ckpt, result = str(tmp_path / "digits.ckpt"), str(tmp_path / "resumed.json")
+    job = srun("dp-preempted", "--checkpoint", ckpt, "--result", result)
+    assert job.stdout is not None
+    for line in job.stdout:  # the driver's line for epoch 0: training is in epoch 1 now
+        if line.startswith("epoch  0"):
+            break
+    cancel = subprocess.run(
+        ["scancel", "--signal=TERM", "--name", "dp-preempted"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert cancel.returncode == 0, cancel.stderr
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 128 + 15, err[-3000:]
+    assert re.search(r"dataparallel: stopped by SIGTERM in epoch [12] after \d+ batches", err), err[-3000:]
+    assert not Path(result).exists()
+    again = srun("dp-preempted", "--checkpoint", ckpt, "--result", result)
+    out, err = again.communicate(timeout=200)
+    assert again.returncode == 0, err[-3000:]
+    assert "driver: 3 epochs on 3 processes" in out
+    params, expected = torch.load(Path(result).with_suffix(".pt")), torch.load(tmp_path / "whole.pt")
+    for name, tensor in expected.items():
+        assert torch.equal(params[name], tensor), name

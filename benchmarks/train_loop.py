@@ -4,7 +4,10 @@
 
 Both sides: N processes, gloo on CPU, DistributedSampler, DDP, Adam, the same MLP on the same
 synthetic data. The plain loop initialises with ``env://`` (TCPStore) and does nothing else;
-``dp.fit`` adds the control plane (epoch command, reports, validation, barrier) over zmq.
+``dp.fit`` adds the control plane (epoch command, reports, validation, barrier) over zmq;
+a third side is ``dp.fit`` with a checkpoint, whose ranks poll for stop signals every step
+(a one-element all-reduce, overlapped with the next step); its last epoch, which writes the
+checkpoint, is dropped with epoch 0.
 Interleaved repeats; per-epoch time on rank 0, epoch 0 dropped on both sides as warm-up,
 median and p99, and where each epoch went: training steps, validation, and what is neither
 (the plain loop's end-of-epoch barrier; ``dp.fit``'s command, reports and state sync, from
@@ -88,7 +91,9 @@ def plain(rank: int, world: int, port: int, epochs: int, device: torch.device) -
     return times
 
 
-def ours(rank: int, world: int, port: int, epochs: int, device: torch.device) -> list[dict]:
+def ours(rank: int, world: int, port: int, epochs: int, device: torch.device, poll: bool = False) -> list[dict]:
+    import tempfile
+
     import dataparallel as dp
 
     ch = dp.connect(f"zmq://127.0.0.1:{port}", rank=rank, world_size=world, job="bench", timeout=120)
@@ -103,7 +108,13 @@ def ours(rank: int, world: int, port: int, epochs: int, device: torch.device) ->
         lambda p: torch.optim.Adam(p, lr=1e-3),
         train,
         val,
-        options=dp.TrainOptions(epochs=epochs, batch_size=64, progress=False),
+        options=dp.TrainOptions(
+            epochs=epochs,
+            batch_size=64,
+            progress=False,
+            checkpoint=os.path.join(tempfile.gettempdir(), f"bench-{port}.ckpt") if poll else None,
+            checkpoint_every=epochs,
+        ),
         callbacks=[
             lambda m: times.append(
                 {"epoch": m.epoch, "total": m.seconds, "train": m.train_seconds, "val": m.val_seconds}
@@ -141,16 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        fn = plain if args.worker == "plain" else ours
-        times = fn(args.rank, args.nprocs, args.port, args.epochs, device_for(args.device, args.rank))
+        device = device_for(args.device, args.rank)
+        if args.worker == "plain":
+            times = plain(args.rank, args.nprocs, args.port, args.epochs, device)
+        else:
+            times = ours(args.rank, args.nprocs, args.port, args.epochs, device, poll=args.worker == "poll")
         print(json.dumps(times), flush=True)
         return 0
     from tqdm import tqdm
 
-    runs: dict[str, list[dict]] = {"plain DDP": [], "dp.fit": []}
+    sides = {"plain DDP": "plain", "dp.fit": "ours", "dp.fit+stop": "poll"}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in tqdm(range(args.repeats), desc="repeats"):
-        for name, kind in (("plain DDP", "plain"), ("dp.fit", "ours")):
-            runs[name] += [e for e in run(kind, args.nprocs, args.epochs, args.device) if e["epoch"] > 0]
+        for name, kind in sides.items():
+            last = args.epochs - 1 if kind == "poll" else args.epochs  # the checkpoint's epoch
+            runs[name] += [e for e in run(kind, args.nprocs, args.epochs, args.device) if 0 < e["epoch"] < last]
     epochs = {name: [e["total"] for e in rows] for name, rows in runs.items()}
     parts = {name: {p: statistics.median(e[p] for e in rows) for p in PARTS} for name, rows in runs.items()}
     base = statistics.median(epochs["plain DDP"])
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         med, p99 = statistics.median(times), percentile(times, 99)
         split = "  ".join(f"{p} {parts[name][p] * 1e3:6.1f}" for p in PARTS)
         print(
-            f"  {name:10s} epoch p50 {med * 1e3:7.1f} ms  p99 {p99 * 1e3:7.1f} ms  {med / base:5.3f}x plain DDP"
+            f"  {name:11s} epoch p50 {med * 1e3:7.1f} ms  p99 {p99 * 1e3:7.1f} ms  {med / base:5.3f}x plain DDP"
             f"   ({split} ms)"
         )
     summary = {k: statistics.median(v) for k, v in epochs.items()}

@@ -55,6 +55,9 @@ from .process_group import abort_process_group, init_process_group
 log = logging.getLogger(__name__)
 
 Batch = Any
+#: About how often (seconds of training) the ranks poll for a stop signal: the most a stop
+#: waits for the ranks to agree, besides a step.
+STOP_POLL_SECONDS = 0.2
 LossFn = Callable[[Any, Any], torch.Tensor]  # (model output, targets) -> scalar loss
 BatchSource = Callable[[int, int, int], Iterable[Batch]]
 
@@ -113,8 +116,8 @@ class TrainOptions:
     #: killing the process: SIGTERM as Slurm sends it before it preempts a job or its time
     #: runs out (and as ``dataparallel launch`` forwards it), SIGUSR1 as ``sbatch
     #: --signal=USR1@120`` sends it. The ranks agree on the step (a one-element all-reduce
-    #: per optimizer step, started after one step and read after the next, so it overlaps
-    #: the computation; under local SGD at its averaging steps), the driver writes the
+    #: about every 0.2 s of steps, started after one step and read after the next, so it
+    #: overlaps the computation; under local SGD at its averaging steps), the driver writes the
     #: checkpoint there (the position in the epoch, every rank's RNG state and partial loss
     #: sums with it) and every rank raises :class:`Preempted` (exit code 128 + the signal).
     #: Started again with ``resume=True`` on as many ranks, the job continues from that step
@@ -321,6 +324,7 @@ class _Trainer:
         self._stop_poll: tuple[torch.Tensor, Any] | None = None  # the all-reduce of the ranks' stop flags
         self._stopped_at: int | None = None  # batches of the epoch done when the ranks agreed to stop
         self._partial: dict[str, Any] | None = None  # where a resumed epoch starts (a stop's checkpoint)
+        self._poll_stride = 1  # optimizer steps between stop polls (the driver's choice, per epoch)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -555,10 +559,21 @@ class _Trainer:
         payload = None
         if self.rank == 0:
             stop = next_epoch >= self.opts.epochs or self._should_stop_early()
-            payload = json.dumps(
-                {"cmd": "stop", "early": self._should_stop_early()} if stop else {"cmd": "train", "epoch": next_epoch}
-            ).encode()
-        return json.loads(self.ch.broadcast("dp-command", payload, timeout=self.opts.collective_timeout))
+            command = {"cmd": "train", "epoch": next_epoch, "poll_every": self._poll_every()}
+            payload = json.dumps({"cmd": "stop", "early": self._should_stop_early()} if stop else command).encode()
+        command = json.loads(self.ch.broadcast("dp-command", payload, timeout=self.opts.collective_timeout))
+        self._poll_stride = command.get("poll_every", 1)
+        return command
+
+    def _poll_every(self) -> int:
+        """Optimizer steps between stop polls, chosen by the driver for every rank: about
+        ``STOP_POLL_SECONDS`` of the last epoch's steps (each poll is an all-reduce: on tiny
+        CPU steps, one per step would cost ~10%), every step before any epoch is measured."""
+        if not self.history.epochs:
+            return 1
+        last = self.history.last
+        steps = max(1, last.train_batches_per_rank[0] // self.opts.grad_accum)
+        return max(1, int(STOP_POLL_SECONDS / max(last.train_seconds / steps, 1e-9)))
 
     def _should_stop_early(self) -> bool:
         patience = self.opts.patience
@@ -668,7 +683,8 @@ class _Trainer:
                 samples += n
                 if bar is not None:
                     bar.update()
-                if polling and boundary and (averaged or not local) and self._agreed_to_stop():
+                due = averaged if local else self.global_step % self._poll_stride == 0
+                if polling and boundary and due and self._agreed_to_stop():
                     self._stopped_at = i + 1
                     break
         if polling and self._stopped_at is None and self._agreed_to_stop(last=True):
@@ -702,18 +718,24 @@ class _Trainer:
 
     def _agreed_to_stop(self, last: bool = False) -> bool:
         """Whether some rank had been signalled by the previous poll (every rank gets the same
-        answer, the maximum of the flags); then the next poll starts, in the background,
-        unless this is the ``last`` of the epoch."""
-        stop = False
-        if self._stop_poll is not None:
-            flag, work = self._stop_poll
-            self._stop_poll = None
-            work.wait()
-            stop = bool(flag.item())
-        if not stop and not last:
+        answer, the maximum of the flags); if not, the next poll starts in the background, and
+        at the epoch's ``last`` step it is read at once (a signal late in an epoch stops it
+        before its validation)."""
+        stop = self._read_poll()
+        if not stop:
             flag = torch.tensor([0 if self._signalled is None else 1], device=self.device)
             self._stop_poll = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg, async_op=True))
+            if last:
+                stop = self._read_poll()
         return stop
+
+    def _read_poll(self) -> bool:
+        if self._stop_poll is None:
+            return False
+        flag, work = self._stop_poll
+        self._stop_poll = None
+        work.wait()
+        return bool(flag.item())
 
     def _stop_here(self, epoch: int, batches: int, train: tuple[float, int, int]) -> None:
         """The ranks agreed to stop after ``batches`` batches of ``epoch``: the driver writes

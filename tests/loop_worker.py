@@ -138,6 +138,8 @@ def main(cfg: dict) -> None:
             "step_callbacks": [lambda info: seen["steps"].append([info.epoch, info.step, info.batch, info.rank])],
             "extra_state": (save_extra, lambda value: seen.update(loaded=value)),
         }
+    if cfg.get("step_sleep"):  # slow steps (seconds each, every rank)
+        hooks.setdefault("step_callbacks", []).append(lambda info: time.sleep(cfg["step_sleep"]))
     if cfg.get("die") or cfg.get("freeze") or cfg.get("term"):
         # [rank, epoch, batch]: that rank is killed (frozen, sent SIGTERM) there, mid-epoch
         kinds = (("die", signal.SIGKILL), ("freeze", signal.SIGSTOP), ("term", signal.SIGTERM))

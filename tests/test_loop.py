@@ -275,19 +275,22 @@ def test_checkpoint_write_is_atomic(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("at", "stopped"),
+    ("at", "sleep", "stopped"),
     [
-        ([1, 1, 0], "in epoch 1 after 2 batches"),  # mid-epoch: the ranks agree one step later
-        ([0, 1, 3], "in epoch 1 after 4 batches"),  # at the epoch's last step: before its validation
-        ([2, 0, 0], "in epoch 0 after 2 batches"),  # in the first epoch: no epoch finished yet
+        # Steps longer than the poll interval (0.2 s): the ranks poll every step and agree one later.
+        ([1, 1, 0], 0.25, "in epoch 1 after 2 batches"),
+        ([0, 1, 3], 0.25, "in epoch 1 after 4 batches"),  # at the epoch's last step: before validation
+        ([2, 0, 0], 0, "in epoch 0 after 2 batches"),  # the first epoch: every step, none measured yet
+        # Fast steps: polls further apart than the epoch; the epoch's end reads one at once.
+        ([1, 1, 0], 0, "in epoch 1 after 4 batches"),
     ],
-    ids=["mid-epoch", "last-step", "first-epoch"],
+    ids=["mid-epoch", "last-step", "first-epoch", "fast-steps"],
 )
-def test_a_stop_signal_checkpoints_at_a_step_and_resuming_ends_as_uninterrupted(tmp_path, at, stopped):
+def test_a_stop_signal_checkpoints_at_a_step_and_resuming_ends_as_uninterrupted(tmp_path, at, sleep, stopped):
     """SIGTERM to one rank (as Slurm sends before preemption): every rank stops at the same
     step, the driver checkpoints there, every rank exits 143; the job started again resumes
     at that step and ends bit for bit as a run that was never stopped (dropout: RNG matters)."""
-    job = {"epochs": 3, "dropout": 0.2}
+    job = {"epochs": 3, "dropout": 0.2, "step_sleep": sleep}
     whole = run_job(tmp_path, "zmq", 3, "whole", **job, checkpoint=str(tmp_path / "w.ckpt"))
     ckpt = str(tmp_path / "s.ckpt")
     url = f"zmq://127.0.0.1:{free_port()}"

@@ -95,8 +95,8 @@ class ControlChannel(Collectives, abc.ABC):
     ``self.url``; ``self.rank`` (an int in ``0..world_size-1``, or None until the core's join
     assigns one: hooks called while joining see None); ``self.world_size``; ``self.job``
     (non-empty text without ``/`` or NUL: namespace the keys by it); ``self.token`` (None or
-    non-empty); ``self.timeout`` (seconds > 0); ``self.serve`` (False: never host a
-    coordinator in this process); ``self.heartbeat_interval``, ``self.liveness_timeout``.
+    non-empty); ``self.timeout`` (seconds > 0); ``self.may_host`` (the ``serve`` argument:
+    False: never host a coordinator in this process); ``self.heartbeat_interval``, ``self.liveness_timeout``.
     Then connect: every hook must work once ``__init__`` returns. Raise :class:`ChannelClosed`
     if the store cannot be reached within ``self.timeout`` (:class:`AuthError` if it refuses
     the credentials), releasing what was opened: nothing calls ``_close`` for a constructor
@@ -234,8 +234,9 @@ class ControlChannel(Collectives, abc.ABC):
         self.job = job
         self.token = token
         self.timeout = float(timeout)
-        #: False: never host the job's coordinator in this process, only connect to one.
-        self.serve = serve
+        #: False: never host the job's coordinator in this process, only connect to one (the
+        #: ``serve`` argument; ``serve`` itself names a transport's standalone coordinator).
+        self.may_host = serve
         type(self).check_url(url, token)
         self.heartbeat_interval = url.seconds("heartbeat", 1.0)
         self.liveness_timeout = url.seconds("liveness_timeout", 10.0)
@@ -541,7 +542,7 @@ class ControlChannel(Collectives, abc.ABC):
         return False
 
     @classmethod
-    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> list[ControlError | str]:
+    def diagnose(cls, url: ChannelURL, timeout: float, token: str | None = None) -> Sequence[ControlError | str]:
         """Problems a look at the server at ``url`` reveals before any request (a protocol,
         TLS or encryption mismatch, a certificate or token that does not fit), each a
         :class:`ConfigError` or :class:`AuthError` whose message names the fix (a plain

@@ -179,7 +179,7 @@ def tls_diagnosis(
 ) -> list[ControlError]:
     """TLS mismatches between ``url`` and the server at each of its endpoints: a
     :class:`ConfigError` for each, an :class:`AuthError` for a certificate that does not verify."""
-    problems = []
+    problems: list[ControlError] = []
     for host, port in url.hosts:
         if port is None:
             continue

@@ -54,24 +54,24 @@ def save_atomically(obj: Any, target: str | os.PathLike) -> None:
     (locally: fsync the file before and the directory after)."""
     remote = _remote(target)
     if remote is not None:
-        fs, path = remote
-        parent, name = path.rsplit("/", 1) if "/" in path else ("", path)
+        fs, where = remote
+        parent, name = where.rsplit("/", 1) if "/" in where else ("", where)
         tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else f".{name}.{uuid.uuid4().hex}.tmp"
         if parent:
             fs.makedirs(parent, exist_ok=True)
         with fs.open(tmp, "wb") as f:
             torch.save(obj, f)
-        fs.mv(tmp, path)
+        fs.mv(tmp, where)
         return
     path = local_path(target)
     assert path is not None
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(temporary, path)
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -83,10 +83,10 @@ def load(target: str | os.PathLike) -> Any | None:
     """The checkpoint at ``target`` (tensors on the CPU), or None if there is none yet."""
     remote = _remote(target)
     if remote is not None:
-        fs, path = remote
-        if not fs.exists(path):
+        fs, where = remote
+        if not fs.exists(where):
             return None
-        with fs.open(path, "rb") as f:
+        with fs.open(where, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=False)
     path = local_path(target)
     assert path is not None

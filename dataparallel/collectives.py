@@ -18,13 +18,12 @@ Transports with collectives of their own see departures in their own way and ove
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ControlError, PeerLeft
-
-if TYPE_CHECKING:
-    from .channel import ControlChannel
 
 _C = "__dp/c/"
 _DEPARTED = "__dp/departed"
@@ -63,14 +62,34 @@ class Departure:
 class Collectives:
     """Mixin of :class:`~dataparallel.ControlChannel`: rendezvous, barrier, broadcast, gather."""
 
-    def rendezvous(self: ControlChannel, timeout: float | None = None) -> None:
+    if TYPE_CHECKING:  # what the mixin uses of ControlChannel (declared for the type checker only)
+        rank: int | None
+        world_size: int
+        _seq: dict[tuple[str, str], int]
+        _seq_lock: threading.Lock
+        _departed: dict[int, Departure]
+
+        def _usable(self) -> None: ...
+        def _next_seq(self, kind: str, name: str) -> int: ...
+        def _scoped(self, key: str) -> str: ...
+        def _set(self, key: str, value: bytes) -> None: ...
+        def _get(self, key: str, timeout: float) -> bytes | None: ...
+        def _add(self, key: str, amount: int) -> int: ...
+        def _append(self, key: str, value: bytes) -> None: ...
+        def _check(self, keys: Sequence[str]) -> bool: ...
+        def _delete(self, key: str) -> bool: ...
+        def _await(
+            self, key: str, timeout: float | None, what: str, hint: Any = None, needs: Needs | None = None
+        ) -> bytes: ...
+
+    def rendezvous(self, timeout: float | None = None) -> None:
         """Block until all ``world_size`` ranks have connected.
 
         Liveness does not wait for it: each rank is watched from the moment it joined.
         """
         self.barrier("__rendezvous", timeout=timeout)
 
-    def barrier(self: ControlChannel, name: str = "barrier", timeout: float | None = None) -> None:
+    def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """Block until every rank has entered barrier ``name`` for this round.
 
         Two round trips per rank (add, then get); reusable forever.
@@ -100,7 +119,7 @@ class Collectives:
         self._await(done, timeout, what, progress, Needs("barrier", name, seq, others, what))
 
     def broadcast(
-        self: ControlChannel,
+        self,
         name: str,
         value: bytes | None = None,
         src: int = 0,
@@ -129,9 +148,7 @@ class Collectives:
             self._delete(f"{base}/acks")
         return got
 
-    def gather(
-        self: ControlChannel, name: str, value: bytes, dst: int = 0, timeout: float | None = None
-    ) -> list[bytes] | None:
+    def gather(self, name: str, value: bytes, dst: int = 0, timeout: float | None = None) -> list[bytes] | None:
         """Collect every rank's ``value`` on ``dst`` (a list indexed by rank); None elsewhere.
 
         Only ``dst`` blocks.
@@ -154,7 +171,7 @@ class Collectives:
             self._delete(f"{base}/{rank}")
         return out
 
-    def all_gather(self: ControlChannel, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
+    def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
         self._usable()
         seq = self._next_seq("allgather", name)
@@ -176,7 +193,7 @@ class Collectives:
         return out
 
     # ------------------------------------------------------------------ departures
-    def _depart(self: ControlChannel) -> None:
+    def _depart(self) -> None:
         """Called by ``close`` (a clean departure): record how far this rank went in every
         collective, so that a rank waiting in one this rank never entered fails at once."""
         with self._seq_lock:
@@ -185,7 +202,7 @@ class Collectives:
         self._set(self._scoped(f"{_DEPARTURE}{self.rank}"), json.dumps(record).encode())
         self._append(self._scoped(_DEPARTED), f"{self.rank},".encode())
 
-    def _departures(self: ControlChannel) -> dict[int, Departure]:
+    def _departures(self) -> dict[int, Departure]:
         """The departure records of the ranks that have closed (read again only when the
         list of departed ranks grew)."""
         key = self._scoped(_DEPARTED)
@@ -197,7 +214,7 @@ class Collectives:
             self._departed[rank] = Departure(entered, bool(record.get("partial")))
         return self._departed
 
-    def _raise_if_departed(self: ControlChannel, needs: Needs, during: str) -> None:
+    def _raise_if_departed(self, needs: Needs, during: str) -> None:
         """PeerLeft if a rank ``needs`` names has closed without entering its round."""
         departed = self._departures()
         for rank in needs.ranks:
@@ -205,7 +222,7 @@ class Collectives:
             if record is not None and record.missed(needs):
                 raise PeerLeft(rank, needs.what, during)
 
-    def _check_rank(self: ControlChannel, rank: int, what: str) -> None:
+    def _check_rank(self, rank: int, what: str) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"{what} must be a rank in 0..{self.world_size - 1}, got {rank!r}")
 

@@ -537,8 +537,9 @@ def _coerce(name: str, raw: Any, where: str) -> Any:
 
 
 def _as_options(raw: Any, where: str) -> dict[str, str]:
+    items: list[tuple[Any, Any]]
     if isinstance(raw, Mapping):
-        items = raw.items()
+        items = list(raw.items())
     elif isinstance(raw, str):
         items = parse_qsl(raw, keep_blank_values=True)
     elif isinstance(raw, list | tuple):  # --option k=v, repeated
@@ -552,11 +553,9 @@ def _as_options(raw: Any, where: str) -> dict[str, str]:
         raise ConfigError(f"options (from {where}) must be a table of KEY = VALUE, got {raw!r}")
     out = {}
     for key, value in items:
-        if isinstance(value, bool):
-            value = int(value)
-        if not isinstance(value, str | int | float):
+        if not isinstance(value, str | int | float):  # bool is an int: true -> "1"
             raise ConfigError(f"option {key!r} (from {where}) must be a string or number, got {value!r}")
-        out[str(key)] = str(value)
+        out[str(key)] = str(int(value)) if isinstance(value, bool) else str(value)
     return out
 
 
@@ -573,14 +572,15 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
     elif values.get("__torchrun_store") and transport in (None, "tcpstore"):
         url, origin["url"] = f"tcpstore://{values['host']}:{values['port']}", "torchrun (MASTER_ADDR, MASTER_PORT)"
     elif transport is not None or placed is not None:
+        under = f"default (under {cluster['launcher']})" if cluster is not None else "default"
         if transport is None:
-            transport, origin["transport"] = "zmq", f"default (under {cluster['launcher']})"
+            transport, origin["transport"] = "zmq", under
         host, port = values.get("host"), values.get("port")
-        if placed is not None:
+        if cluster is not None and placed is not None:
             if host is None:
                 host, origin["host"] = placed, cluster["where"]
             if port is None:
-                port, origin["port"] = cluster["port"], f"default (under {cluster['launcher']})"
+                port, origin["port"] = cluster["port"], under
         if host is None or port is None:
             missing = " and ".join(n for n, v in (("host", host), ("port", port)) if v is None)
             raise ConfigError(f"transport {transport!r} (from {origin['transport']}) needs {missing} as well")

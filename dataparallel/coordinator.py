@@ -24,6 +24,7 @@ reply cache if it completed, by re-routing if it is still parked.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from . import procinfo
 from .errors import AuthError, BadMessage
@@ -39,8 +41,9 @@ from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, open_frame, pb
 
 log = logging.getLogger(__name__)
 
-Route = Hashable
-Send = Callable[[Route, pb.Reply], None]
+#: How a transport reaches a request's sender (a ZeroMQ identity, a gRPC stream...): the
+#: coordinator only hands it back to the transport's ``send``.
+R = TypeVar("R", bound=Hashable)
 
 #: Operations that change nothing: a resend is served again instead of from the reply cache.
 READ_ONLY = frozenset({"get", "multi_get", "check", "num_keys"})
@@ -115,15 +118,15 @@ class Session:
 
 
 @dataclass(eq=False)
-class Parked:
+class Parked(Generic[R]):
     """A request waiting for a key or a collective; answered once, by whichever comes first."""
 
     session: Session
-    route: Route  # the socket/stream the request (or its latest resend) came from
+    route: R  # the socket/stream the request (or its latest resend) came from
     request_id: int
     deadline: float
     on_timeout: Callable[[], pb.Reply]
-    release: Callable[[], None] = lambda: None  # withdraws it from what it waits on
+    release: Callable[[], object] = lambda: None  # withdraws it from what it waits on
     done: bool = False
     remember: bool = True  # False for a read: a resend after the answer reads again
 
@@ -150,11 +153,14 @@ class Job:
     collectives: dict[str, Collective] = field(default_factory=dict)
 
 
-class Coordinator:
+class Coordinator(Generic[R]):
     """Serves any number of jobs; see the module docstring for the contract."""
 
     def __init__(
-        self, send: Send, clock: Callable[[], float] = time.monotonic, limits: CoordinatorLimits | None = None
+        self,
+        send: Callable[[R, pb.Reply], None],
+        clock: Callable[[], float] = time.monotonic,
+        limits: CoordinatorLimits | None = None,
     ) -> None:
         self.limits = limits or CoordinatorLimits()
         self._send = send
@@ -163,14 +169,14 @@ class Coordinator:
         self._jobs: dict[str, Job] = {}
         self._sessions: dict[bytes, Session] = {}
         self._by_nonce: dict[bytes, Session] = {}
-        self._parked: set[Parked] = set()
+        self._parked: set[Parked[R]] = set()
         #: Every session's cached replies, oldest first: (session, request id) -> bytes.
         self._cached: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         self._cached_bytes = 0
         self._conns: dict[Hashable, set[Session]] = {}  # connection -> sessions heard on it
 
     # ------------------------------------------------------------------ entry points
-    def handle_frame(self, route: Route, key: bytes, frame: bytes, conn: Hashable = None) -> pb.Reply | None:
+    def handle_frame(self, route: R, key: bytes, frame: bytes, conn: Hashable = None) -> pb.Reply | None:
         """Serve one sealed request (:func:`dataparallel.wire.seal` with ``key``): a frame that
         fails its MAC is answered ``AUTH_FAILED``, one that does not parse ``BAD_MESSAGE``.
         ``conn``: the connection it came in on (see :meth:`connection_closed`), if known."""
@@ -182,7 +188,7 @@ class Coordinator:
             return pb.Reply(status=pb.BAD_MESSAGE, error=str(err))
         return self.handle(route, request, conn)
 
-    def handle(self, route: Route, request: pb.Request, conn: Hashable = None) -> pb.Reply | None:
+    def handle(self, route: R, request: pb.Request, conn: Hashable = None) -> pb.Reply | None:
         """Serve one authenticated request; never raises for bad input (it becomes a reply)."""
         with self._lock:
             try:
@@ -244,7 +250,7 @@ class Coordinator:
             }
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch(self, route: Route, request: pb.Request, conn: Hashable) -> pb.Reply | None:
+    def _dispatch(self, route: R, request: pb.Request, conn: Hashable) -> pb.Reply | None:
         op = request.WhichOneof("op")
         if op == "hello":
             reply = self._hello(route, request)
@@ -278,12 +284,12 @@ class Coordinator:
         handler = self._HANDLERS.get(op)
         if handler is None:
             return _reply(request.id, pb.BAD_MESSAGE, f"unknown operation {op!r}")
-        reply = handler(self, session, request, route)
-        if reply is not None and op != "heartbeat" and op not in READ_ONLY:
-            self._remember(session, reply)
-        return reply
+        answer = handler(self, session, request, route)
+        if answer is not None and op != "heartbeat" and op not in READ_ONLY:
+            self._remember(session, answer)
+        return answer
 
-    def _hello(self, route: Route, request: pb.Request) -> pb.Reply:
+    def _hello(self, route: R, request: pb.Request) -> pb.Reply:
         hello = request.hello
         if hello.protocol != PROTOCOL_VERSION:
             raise BadMessage(
@@ -317,14 +323,14 @@ class Coordinator:
         return _reply(request.id, session=session.id)
 
     # ------------------------------------------------------------------ key/value
-    def _set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _set(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         full = self._over_budget(s.job, r.set.key, len(r.set.value))
         if full:
             return _reply(r.id, pb.FAILED, full)
         s.job.space.set(r.set.key, r.set.value)
         return _reply(r.id)
 
-    def _get(self, s: Session, r: pb.Request, route: Route) -> pb.Reply | None:
+    def _get(self, s: Session, r: pb.Request, route: R) -> pb.Reply | None:
         key, job = r.get.key, s.job
         value = job.space.get(key)
         if value is not None:
@@ -347,7 +353,7 @@ class Coordinator:
         self._park(parked)
         return None
 
-    def _add(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _add(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         key, amount = r.add.key, r.add.amount
         full = self._over_budget(s.job, key, 20)  # an int64 in decimal
         if full:
@@ -362,17 +368,17 @@ class Coordinator:
             raise BadMessage(f"add({key!r}, {amount}): the sum {total} is out of the int64 range")
         return _reply(r.id, number=s.job.space.add(key, amount))
 
-    def _compare_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _compare_set(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         cs = r.compare_set
         full = self._over_budget(s.job, cs.key, len(cs.desired))
         if full:
             return _reply(r.id, pb.FAILED, full)
         return _reply(r.id, value=s.job.space.compare_set(cs.key, cs.expected, cs.desired))
 
-    def _delete(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _delete(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         return _reply(r.id, flag=s.job.space.delete(r.delete.key))
 
-    def _multi_get(self, s: Session, r: pb.Request, route: Route) -> pb.Reply | None:
+    def _multi_get(self, s: Session, r: pb.Request, route: R) -> pb.Reply | None:
         keys, job = list(r.multi_get.keys), s.job
         if not keys:
             return _reply(r.id)
@@ -396,14 +402,14 @@ class Coordinator:
                     return True
                 missing = keys[values.index(None)]
                 if job.space.get_or_park(missing, look) is None:
-                    parked.release = lambda key=missing: job.space.unpark(key, look)
+                    parked.release = functools.partial(job.space.unpark, missing, look)
                     return False
 
         if not look():
             self._park(parked)
         return None
 
-    def _multi_set(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _multi_set(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         items = [(kv.key, kv.value) for kv in r.multi_set.items]
         full = self._over_budget(s.job, "", sum(len(k) + len(v) for k, v in items), new_keys=len({k for k, _ in items}))
         if full:
@@ -411,21 +417,21 @@ class Coordinator:
         s.job.space.multi_set(items)
         return _reply(r.id)
 
-    def _append(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _append(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         full = self._over_budget(s.job, r.append.key, len(r.append.value))
         if full:
             return _reply(r.id, pb.FAILED, full)
         s.job.space.append(r.append.key, r.append.value)
         return _reply(r.id)
 
-    def _check(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _check(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         return _reply(r.id, flag=s.job.space.check(r.check.keys))
 
-    def _num_keys(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _num_keys(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         return _reply(r.id, number=s.job.space.num_keys())
 
     # ------------------------------------------------------------------ membership
-    def _register(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _register(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         rank, job = r.register.rank, s.job
         if rank >= job.world_size:
             raise BadMessage(f"rank {rank} out of range for world size {job.world_size}")
@@ -437,13 +443,13 @@ class Coordinator:
         job.left.discard(rank)
         return _reply(r.id)
 
-    def _heartbeat(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _heartbeat(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         # Losses are news to the run's ranks only: a session still joining moves on to a new run.
         if s.job.lost and s.rank is not None:
             return self._lost_reply(r.id, s.job, status=pb.OK)
         return _reply(r.id)
 
-    def _leave(self, s: Session, r: pb.Request, route: Route) -> pb.Reply:
+    def _leave(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         job = s.job
         for parked in list(s.parked.values()):
             self._finish(parked, _reply(parked.request_id, pb.CLOSED, "session left"), send=False)
@@ -479,7 +485,7 @@ class Coordinator:
             del self._jobs[job.name]  # last one out: a later job of the same name starts clean
 
     # ------------------------------------------------------------------ collectives
-    def _collect(self, s: Session, r: pb.Request, route: Route) -> pb.Reply | None:
+    def _collect(self, s: Session, r: pb.Request, route: R) -> pb.Reply | None:
         c, job = r.collect, s.job
         if s.rank is None:
             return _reply(r.id, pb.FAILED, "collectives need a registered rank")
@@ -637,7 +643,7 @@ class Coordinator:
             self._finish(parked, self._lost_reply(parked.request_id, job))
 
     @staticmethod
-    def _lost_reply(request_id: int, job: Job, status: int = pb.PEER_LOST) -> pb.Reply:
+    def _lost_reply(request_id: int, job: Job, status: pb.Status = pb.PEER_LOST) -> pb.Reply:
         first = next(iter(job.lost.values()))
         reply = _reply(request_id, status, first.reason if status == pb.PEER_LOST else "")
         reply.lost.CopyFrom(first)
@@ -660,7 +666,7 @@ class Coordinator:
             return f"job {job.name!r} would hold more than {self.limits.max_job_bytes} bytes of keys and values"
         return None
 
-    _HANDLERS: dict[str, Callable[[Coordinator, Session, pb.Request, Route], pb.Reply | None]] = {
+    _HANDLERS: dict[str, Callable[[Coordinator[Any], Session, pb.Request, Any], pb.Reply | None]] = {
         "set": _set,
         "get": _get,
         "add": _add,
@@ -682,7 +688,7 @@ def _withdrawn() -> None:
     pass
 
 
-def _reply(request_id: int, status: int = pb.OK, error: str = "", **fields) -> pb.Reply:
+def _reply(request_id: int, status: pb.Status = pb.OK, error: str = "", **fields: Any) -> pb.Reply:
     return pb.Reply(id=request_id, status=status, error=error, **fields)
 
 

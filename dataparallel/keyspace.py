@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 from .errors import BadMessage
 
-Waiter = Callable[[bytes], None]
+Waiter = Callable[[bytes], object]  # told the value; what it returns is not used
 
 
 class KeySpace:

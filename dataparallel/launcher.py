@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from .config import CLUSTER, JobConfig
 from .errors import ConfigError
@@ -36,6 +36,13 @@ from .registry import locate, resolve
 #: Seconds a worker gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 5.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Log(Protocol):
+    """Where a launcher writes its own lines (as ``print(file=...)`` does)."""
+
+    def write(self, text: str, /) -> object: ...
+    def flush(self) -> object: ...
 
 
 @dataclass
@@ -107,7 +114,7 @@ def launch(
     *,
     grace: float = DEFAULT_GRACE,
     prefix: bool = True,
-    log: IO[str] | None = None,
+    log: Log | None = None,
     first_rank: int | None = None,
     lifeline: int | None = None,
 ) -> int:
@@ -284,7 +291,7 @@ def _omp_threads(env: dict[str, str], nprocs: int) -> int | None:
 
 
 class _Supervisor:
-    def __init__(self, grace: float, log: IO[str], tolerate: bool = False, as_json: bool = False) -> None:
+    def __init__(self, grace: float, log: Log, tolerate: bool = False, as_json: bool = False) -> None:
         self.grace = grace
         self.as_json = as_json
         self.log = log
@@ -352,7 +359,7 @@ class _Supervisor:
         front, or the line made a JSON object); a carriage return ends a line too, so
         progress bars redraw in place (JSON: the redraws are lines of their own)."""
         pending = b""
-        while chunk := stream.read1(65536):
+        while chunk := os.read(stream.fileno(), 65536):  # what is there, up to 64 KiB
             parts = re.split(rb"(\r\n|\r|\n)", pending + chunk)
             pending = parts.pop()  # not yet terminated
             lines = zip(parts[::2], parts[1::2], strict=True)
@@ -503,7 +510,7 @@ def _json_line(text: bytes, **fields: Any) -> bytes:
 class _JsonLines:
     """A text stream that writes each whole line given to it as a JSON object (``_json_line``)."""
 
-    def __init__(self, sink: IO[str], **fields: Any) -> None:
+    def __init__(self, sink: Log, **fields: Any) -> None:
         self.sink, self.fields, self.pending = sink, fields, ""
 
     def write(self, text: str) -> int:

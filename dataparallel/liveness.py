@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from .errors import ChannelClosed
+from .errors import ChannelClosed, ControlError
 
 if TYPE_CHECKING:
     from .channel import ControlChannel
@@ -124,6 +124,13 @@ class StoreHeartbeats(Liveness):
         self._ready = threading.Event()  # set after the thread's first tick
         self._first_error: BaseException | None = None
 
+    @property
+    def _me(self) -> int:
+        """This rank (heartbeats start once the channel has joined the job and holds one)."""
+        if self._ch.rank is None:
+            raise ControlError(f"{self._ch!r} beats before it holds a rank")
+        return self._ch.rank
+
     def start(self) -> None:
         """Start the thread and wait for its first tick. Even alone a rank beats: a later
         process claiming its rank must see it is alive. The first tick runs in the thread, so
@@ -143,7 +150,7 @@ class StoreHeartbeats(Liveness):
             self._thread.join(timeout=self._interval * 4)
         if announce:
             try:
-                self._ch._set(self._key(_HB, self._ch.rank), _CLOSED)
+                self._ch._set(self._key(_HB, self._me), _CLOSED)
             except Exception as err:  # leaving anyway; the coordinator may be gone
                 log.debug("could not announce departure: %s", err)
 
@@ -208,7 +215,7 @@ class StoreHeartbeats(Liveness):
                 return
 
     def _beat(self) -> None:
-        self._ch._add(self._key(_HB, self._ch.rank), 1)
+        self._ch._add(self._key(_HB, self._me), 1)
 
     def _watch(self) -> None:
         now = time.monotonic()

@@ -35,7 +35,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -290,7 +290,10 @@ class _Trainer:
         extra_state=None,
     ):
         self.ch: ControlChannel = channel
-        self.rank, self.world = channel.rank, channel.world_size
+        if channel.rank is None:
+            raise ValueError(f"{channel!r} holds no rank: open it with dataparallel.connect")
+        self.rank: int = channel.rank
+        self.world: int = channel.world_size
         self.opts: TrainOptions = options
         self.model = model
         self.loss_fn = loss_fn
@@ -372,7 +375,7 @@ class _Trainer:
             first = next(iter(self._batches(self.train_data, 0, train=True)), None)
             everyone = torch.tensor([0 if first is None else 1], device=self.device)
             dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.pg)
-            if not everyone.item():
+            if first is None or not everyone.item():
                 return
             x, y = _to(first[0], self.device), _to(first[1], self.device)
             self.ddp.eval()
@@ -432,7 +435,7 @@ class _Trainer:
                     break
                 except (RuntimeError, ControlError) as err:
                     failure = self._explain(err, self._epoch)
-                    if not self._can_regroup(failure):
+                    if not isinstance(failure, PeerLost) or not self._can_regroup(failure):
                         raise failure from err
                     epoch = self._regroup(failure)
         finally:
@@ -472,12 +475,11 @@ class _Trainer:
         self.ch.barrier("dp-fit-end", timeout=self.opts.collective_timeout)
 
     # ------------------------------------------------------------------ elastic
-    def _can_regroup(self, failure: Exception) -> bool:
+    def _can_regroup(self, failure: PeerLost) -> bool:
         """A follower lost (not one that left, not the driver) in an elastic job that has
         state to go back to."""
         return (
-            self.opts.elastic
-            and isinstance(failure, PeerLost)
+            bool(self.opts.elastic)
             and not isinstance(failure, PeerLeft)
             and failure.rank != 0
             and self._snapshot is not None
@@ -536,16 +538,19 @@ class _Trainer:
             )
             raise PeerLost(failure.rank, failure.last_seen, reason, during=failure.during)
         job = elastic.generation_job(self._first.job, generation)
-        new = connect(old.url.raw, rank=members.index(old.rank), world_size=len(members), job=job,
-                      token=old.token, timeout=old.timeout)  # fmt: skip
+        rank = members.index(self.rank)
+        new = connect(old.url.raw, rank=rank, world_size=len(members), job=job, token=old.token, timeout=old.timeout)
         self._opened.append(new)
-        self.ch, self.rank, self.world, self.generation = new, new.rank, new.world_size, generation
-        self._restore(self._snapshot)
+        self.ch, self.rank, self.world, self.generation = new, rank, new.world_size, generation
+        snapshot = self._snapshot
+        if snapshot is None:  # _can_regroup saw one
+            raise failure
+        self._restore(snapshot)
         init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
         self.pg = dist.group.WORLD
         self._wrap()
         self._start_watchdog()
-        epoch = self._snapshot["epoch"]
+        epoch = snapshot["epoch"]
         seconds = time.monotonic() - started
         self.history.regroups.append(Regroup(epoch, lost, len(members), generation, seconds))
         log.warning(
@@ -612,13 +617,15 @@ class _Trainer:
             return data(epoch, self.rank, self.world)
         if train:
             make = self.opts.sampler or DistributedSampler
-            sampler = make(
+            sampler: Iterable[int] = make(
                 data, num_replicas=self.world, rank=self.rank, shuffle=self.opts.shuffle, seed=self.opts.seed
             )
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
         else:
             # Validation needs no collectives: shard exactly, without the padding duplicates.
+            if not isinstance(data, Sized):
+                raise TypeError(f"the validation Dataset has no length (len()): {type(data).__name__}")
             sampler = range(self.rank, len(data), self.world)
         return DataLoader(data, batch_size=self.opts.batch_size, sampler=sampler, **self.opts.loader_options)
 
@@ -645,7 +652,7 @@ class _Trainer:
         if self.rank == 0 and self.opts.progress and self._lines is None:
             from tqdm import tqdm
 
-            total = len(batches) if hasattr(batches, "__len__") else None
+            total = len(batches) if isinstance(batches, Sized) else None
             bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
         self._bar = bar
         # Local SGD runs the bare module: no DDP forward, so no gradient all-reduce.
@@ -744,7 +751,7 @@ class _Trainer:
         timeout = self.opts.collective_timeout
         mine = json.dumps({"rng": _rng_state(), "train": list(train)}).encode()
         parts = self.ch.gather(f"dp-stop-{epoch}", mine, dst=0, timeout=timeout)
-        if self.rank == 0:
+        if parts is not None:  # the driver's
             parsed = [json.loads(part) for part in parts]
             partial = {"epoch": epoch, "batches": batches, "train": [p["train"] for p in parsed]}
             self._save(epoch - 1, [p["rng"] for p in parsed], partial=partial)
@@ -774,7 +781,7 @@ class _Trainer:
         if self.opts.sampler is None:
             return False
         try:
-            mine = len(batches)
+            mine = len(batches) if isinstance(batches, Sized) else -1
         except TypeError:  # a sampler without a length: unknown, so uneven
             mine = -1
         timeout = self.opts.collective_timeout
@@ -947,7 +954,7 @@ class _Trainer:
         # The scheduler and the step count too: stepped per optimizer step, they are behind as well.
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         mine = (self.optimizer.state_dict(), self.scaler.state_dict(), scheduler, self.global_step)
-        box = [mine] if self.rank == source else [None]
+        box: list[Any] = [mine] if self.rank == source else [None]
         dist.broadcast_object_list(box, group=self.pg, group_src=source)
         if self.rank != source:
             optimizer_state, scaler_state, scheduler_state, self.global_step = box[0]
@@ -960,6 +967,12 @@ class _Trainer:
         """Whether ``epoch`` ends with a checkpoint: every ``checkpoint_every`` epochs and the last."""
         every = self.opts.checkpoint_every
         return self.opts.checkpoint is not None and ((epoch + 1) % every == 0 or epoch == self.opts.epochs - 1)
+
+    def _target(self) -> str | os.PathLike:
+        """Where the checkpoint goes (only asked where ``checkpoint`` is set)."""
+        if self.opts.checkpoint is None:
+            raise ValueError("no checkpoint: set TrainOptions(checkpoint=PATH)")
+        return self.opts.checkpoint
 
     def _save(self, epoch: int, rng_states: list[str], partial: dict[str, Any] | None = None) -> None:
         state = {
@@ -977,14 +990,14 @@ class _Trainer:
             "extra": self.extra_state[0]() if self.extra_state is not None else None,
             "partial": partial,  # a stop signal's: the epoch after ``epoch``, that far in
         }
-        checkpoint.save_atomically(state, self.opts.checkpoint)
+        checkpoint.save_atomically(state, self._target())
 
     def _maybe_resume(self) -> None:
         if not self.opts.resume:
             return
         state = None
         if self.rank == 0:
-            state = checkpoint.load(self.opts.checkpoint)
+            state = checkpoint.load(self._target())
         if state is not None and state["world_size"] != self.world:
             log.warning(
                 "resuming from %s, written by %d ranks, with %d: the data is resharded from the next epoch "

@@ -36,7 +36,8 @@ def init_process_group(
     peers' addresses with one ``multi_get`` per rank instead of one ``get`` per peer
     (``GLOO_ENABLE_STORE_V2_API=1``, unless set otherwise): N requests at init, not N².
     """
-    if channel.rank is None:
+    rank = channel.rank
+    if rank is None:
         raise ValueError(f"{channel!r} holds no rank yet: open it with dataparallel.connect")
     device = torch.device(device) if device is not None else None
     if backend is None:
@@ -54,7 +55,7 @@ def init_process_group(
     dist.init_process_group(
         backend,
         store=channel.as_store(),
-        rank=channel.rank,
+        rank=rank,
         world_size=channel.world_size,
         timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         **kwargs,
@@ -119,7 +120,7 @@ def _with_socket(fd: int, use: Any) -> Any:
         sock.detach()
 
 
-def _peer_connection(fd: int, control_port: int) -> bool:
+def _peer_connection(fd: int, control_port: int | None) -> bool:
     """A connected TCP socket that is not the control plane's (which uses ``control_port`` at
     one end): one of gloo's connections to a peer."""
 

@@ -219,7 +219,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
         A wildcard host (``0.0.0.0``) is reached over loopback."""
         url = self.url
         port = url.require_port()
-        if self.rank in (None, 0) and self.serve:
+        if self.rank in (None, 0) and self.may_host:
             try:
                 self._server = start()
                 port = self._server.port
@@ -428,20 +428,22 @@ class RemoteChannel(ControlChannel, abc.ABC):
         self._usable()
         self._check_rank(src, "src")
         seq = self._next_seq("bcast", name)
-        mine = self.rank == src
-        if mine and value is None:
-            raise TypeError(f"broadcast {name!r}: rank {src} is the source and must pass a value")
-        if self.world_size == 1:
-            return bytes(value)
+        own = None
+        if self.rank == src:
+            if value is None:
+                raise TypeError(f"broadcast {name!r}: rank {src} is the source and must pass a value")
+            own = bytes(value)
+            if self.world_size == 1:
+                return own
         got = self._collect(
             f"bcast/{name}/{seq}",
             f"broadcast {name!r} from rank {src}",
             timeout,
-            want=not mine,
-            value=_bytes(value) if mine else None,
+            want=own is None,
+            value=None if own is None else _bytes(own),
             sources=[src],
         )
-        return bytes(value) if mine else got[src]
+        return got[src] if own is None else own
 
     def gather(self, name: str, value: bytes, dst: int = 0, timeout: float | None = None) -> list[bytes] | None:
         self._usable()

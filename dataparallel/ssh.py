@@ -30,12 +30,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import IO
 
 from . import __version__
 from .config import JobConfig, address_of
 from .errors import ConfigError
-from .launcher import DEFAULT_GRACE, Worker, _Supervisor
+from .launcher import DEFAULT_GRACE, Log, Worker, _Supervisor
 from .registry import resolve
 
 #: Environment variables a host's workers get from this launcher's environment (names, or
@@ -163,7 +162,7 @@ def launch_hosts(
     *,
     grace: float = DEFAULT_GRACE,
     prefix: bool = True,
-    log: IO[str] | None = None,
+    log: Log | None = None,
     ssh: SshOptions | None = None,
 ) -> int:
     """Run ``command`` (a full argv, as :func:`dataparallel.launcher.launch` takes it) on

@@ -64,6 +64,9 @@ class ChannelStore(dist.Store):
     so that calls from C++ (``PrefixStore.clone()``, NCCL's threads) always find it.
     """
 
+    if TYPE_CHECKING:
+        timeout: timedelta  # c10d Store's, which torch's stubs leave out
+
     def __init__(self, channel: ControlChannel, clones: list[ChannelStore] | None = None) -> None:
         super().__init__()
         self.channel = channel

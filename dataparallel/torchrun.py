@@ -36,10 +36,16 @@ from urllib.parse import urlencode
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousHandler,
+    RendezvousInfo,
     RendezvousParameters,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from .channel import ControlChannel
@@ -197,24 +203,50 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
             f"dp-{scheme}: {url.shown}: this agent's token (DP_TOKEN) differs from the job's: {err}"
         ) from err
     backend = ChannelRendezvousBackend(channel, params.run_id, f"dp-{scheme}")
-    handler = create_handler(channel.as_store(), backend, params)
-    handler._dp_channel = channel  # kept alive (and hosting, if it does) as long as the handler
-    inner = handler.next_rendezvous
+    return ChannelRendezvousHandler(create_handler(channel.as_store(), backend, params), channel, url.raw)
 
-    def next_rendezvous():
-        # Tell the workers which round they belong to: the same on every node, unlike
-        # TORCHELASTIC_RESTART_COUNT (a node whose workers did not fail restarts them
-        # without counting). Workers inherit the agent's environment.
-        info = inner()
-        os.environ[URL_ENV] = url.raw  # and which channel: their dp.connect()'s default
-        holder = getattr(handler, "_state_holder", None)
+
+class ChannelRendezvousHandler(RendezvousHandler):
+    """torch's dynamic rendezvous handler over a channel's backend, which also tells the
+    workers which round they belong to and which channel is theirs, and keeps the channel
+    open (and hosting, if it does) as long as it lives. Everything else is torch's."""
+
+    def __init__(self, inner: DynamicRendezvousHandler, channel: ControlChannel, url: str) -> None:
+        self.inner, self.channel, self._url = inner, channel, url
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        # The round is the same on every node, unlike TORCHELASTIC_RESTART_COUNT (a node whose
+        # workers did not fail restarts them without counting). Workers inherit the agent's
+        # environment.
+        info = self.inner.next_rendezvous()
+        os.environ[URL_ENV] = self._url  # and which channel: their dp.connect()'s default
+        holder = getattr(self.inner, "_state_holder", None)
         state = getattr(holder, "state", None)
         if state is not None:
             os.environ[ROUND_ENV] = str(state.round)
         return info
 
-    handler.next_rendezvous = next_rendezvous
-    return handler
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
 
 
 def _read_timeout(params: RendezvousParameters) -> float:

@@ -249,10 +249,10 @@ def test_torchrun_backend_passes_tls_and_credentials_to_etcd(tls_etcd, auth_etcd
         handler(auth_etcd, user="agent", password=USERS["agent"][0], read_timeout="10"),
     ):
         try:
-            made._dp_channel.set("k", b"v")
-            assert made._dp_channel.get("k", timeout=5) == b"v"
+            made.channel.set("k", b"v")
+            assert made.channel.get("k", timeout=5) == b"v"
         finally:
-            made._dp_channel.close()
+            made.channel.close()
     with pytest.raises(RendezvousConnectionError, match="speaks TLS"):
         handler(tls_etcd, read_timeout="30")
     with pytest.raises(RendezvousConnectionError, match="wrong user name or password"):

@@ -257,7 +257,7 @@ def rendezvous(etcd, monkeypatch):
     finally:
         intruder.close()
         handler.shutdown()
-        handler._dp_channel.close()
+        handler.channel.close()
 
 
 @pytest.mark.timeout(120)
@@ -288,7 +288,7 @@ def test_a_replayed_older_rendezvous_state_is_refused(rendezvous):
     handler.next_rendezvous()
     old = intruder.get(key, timeout=5)
     handler.next_rendezvous()
-    holder = handler._state_holder
+    holder = handler.inner._state_holder
     newer = holder.state.round
     assert intruder.get(key, timeout=5) != old
     intruder.set(key, old)

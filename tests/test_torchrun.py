@@ -182,5 +182,5 @@ def test_an_agent_with_another_token_is_refused(tmp_path, monkeypatch):
             create_rdzv_handler("etcd", _params("dp-etcd", endpoint, read_timeout="10"))
     finally:
         for handler in handlers:
-            handler._dp_channel.close()
+            handler.channel.close()
         server.stop()

@@ -32,16 +32,21 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, ClassVar, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 from urllib.parse import urlencode, urlsplit
 
 import pytest
 
 import dataparallel as dp
 from dataparallel.registry import locate
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -95,9 +100,7 @@ class ChannelHarness:
         def factory(n: int, job: str = "conformance", url: str | None = None, **kwargs: Any):
             kwargs.setdefault("timeout", 30.0)
             target = url or channel_url
-            channels = run_all(
-                [lambda r=r: dp.connect(target, rank=r, world_size=n, job=job, **kwargs) for r in range(n)]
-            )
+            channels = run_all([partial(dp.connect, target, rank=r, world_size=n, job=job, **kwargs) for r in range(n)])
             opened.extend(channels)
             return channels
 
@@ -106,7 +109,7 @@ class ChannelHarness:
 
     @staticmethod
     def rendezvous_all(channels: Sequence[dp.ControlChannel]) -> None:
-        run_all([lambda c=c: c.rendezvous(timeout=STEP_TIMEOUT) for c in channels])
+        run_all([partial(c.rendezvous, timeout=STEP_TIMEOUT) for c in channels])
 
     def spawn_rank(
         self, role: str, url: str, rank: int | None, world_size: int, job: str, *extra: str
@@ -122,7 +125,10 @@ class ChannelHarness:
     def read_ready(proc: subprocess.Popen, timeout: float = STEP_TIMEOUT) -> None:
         """Wait for a worker's ``{"ready": rank}`` line (it has joined the rendezvous)."""
         box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+        stdout = proc.stdout
+        if stdout is None:
+            raise ValueError("read_ready reads the worker's stdout: start it with stdout=PIPE (as spawn_rank does)")
+        reader = threading.Thread(target=lambda: box.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         if not box or "ready" not in box[0]:
@@ -618,7 +624,7 @@ class CollectiveTests(ChannelHarness):
         channels = open_ranks(4)
 
         def body(ch: dp.ControlChannel) -> list:
-            got = []
+            got: list[list[bytes] | bytes] = []
             for r in range(6):
                 if ch.rank == r % 4:
                     time.sleep(0.05)
@@ -729,8 +735,8 @@ class CollectiveTests(ChannelHarness):
                     pool.submit(lambda: ([c.check(["warm"]) for c in channels[:2]], started.wait(STEP_TIMEOUT)))
                     for _ in range(2)
                 ]
-                for future in warm:
-                    future.result(timeout=STEP_TIMEOUT)
+                for warming in warm:
+                    warming.result(timeout=STEP_TIMEOUT)
                 channels[2].check(["warm"])  # and this thread, which closes it
                 if closes_first:
                     channels[2].close()
@@ -803,7 +809,7 @@ class LivenessTests(ChannelHarness):
                 ch.barrier("after-loss", timeout=STEP_TIMEOUT)
             return info.value
 
-        errors = run_all([lambda c=c: wait(c) for c in waiters])
+        errors = run_all([partial(wait, c) for c in waiters])
         elapsed = time.monotonic() - since
         for err in errors:
             assert err.rank == lost_rank, str(err)
@@ -823,7 +829,7 @@ class LivenessTests(ChannelHarness):
         proc = self.spawn_rank("hold", url, victim, n, job, *extra)
         try:
             channels = run_all(
-                [lambda r=r: dp.connect(url, rank=r, world_size=n, job=job, timeout=30) for r in range(n - 1)]
+                [partial(dp.connect, url, rank=r, world_size=n, job=job, timeout=30) for r in range(n - 1)]
             )
             try:
                 if rendezvous:
@@ -1020,20 +1026,20 @@ class RunTests(ChannelHarness):
         leave a key behind for the next one before closing."""
         n = len(ranks)
         start = time.monotonic()
-        again = run_all([lambda r=r: dp.connect(url, rank=r, world_size=n, job=job, timeout=60) for r in ranks], 90)
+        again = run_all([partial(dp.connect, url, rank=r, world_size=n, job=job, timeout=60) for r in ranks], 90)
         joined = time.monotonic() - start
         try:
             assert joined < bound, f"the rerun joined after {joined:.1f}s"
-            assert sorted(c.rank for c in again) == list(range(n))
+            assert sorted(_held_rank(c) for c in again) == list(range(n))
             assert not any(c.check([f"leftover/{r}"]) for c in again for r in range(n)), "the old run's keys show"
             self.rendezvous_all(again)
-            run_all([lambda c=c: c.barrier("unfinished", timeout=STEP_TIMEOUT) for c in again])
-            got = run_all([lambda c=c: c.all_gather("who", str(c.rank).encode(), timeout=STEP_TIMEOUT) for c in again])
+            run_all([partial(c.barrier, "unfinished", timeout=STEP_TIMEOUT) for c in again])
+            got = run_all([partial(c.all_gather, "who", str(c.rank).encode(), timeout=STEP_TIMEOUT) for c in again])
             assert got == [[str(r).encode() for r in range(n)]] * n
             time.sleep(self.LIVENESS["liveness_timeout"] / 2)
             assert all(c.lost_peers() == {} for c in again), "the rerun inherited the crashed run's losses"
             if leave:
-                run_all([lambda c=c: c.set(f"leftover/{c.rank}", b"from the run before") for c in again])
+                run_all([partial(c.set, f"leftover/{c.rank}", b"from the run before") for c in again])
         finally:
             close_all(again)
 
@@ -1146,45 +1152,73 @@ class StoreTests(ChannelHarness):
         channels = open_ranks(n, job="gloo")
         counted = _count_multi_gets(channels)
 
+        def gloo(store: dist.Store, rank: int) -> _GlooBackend:
+            # torch's stubs declare these collectives on ProcessGroup only; Backend (ProcessGroupGloo's base)
+            # has them in its bindings.
+            return cast("_GlooBackend", dist.ProcessGroupGloo(store, rank, n, timedelta(seconds=60)))
+
         def body(ch: dp.ControlChannel) -> dict:
             ch.rendezvous(timeout=STEP_TIMEOUT)
+            rank = _held_rank(ch)
             store = dist.PrefixStore("pg0/", ch.as_store())
-            pg = dist.ProcessGroupGloo(store, ch.rank, n, timedelta(seconds=60))
-            summed = torch.tensor([float(ch.rank + 1), 2.0**ch.rank])
+            pg = gloo(store, rank)
+            summed = torch.tensor([float(rank + 1), 2.0**rank])
             pg.allreduce([summed]).wait()
-            shared = torch.full((3,), float(ch.rank))
+            shared = torch.full((3,), float(rank))
             opts = dist.BroadcastOptions()
             opts.rootRank = n - 1
             pg.broadcast([shared], opts).wait()
             pg.barrier().wait()
             gathered = [torch.zeros(1) for _ in range(n)]
-            pg.allgather([gathered], [torch.tensor([float(ch.rank)])]).wait()
+            pg.allgather([gathered], [torch.tensor([float(rank)])]).wait()
             # A second group on its own prefix: the store is used again after init.
-            pg2 = dist.ProcessGroupGloo(dist.PrefixStore("pg1/", ch.as_store()), ch.rank, n, timedelta(seconds=60))
+            pg2 = gloo(dist.PrefixStore("pg1/", ch.as_store()), rank)
             ones = torch.ones(1)
             pg2.allreduce([ones]).wait()
             return {
-                "rank": ch.rank,
+                "rank": rank,
                 "sum": summed.tolist(),
                 "broadcast": shared.tolist(),
                 "gathered": [int(t.item()) for t in gathered],
                 "group_sum": ones.item(),
-                "multi_gets": counted[ch.rank],
+                "multi_gets": counted[rank],
             }
 
-        return run_all([lambda c=c: body(c) for c in channels], timeout=120)
+        return run_all([partial(body, c) for c in channels], timeout=120)
+
+
+class _GlooBackend(Protocol):
+    """The collectives :meth:`StoreTests._gloo_on_threads` calls on a ``ProcessGroupGloo``."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+    def barrier(self) -> dist.Work: ...
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]) -> dist.Work: ...
+
+
+def _held_rank(ch: dp.ControlChannel) -> int:
+    """``ch.rank``, which a channel that ``dp.connect`` returned holds."""
+    if ch.rank is None:
+        pytest.fail(f"{ch!r} holds no rank: dp.connect returned it before its rank was assigned")
+    return ch.rank
 
 
 def _count_multi_gets(channels: Sequence[dp.ControlChannel]) -> dict[int, int]:
     """Count each channel's multi_get calls (wrapping the bound method, nothing else)."""
-    counted = {ch.rank: 0 for ch in channels}
+    counted = {_held_rank(ch): 0 for ch in channels}
     for ch in channels:
 
-        def counting(keys, timeout=None, _ch=ch, _call=ch.multi_get):
-            counted[_ch.rank] += 1
+        def counting(
+            keys: Iterable[str],
+            timeout: float | None = None,
+            _rank: int = _held_rank(ch),
+            _call: Callable[[Iterable[str], float | None], list[bytes]] = ch.multi_get,
+        ) -> list[bytes]:
+            counted[_rank] += 1
             return _call(keys, timeout)
 
-        ch.multi_get = counting
+        # Set on the instance, in front of the class's method: mypy refuses a plain assignment to a method.
+        setattr(ch, "multi_get", counting)  # noqa: B010
     return counted
 
 

@@ -120,14 +120,26 @@ class Report:
         return "\n".join(str(k) for k in self.keys)
 
 
-class _Node:
-    __slots__ = ("call", "id", "match", "next", "op", "prev")
+class _Link:
+    """The head of the list of events, or (a :class:`_Node`) an event in it."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next: _Node | None = None
+
+
+class _Node(_Link):
+    """An operation's call (``match``: its return) or return (``match``: None)."""
+
+    __slots__ = ("call", "id", "match", "op", "prev")
+    #: The head or the event before this one: set when the node is linked into the list.
+    prev: _Link
 
     def __init__(self, op: Operation, ident: int, call: bool) -> None:
+        super().__init__()
         self.op, self.id, self.call = op, ident, call
         self.match: _Node | None = None
-        self.prev: _Node | None = None
-        self.next: _Node | None = None
 
 
 def check_key(key: str, ops: Sequence[Operation], initial: str | None = None, limit: int = 2_000_000) -> KeyReport:
@@ -140,27 +152,31 @@ def check_key(key: str, ops: Sequence[Operation], initial: str | None = None, li
         # At equal times, calls sort before returns: such operations count as concurrent.
         events += [(op.start, 0, call), (inf if op.end is None else op.end, 1, ret)]
     events.sort(key=lambda e: (e[0], e[1]))
-    head = _Node(None, -1, False)  # type: ignore[arg-type]
+    head = _Link()
     prev = head
     for _, _, node in events:
         prev.next, node.prev = node, prev
         prev = node
 
     def lift(call: _Node) -> None:
-        call.prev.next = call.next
-        call.next.prev = call.prev
-        ret = call.match
+        ret, after = call.match, call.next
+        if ret is None or after is None:  # a call has its return, linked after it
+            raise RuntimeError(f"lift: not a call in the list: {call.op}")
+        call.prev.next = after
+        after.prev = call.prev
         ret.prev.next = ret.next
         if ret.next is not None:
             ret.next.prev = ret.prev
 
     def unlift(call: _Node) -> None:
-        ret = call.match
+        ret, after = call.match, call.next
+        if ret is None or after is None:
+            raise RuntimeError(f"unlift: not a lifted call: {call.op}")
         ret.prev.next = ret
         if ret.next is not None:
             ret.next.prev = ret
         call.prev.next = call
-        call.next.prev = call
+        after.prev = call
 
     state, linearized = initial, 0
     stack: list[tuple[_Node, str | None]] = []
@@ -168,6 +184,9 @@ def check_key(key: str, ops: Sequence[Operation], initial: str | None = None, li
     best: tuple[list[Operation], str | None, list[Operation]] = ([], initial, [])
     entry = head.next
     while head.next is not None:
+        # The first event, or the one after a call (there is one: the call's return).
+        if entry is None:
+            raise RuntimeError(f"key {key!r}: the search lost its place in the list of events")
         if entry.call:
             ok, new = step(state, entry.op)
             if ok:
@@ -186,11 +205,11 @@ def check_key(key: str, ops: Sequence[Operation], initial: str | None = None, li
         # A return: some operation called before it must be placed first, and none can.
         if len(stack) >= len(best[0]):
             window = []
-            node = head.next
-            while node is not None and node is not entry.next:
-                if node.call:
-                    window.append(node.op)
-                node = node.next
+            event: _Node | None = head.next
+            while event is not None and event is not entry.next:
+                if event.call:
+                    window.append(event.op)
+                event = event.next
             best = ([n.op for n, _ in stack], state, window)
         if not stack:
             break
@@ -285,6 +304,7 @@ def client_ops(ch: Any, out: Path, client: int, ops: int, min_seconds: float, ke
                 time.sleep(0.005)  # enough recorded: stay busy until the faults are done, slowly
             key, roll = rng.choice(names), rng.random()
             unique = str(client * 10**9 + i)  # every written value names its write
+            args: list[str | int]
             if roll < 0.25:
                 op, args = "set", [unique]
             elif roll < 0.45:

@@ -25,32 +25,33 @@ def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .conformance import _count_multi_gets
+    from .conformance import _count_multi_gets, _held_rank
 
     counted = _count_multi_gets([ch])
+    rank = _held_rank(ch)
 
     dist.init_process_group(
-        "gloo", store=ch.as_store(), rank=ch.rank, world_size=ch.world_size, timeout=timedelta(seconds=60)
+        "gloo", store=ch.as_store(), rank=rank, world_size=ch.world_size, timeout=timedelta(seconds=60)
     )
     try:
-        summed = torch.tensor([float(ch.rank + 1), 2.0**ch.rank])
+        summed = torch.tensor([float(rank + 1), 2.0**rank])
         dist.all_reduce(summed)
-        shared = torch.full((3,), float(ch.rank))
+        shared = torch.full((3,), float(rank))
         dist.broadcast(shared, src=ch.world_size - 1)
         dist.barrier()
-        gathered: list[object] = [None] * ch.world_size
-        dist.all_gather_object(gathered, {"rank": ch.rank, "pid": os.getpid()})
+        gathered: list[dict[str, int]] = [{} for _ in range(ch.world_size)]  # each replaced by a rank's dict
+        dist.all_gather_object(gathered, {"rank": rank, "pid": os.getpid()})
         # A second group exercises the store again after init (new_group uses it).
         group = dist.new_group(list(range(ch.world_size)))
         again = torch.ones(1)
         dist.all_reduce(again, group=group)
         return {
-            "rank": ch.rank,
+            "rank": rank,
             "sum": summed.tolist(),
             "broadcast": shared.tolist(),
             "gathered": [g["rank"] for g in gathered],
             "group_sum": again.item(),
-            "multi_gets": counted[ch.rank],
+            "multi_gets": counted[rank],
         }
     finally:
         dist.destroy_process_group()

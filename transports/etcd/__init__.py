@@ -110,7 +110,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._loop = client_loop()
         self._current = 0
         self._client: EtcdClient | None = None
-        self._lease = None
+        self._lease: Any = None  # aetcd's lease, once granted
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._registered = False
@@ -133,7 +133,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         if self._lease is None:
             self._lease = await self._call("lease", self._ttl)
         run_key = self._job_root + b"\x00run"  # below every run id: outside the range wiped
-        txn = self._client.transactions
+        txn = self._etcd.transactions
         while True:
             fresh = uuid.uuid4().hex.encode()
             ok, _ = await self._call(
@@ -145,10 +145,13 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 ],
                 failure=[],
             )
-            current = None if ok else await self._call("get", run_key)
-            if ok or current is not None:  # else the run expired in between: try again
+            if ok:
+                run = fresh
                 break
-        run = fresh if ok else current.value
+            current = await self._call("get", run_key)
+            if current is not None:  # else the run expired in between: try again
+                run = current.value
+                break
         self._root = self._job_root + run + b"/"
 
     def _enter_run(self, retry: bool) -> None:
@@ -309,29 +312,36 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         deadline = time.monotonic() + self.liveness_timeout
         renewed = False
         while True:
-            metadata = self._client.metadata
+            metadata = self._etcd.metadata
             try:
-                return await getattr(self._client, method)(*args, **kwargs)
+                return await getattr(self._etcd, method)(*args, **kwargs)
             except _TRANSIENT as err:
                 if time.monotonic() > deadline:
                     raise ChannelClosed(
                         f"etcd at {self.url.shown} unreachable for {self.liveness_timeout:g}s: {err}"
                     ) from err
                 if len(self._endpoints) > 1:
-                    await self._client.close()
+                    await self._etcd.close()
                     self._current = (self._current + 1) % len(self._endpoints)
                     self._client = self._new_client()
                 await asyncio.sleep(0.2)
             except aetcd.exceptions.ClientError as err:
-                if _token_dropped(err) and self._client.authenticates and not renewed:
+                if _token_dropped(err) and self._etcd.authenticates and not renewed:
                     # etcd forgot the token (unused for --auth-token-ttl): get another, once.
                     renewed = True
-                    await self._client.reauthenticate(metadata)
+                    await self._etcd.reauthenticate(metadata)
                     continue
                 error = self._translate(err, method)
                 if _lease_gone(err):
                     self._fail(error)  # fenced: every later call says so at once
                 raise error from err
+
+    @property
+    def _etcd(self) -> EtcdClient:
+        """The client, once connected."""
+        if self._client is None:
+            raise ChannelClosed(f"job {self.job!r}: not connected to etcd at {self.url.shown}")
+        return self._client
 
     def _k(self, key: str) -> bytes:
         return self._root + key.encode()
@@ -392,7 +402,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         """:meth:`_once`; with ``reads`` (operations run after ``ops`` in the same
         transaction) returns their results, or None where an earlier attempt committed (its
         reads are lost with its reply)."""
-        txn = self._client.transactions
+        txn = self._etcd.transactions
         seq = next(self._op_seq)
         record = self._record_key(seq)
         prune = [txn.delete(self._record_key(seq - _KEEP_RECORDS))] if seq >= _KEEP_RECORDS else []
@@ -423,7 +433,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             def ops(txn, new=new):
                 return [txn.delete(key) if new is _REMOVE else txn.put(key, new)]
 
-            txn = self._client.transactions
+            txn = self._etcd.transactions
             guard = txn.version(key) == 0 if current is None else txn.mod(key) == current.mod_revision
             done, recorded = await self._once(ops, [guard], result)
             if done:
@@ -453,7 +463,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     async def _read(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` at one revision (None for a missing key): one transaction."""
         values: list[bytes | None] = []
-        txn = self._client.transactions
+        txn = self._etcd.transactions
         for start in range(0, len(keys), _TXN_OPS):
             chunk = keys[start : start + _TXN_OPS]
             _, found = await self._call("transaction", compare=[], success=[txn.get(k) for k in chunk], failure=[])
@@ -475,8 +485,9 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         deadline = time.monotonic() + timeout
         while True:
             values = await self._read(keys)
-            if None not in values:
-                return values
+            present = [value for value in values if value is not None]
+            if len(present) == len(values):
+                return present
             # Watch the first missing key, then read them all again.
             remaining = deadline - time.monotonic()
             if remaining <= 0 or await self._get_async(keys[values.index(None)], remaining) is None:
@@ -499,7 +510,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     def _claimed(self) -> None:
         # The alive key (bound to the lease) and the joined marker (not) in one transaction:
         # a rank with a joined marker and no alive key has lost its lease.
-        txn = self._client.transactions
+        txn = self._etcd.transactions
         self._run(
             self._call(
                 "transaction",
@@ -569,7 +580,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     def _shutdown(self) -> None:
         if self._client is not None:
             try:
-                self._run(self._client.close(), 5)
+                self._run(self._etcd.close(), 5)
             except Exception:
                 pass
 

@@ -62,6 +62,7 @@ class EtcdClient(aetcd.Client):
         super().__init__(host=host, port=port, username=username, password=password)
         self._credentials = credentials
         self._auth_lock = asyncio.Lock()
+        self._is_connecting = False  # a task is in connect()
 
     @property
     def authenticates(self) -> bool:

@@ -36,7 +36,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import quote
 
 import aetcd
@@ -47,7 +47,10 @@ from dataparallel.errors import ControlError, ControlTimeout, PeerLeft
 from .client import Count
 
 if TYPE_CHECKING:
+    from dataparallel.liveness import Liveness
+
     from . import EtcdChannel
+    from .client import EtcdClient
 
 T = TypeVar("T")
 
@@ -153,18 +156,41 @@ class ReleaseWatch:
 class EtcdCollectives:
     """Mixin of :class:`~transports.etcd.EtcdChannel`: the collectives described above."""
 
-    def _round(self: EtcdChannel, kind: str, name: str, seq: int) -> str:
+    if TYPE_CHECKING:  # what the mixin uses of EtcdChannel (declared for the type checker only)
+        rank: int | None
+        world_size: int
+        job: str
+        liveness_poll: ClassVar[float]
+        _loop: asyncio.AbstractEventLoop
+        _releases: ReleaseWatch
+        _liveness: Liveness | None
+
+        @property
+        def _etcd(self) -> EtcdClient: ...
+        def _k(self, key: str) -> bytes: ...
+        def _usable(self) -> None: ...
+        def _check_rank(self, rank: int, what: str) -> None: ...
+        def _next_seq(self, kind: str, name: str) -> int: ...
+        def _budget(self, timeout: float | None) -> float: ...
+        def _raise_if_failed(self, what: str) -> None: ...
+        def _translate(self, err: BaseException, what: str) -> ControlError: ...
+        def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T: ...
+        async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+        async def _once(self, ops: Any, guard: Any = (), result: bytes = b"") -> tuple[bool, bytes]: ...
+        async def _commit(self, ops: Any, guard: Any = (), result: bytes = b"", reads: Any = ()) -> Any: ...
+
+    def _round(self, kind: str, name: str, seq: int) -> str:
         # Quoted, so that no name's rounds lie under another's ("a/0" vs "a", round 0).
         return f"{kind}/{quote(name, safe='', errors='surrogatepass')}/{seq}"
 
-    def _arrivals(self: EtcdChannel, round_: str) -> bytes:
+    def _arrivals(self, round_: str) -> bytes:
         return self._k(f"{_ARRIVE}{round_}/")
 
-    def _release_key(self: EtcdChannel, round_: str) -> bytes:
+    def _release_key(self, round_: str) -> bytes:
         return self._k(f"{_RELEASE}{round_}")
 
     # ------------------------------------------------------------------ steps (on the loop)
-    async def _arrive(self: EtcdChannel, round_: str, value: bytes, expected: int, forget: str | None = None) -> bool:
+    async def _arrive(self, round_: str, value: bytes, expected: int, forget: str | None = None) -> bool:
         """Put this rank's arrival key of ``round_`` (deleting its key of round ``forget``),
         exactly once. True if the round then held ``expected`` arrivals."""
         prefix = self._arrivals(round_)
@@ -180,41 +206,41 @@ class EtcdCollectives:
             _, reads = await self._call("transaction", compare=[], success=[count], failure=[])
         return reads[0] >= expected
 
-    async def _release(self: EtcdChannel, round_: str, value: bytes = b"", forget: str | None = None) -> None:
+    async def _release(self, round_: str, value: bytes = b"", forget: str | None = None) -> None:
         """Put the release key of ``round_`` (deleting that of round ``forget``), exactly
         once, unless the round was cleaned up already (this rank's arrival key is gone)."""
         mine = self._arrivals(round_) + str(self.rank).encode()
         key = self._release_key(round_)
         stale = [] if forget is None else [self._release_key(forget)]
-        txn = self._client.transactions
+        txn = self._etcd.transactions
         await self._once(lambda txn: [txn.put(key, value), *(txn.delete(k) for k in stale)], [txn.version(mine) > 0])
 
     async def _arrive_and_release(
-        self: EtcdChannel, round_: str, value: bytes, expected: int, forget: str | None, release_forget: str | None
+        self, round_: str, value: bytes, expected: int, forget: str | None, release_forget: str | None
     ) -> bool:
         complete = await self._arrive(round_, value, expected, forget)
         if complete:
             await self._release(round_, forget=release_forget)
         return complete
 
-    async def _remove_round(self: EtcdChannel, round_: str) -> None:
+    async def _remove_round(self, round_: str) -> None:
         prefix = self._arrivals(round_)
         key = self._release_key(round_)
         await self._once(lambda txn: [txn.delete(prefix, _prefix_end(prefix)), txn.delete(key)])
 
-    async def _values(self: EtcdChannel, round_: str) -> dict[int, bytes]:
+    async def _values(self, round_: str) -> dict[int, bytes]:
         prefix = self._arrivals(round_)
         found = await self._call("get_prefix", prefix)
         return {int(kv.key[len(prefix) :]): kv.value for kv in found}
 
-    async def _arrived(self: EtcdChannel, round_: str) -> set[int]:
+    async def _arrived(self, round_: str) -> set[int]:
         prefix = self._arrivals(round_)
         found = await self._call("get_prefix", prefix, keys_only=True)
         return {int(kv.key[len(prefix) :]) for kv in found}
 
     # ------------------------------------------------------------------ waiting (caller's thread)
     def _block(
-        self: EtcdChannel,
+        self,
         work: Coroutine[Any, Any, T],
         deadline: float,
         what: str,
@@ -257,11 +283,11 @@ class EtcdCollectives:
         finally:
             future.cancel()
 
-    def _depart(self: EtcdChannel) -> None:
+    def _depart(self) -> None:
         """Nothing to record: a departure is this rank's left key (written by ``_leave``),
         which the others' lease watches see, and its arrival keys say how far it went."""
 
-    def _raise_if_departed(self: EtcdChannel, needs: Needs, during: str) -> None:
+    def _raise_if_departed(self, needs: Needs, during: str) -> None:
         """PeerLeft if a rank ``needs`` names has left (seen by the lease watch) without
         arriving in the round, which is not complete (arrivals read before the release key:
         a round still open when the release was read was open when its arrivals were)."""
@@ -276,7 +302,7 @@ class EtcdCollectives:
             if rank not in arrived:
                 raise PeerLeft(rank, needs.what, during)
 
-    def _who_arrived(self: EtcdChannel, round_: str, expected: list[int]) -> Any:
+    def _who_arrived(self, round_: str, expected: list[int]) -> Any:
         def hint() -> str:
             arrived = self._run(self._arrived(round_), 5.0)
             missing = [r for r in expected if r not in arrived]
@@ -285,11 +311,11 @@ class EtcdCollectives:
 
         return hint
 
-    def _deadline(self: EtcdChannel, timeout: float | None) -> float:
+    def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + self._budget(timeout)
 
     # ------------------------------------------------------------------ the collectives
-    def barrier(self: EtcdChannel, name: str = "barrier", timeout: float | None = None) -> None:
+    def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """Block until every rank has entered barrier ``name`` for this round: one transaction
         per rank, one more for the release, one watch event for each waiting rank."""
         self._usable()
@@ -310,7 +336,7 @@ class EtcdCollectives:
         needs = Needs("barrier", name, seq, tuple(r for r in range(n) if r != self.rank), what)
         self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))), needs)
 
-    def all_gather(self: EtcdChannel, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
+    def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
         self._usable()
         value = _value(value)
@@ -334,9 +360,7 @@ class EtcdCollectives:
         values = self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))), needs)
         return _by_rank(values, n, what)
 
-    def gather(
-        self: EtcdChannel, name: str, value: bytes, dst: int = 0, timeout: float | None = None
-    ) -> list[bytes] | None:
+    def gather(self, name: str, value: bytes, dst: int = 0, timeout: float | None = None) -> list[bytes] | None:
         """Collect every rank's ``value`` on ``dst`` (a list indexed by rank); None elsewhere.
         Only ``dst`` blocks."""
         self._usable()
@@ -366,9 +390,7 @@ class EtcdCollectives:
         values[dst] = value
         return _by_rank(values, n, what)
 
-    def broadcast(
-        self: EtcdChannel, name: str, value: bytes | None = None, src: int = 0, timeout: float | None = None
-    ) -> bytes:
+    def broadcast(self, name: str, value: bytes | None = None, src: int = 0, timeout: float | None = None) -> bytes:
         """Return ``src``'s ``value`` on every rank; ``src`` returns at once, the others block
         until it has published."""
         self._usable()

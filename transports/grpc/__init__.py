@@ -103,7 +103,7 @@ class GrpcChannel(RemoteChannel):
             server_credentials(url)
 
     def _open_channel(self, url: ChannelURL) -> grpc.aio.Channel:
-        options = list(GRPC_OPTIONS)
+        options: list[tuple[str, str | int]] = list(GRPC_OPTIONS)
         if not self._tls:
             return grpc.aio.insecure_channel(self._target, options=options)
         if "server_name" in url.options:

@@ -135,8 +135,11 @@ class GrpcCoordinatorServer:
         """Run until interrupted (blocking the calling thread); ``ready(port)`` once it listens."""
         self._on_ready = ready
         self.start()
+        running = self._running
+        if running is None:
+            raise RuntimeError("the gRPC server did not start")
         try:
-            self._running.result()
+            running.result()
         finally:
             self.stop()
 

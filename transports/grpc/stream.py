@@ -70,7 +70,7 @@ class FrameStream:
         self._sent: set[int] = set()  # ids already on the open stream
         self._call: grpc.aio.StreamStreamCall | None = None
         self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # bound to the loop at its first wait
         #: Why the last stream ended, for the message when no reply comes.
         self.reason = ""
 
@@ -110,7 +110,6 @@ class FrameStream:
         if pending is None or self._closed:
             return
         if self._task is None:
-            self._wake = asyncio.Event()
             self._task = self._loop.create_task(self._run())
         elif self._outbox is not None:
             if request_id not in self._sent:
@@ -124,8 +123,7 @@ class FrameStream:
             self._outbox.put_nowait(_END)
         if self._call is not None:
             self._call.cancel()
-        if self._wake is not None:
-            self._wake.set()
+        self._wake.set()
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), 1.0)
@@ -180,8 +178,8 @@ class FrameStream:
             return
         with self._lock:
             if reply.id:
-                pending = self._pending.get(reply.id)
-                waiting = [pending] if pending is not None else []  # else: given up on already
+                addressed = self._pending.get(reply.id)
+                waiting = [addressed] if addressed is not None else []  # else: given up on already
             else:  # the coordinator could not read a frame of ours (its id unknown)
                 waiting = list(self._pending.values())
         for pending in waiting:

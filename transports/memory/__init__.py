@@ -84,8 +84,9 @@ class MemoryChannel(ControlChannel):
         deadline = time.monotonic() + timeout
         while True:
             values = self._space.multi_get(keys)
-            if None not in values:
-                return values
+            present = [value for value in values if value is not None]
+            if len(present) == len(values):
+                return present
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._get(keys[values.index(None)], remaining) is None:
                 return None

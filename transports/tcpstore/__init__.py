@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import Protocol, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -25,6 +25,31 @@ from dataparallel.errors import ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
 
 T = TypeVar("T")
+
+
+class Connection(Protocol):
+    """A TCPStore connection as torch's runtime has it: values are bytes (torch's stubs say
+    str) and there are ``clone``, ``multi_set`` and ``append`` (which its stubs lack)."""
+
+    port: int
+
+    def set(self, key: str, value: bytes) -> None: ...
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def delete_key(self, key: str) -> bool: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def num_keys(self) -> int: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None: ...
+    def append(self, key: str, value: bytes) -> None: ...
+    def clone(self) -> Connection: ...
+    def set_timeout(self, timeout: timedelta) -> None: ...
+
+
+def _connection(store: dist.TCPStore) -> Connection:
+    """``store`` typed as what it is at runtime (see :class:`Connection`)."""
+    return cast(Connection, store)
 
 
 class TCPStoreChannel(ControlChannel):
@@ -38,8 +63,8 @@ class TCPStoreChannel(ControlChannel):
         self._prefix = f"{self.job}/"
         self._lock = threading.Lock()
         self._hosting = False
-        self._root = self._open(url.host, url.require_port())
-        self._clients: dict[int, dist.TCPStore] = {}
+        self._root: Connection | None = self._open(url.host, url.require_port())
+        self._clients: dict[int, Connection] = {}
         #: A value no rank stores (see _get).
         self._absent = b"\0dp-absent\0" + os.urandom(12)
 
@@ -49,17 +74,17 @@ class TCPStoreChannel(ControlChannel):
         if len(url.hosts) != 1 or url.path:
             raise ConfigError(f"{url.shown!r}: expected {cls.url_form(url)} (one store)")
 
-    def _open(self, host: str, port: int) -> dist.TCPStore:
+    def _open(self, host: str, port: int) -> Connection:
         wait = timedelta(seconds=self.timeout)
-        if self.rank in (None, 0) and self.serve and not _torchrun_agent_store(host, port):
+        if self.rank in (None, 0) and self.may_host and not _torchrun_agent_store(host, port):
             try:
                 store = dist.TCPStore(host, port, is_master=True, timeout=wait, wait_for_workers=False)
                 self._hosting = True
-                return store
+                return _connection(store)
             except (dist.DistNetworkError, RuntimeError):
                 pass  # the port is taken: a store is already served there (another job's, or standalone)
         try:
-            return dist.TCPStore(host, port, is_master=False, timeout=wait)
+            return _connection(dist.TCPStore(host, port, is_master=False, timeout=wait))
         except (dist.DistError, RuntimeError) as err:
             raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {self.timeout:g}s: {err}") from err
 
@@ -69,32 +94,34 @@ class TCPStoreChannel(ControlChannel):
 
     @property
     def port(self) -> int:
+        if self._root is None:
+            raise ChannelClosed(f"{self!r} is closed")
         return self._root.port
 
-    def _client(self) -> dist.TCPStore:
+    def _client(self) -> Connection:
         ident = threading.get_ident()
         client = self._clients.get(ident)
         if client is None:
             with self._lock:
                 if self._root is None:
                     raise ChannelClosed(f"{self!r} is closed")
-                client = self._clone()
+                client = self._clone(self._root)
                 self._clients[ident] = client
         return client
 
-    def _clone(self) -> dist.TCPStore:
+    def _clone(self, root: Connection) -> Connection:
         """A connection of its own: a clone of the store opened at connect, within the
         channel's timeout. A new TCPStore connection looks the peer's address up in DNS
         (torch's socket logging, on both ends); where the resolver is slow or drops a query,
         that takes its timeout (5 s), so a shorter bound would turn it into a false failure."""
         try:
-            client = self._root.clone()
+            client = root.clone()
         except (dist.DistError, RuntimeError, OSError) as err:
             raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
         client.set_timeout(timedelta(seconds=self.timeout))
         return client
 
-    def _call(self, op: Callable[[dist.TCPStore], T], read: bool = False) -> T:
+    def _call(self, op: Callable[[Connection], T], read: bool = False) -> T:
         """Run ``op`` on this thread's connection: the one place TCPStore's errors become the
         channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``.
 
@@ -118,11 +145,16 @@ class TCPStoreChannel(ControlChannel):
             except (dist.DistError, RuntimeError) as err:
                 raise ControlError(f"TCPStore at {self._address}: {err}") from err
 
-    def _acked(self, write: Callable[[dist.TCPStore], None], key: str) -> None:
+    def _acked(self, write: Callable[[Connection], None], key: str) -> None:
         """TCPStore's set, multi_set and append send no reply: follow one with a request that
         has one on the same connection (the server answers in order), so the write has been
         applied when this returns and a read by any rank sees it."""
-        self._call(lambda s: (write(s), s.check([key]))[1])
+
+        def acked(store: Connection) -> bool:
+            write(store)
+            return store.check([key])
+
+        self._call(acked)
 
     def _set(self, key: str, value: bytes) -> None:
         full = self._prefix + key

@@ -88,6 +88,8 @@ class ZmqChannel(RemoteChannel):
                 sock.setsockopt(zmq.RECONNECT_IVL, 10)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
                 if self._curve:
+                    if self.token is None:  # check_url refuses curve=1 without a token
+                        raise ConfigError(f"{self.url.shown}: curve=1 needs a token")
                     sock.curve_serverkey = curve_server_keys(self.token)[0]
                     sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
                 sock.connect(self._endpoint)

@@ -108,7 +108,8 @@ class ZmqCoordinatorServer:
     def _drain(self) -> None:
         # Serve everything already queued before sweeping again.
         for _ in range(10_000):
-            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            events = self._sock.getsockopt(zmq.EVENTS)
+            if not (isinstance(events, int) and events & zmq.POLLIN):
                 return
             frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             route = frames[0].bytes

@@ -6,6 +6,8 @@ ch.rendezvous()
 dp.init_process_group(ch)  # torch.distributed through the channel's store
 """
 
+from typing import Any
+
 from .channel import ControlChannel
 from .connect import connect
 from .errors import (
@@ -46,7 +48,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

@@ -32,10 +32,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 from urllib.parse import urlencode, urlsplit
 
@@ -47,6 +48,7 @@ from dataparallel.registry import locate
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Store
 
 T = TypeVar("T")
 
@@ -60,7 +62,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 def with_options(url: str, **options: Any) -> str:
@@ -82,6 +85,21 @@ def close_all(channels: Sequence[dp.ControlChannel]) -> None:
         ch.close()
 
 
+class OpenRanks(Protocol):
+    """The ``open_ranks`` fixture: ``open_ranks(n, job=..., url=..., token=..., timeout=...)``
+    connects ranks 0..n-1 of ``job`` and returns their channels, in rank order."""
+
+    def __call__(
+        self,
+        n: int,
+        job: str = "conformance",
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float | None = 30.0,
+    ) -> list[dp.ControlChannel]: ...
+
+
 class ChannelHarness:
     """Fixtures and helpers shared by the conformance mixins."""
 
@@ -92,15 +110,26 @@ class ChannelHarness:
         raise NotImplementedError("subclass ChannelConformance and define a channel_url fixture")
 
     @pytest.fixture
-    def open_ranks(self, channel_url: str):
-        """``open_ranks(n, job=..., url=..., **connect_kwargs)`` connects ranks 0..n-1
+    def open_ranks(self, channel_url: str) -> Iterator[OpenRanks]:
+        """``open_ranks(n, job=..., url=..., token=..., timeout=...)`` connects ranks 0..n-1
         concurrently (rank 0 may host the coordinator) and closes them after the test."""
         opened: list[dp.ControlChannel] = []
 
-        def factory(n: int, job: str = "conformance", url: str | None = None, **kwargs: Any):
-            kwargs.setdefault("timeout", 30.0)
+        def factory(
+            n: int,
+            job: str = "conformance",
+            url: str | None = None,
+            *,
+            token: str | None = None,
+            timeout: float | None = 30.0,
+        ) -> list[dp.ControlChannel]:
             target = url or channel_url
-            channels = run_all([partial(dp.connect, target, rank=r, world_size=n, job=job, **kwargs) for r in range(n)])
+            channels = run_all(
+                [
+                    partial(dp.connect, target, rank=r, world_size=n, job=job, token=token, timeout=timeout)
+                    for r in range(n)
+                ]
+            )
             opened.extend(channels)
             return channels
 
@@ -113,7 +142,7 @@ class ChannelHarness:
 
     def spawn_rank(
         self, role: str, url: str, rank: int | None, world_size: int, job: str, *extra: str
-    ) -> subprocess.Popen:
+    ) -> subprocess.Popen[str]:
         """Start one rank in its own process (``dataparallel.testing.worker``); ``rank=None``:
         assigned at connect."""
         cmd = [sys.executable, "-m", "dataparallel.testing.worker", role, "--url", url]
@@ -122,7 +151,7 @@ class ChannelHarness:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     @staticmethod
-    def read_ready(proc: subprocess.Popen, timeout: float = STEP_TIMEOUT) -> None:
+    def read_ready(proc: subprocess.Popen[str], timeout: float = STEP_TIMEOUT) -> None:
         """Wait for a worker's ``{"ready": rank}`` line (it has joined the rendezvous)."""
         box: list[str] = []
         stdout = proc.stdout
@@ -145,7 +174,9 @@ class PrimitiveTests(ChannelHarness):
     CONTENDING_PROCESSES: ClassVar[int] = 3
     CONTENDING_THREADS: ClassVar[int] = 4
 
-    def _contend_in_processes(self, role: str, channel_url: str, key: str, rounds: int) -> tuple[list[dict], bytes]:
+    def _contend_in_processes(
+        self, role: str, channel_url: str, key: str, rounds: int
+    ) -> tuple[list[dict[str, Any]], bytes]:
         """Rank 0 here; ranks 1.. each a worker process running ``role`` on
         :attr:`CONTENDING_THREADS` threads, all released at one instant once every worker is
         at the start line (set and get only, so a broken add cannot hang it). Returns the
@@ -155,7 +186,7 @@ class PrimitiveTests(ChannelHarness):
         n = self.CONTENDING_PROCESSES + 1
         job = f"contend-{role}"
         host = dp.connect(channel_url, rank=0, world_size=n, job=job, timeout=30)
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen[str]] = []
         try:
             extra = ["--threads", str(self.CONTENDING_THREADS), "--rounds", str(rounds), "--key", key]
             procs = [self.spawn_rank(role, channel_url, r, n, job, *extra, "--timeout", "30") for r in range(1, n)]
@@ -178,7 +209,7 @@ class PrimitiveTests(ChannelHarness):
                     proc.communicate(timeout=10)
             host.close()
 
-    def test_set_then_get_returns_the_exact_bytes(self, open_ranks):
+    def test_set_then_get_returns_the_exact_bytes(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         for key, value in [
             ("k", b"v"),
@@ -189,13 +220,13 @@ class PrimitiveTests(ChannelHarness):
             a.set(key, value)
             assert b.get(key, timeout=5) == value
 
-    def test_set_overwrites(self, open_ranks):
+    def test_set_overwrites(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1)
         a.set("k", b"one")
         a.set("k", b"two")
         assert a.get("k", timeout=5) == b"two"
 
-    def test_get_blocks_until_another_rank_sets(self, open_ranks):
+    def test_get_blocks_until_another_rank_sets(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         released = threading.Event()
 
@@ -210,7 +241,7 @@ class PrimitiveTests(ChannelHarness):
             a.set("late", b"here")
             assert future.result(timeout=10) == b"here"
 
-    def test_get_timeout_raises_control_timeout_in_time(self, open_ranks):
+    def test_get_timeout_raises_control_timeout_in_time(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1)
         start = time.monotonic()
         with pytest.raises(dp.ControlTimeout) as info:
@@ -219,21 +250,21 @@ class PrimitiveTests(ChannelHarness):
         assert 0.45 <= elapsed < 3.0, elapsed
         assert "never" in str(info.value) and info.value.waited >= 0.45
 
-    def test_default_timeout_applies_when_none_given(self, open_ranks):
+    def test_default_timeout_applies_when_none_given(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1, timeout=0.5)
         start = time.monotonic()
         with pytest.raises(dp.ControlTimeout):
             a.get("never")
         assert time.monotonic() - start < 3.0
 
-    def test_add_creates_counts_and_reads_back_as_decimal(self, open_ranks):
+    def test_add_creates_counts_and_reads_back_as_decimal(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         assert a.add("n", 5) == 5
         assert b.add("n", -2) == 3
         assert a.add("n", 0) == 3
         assert b.get("n", timeout=5) == b"3"
 
-    def test_concurrent_adds_give_an_exact_count(self, open_ranks, channel_url):
+    def test_concurrent_adds_give_an_exact_count(self, open_ranks: OpenRanks, channel_url: str) -> None:
         """Every add returns a distinct value and none is lost, with the contenders in
         several processes (several threads in each) where ranks are processes: a transport
         atomic only within a process (a ``threading.Lock``) fails here, not later as a hang."""
@@ -249,14 +280,14 @@ class PrimitiveTests(ChannelHarness):
             threads_per_rank = 3
             values = [
                 v
-                for r in run_all([lambda c=c: count_adds(c, "hits", per_thread) for c in channels] * threads_per_rank)
+                for r in run_all([partial(count_adds, c, "hits", per_thread) for c in channels] * threads_per_rank)
                 for v in r
             ]
             final = channels[0].get("hits", timeout=5)
             where = f"threads ({len(channels)} ranks x {threads_per_rank} threads)"
         _check_adds(values, final, where)
 
-    def test_add_to_a_value_that_is_no_number_is_bad_message(self, open_ranks):
+    def test_add_to_a_value_that_is_no_number_is_bad_message(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         a.set("text", b"not a number")
         with pytest.raises(dp.BadMessage, match="text"):
@@ -264,7 +295,7 @@ class PrimitiveTests(ChannelHarness):
         assert a.get("text", timeout=5) == b"not a number", "a refused add must change nothing"
         assert b.add("n", 2) == 2, "the channel must stay usable"
 
-    def test_add_releases_a_waiting_get(self, open_ranks):
+    def test_add_releases_a_waiting_get(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(b.get, "counter", 20)
@@ -272,7 +303,7 @@ class PrimitiveTests(ChannelHarness):
             a.add("counter", 7)
             assert future.result(timeout=10) == b"7"
 
-    def test_compare_set_follows_tcpstore_semantics(self, open_ranks):
+    def test_compare_set_follows_tcpstore_semantics(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1)
         assert a.compare_set("cs", b"x", b"y") == b"x"  # missing key, expected given: nothing created
         assert not a.check(["cs"])
@@ -281,7 +312,7 @@ class PrimitiveTests(ChannelHarness):
         assert a.compare_set("cs", b"first", b"second") == b"second"
         assert a.get("cs", timeout=5) == b"second"
 
-    def test_concurrent_compare_set_has_one_winner(self, open_ranks, channel_url):
+    def test_concurrent_compare_set_has_one_winner(self, open_ranks: OpenRanks, channel_url: str) -> None:
         """In each of several rounds, contenders race to claim a fresh key with
         ``compare_set(key, b"", me)``: exactly one wins and every one gets the winner's value
         back. Contenders are in several processes (several threads in each) where ranks are
@@ -297,15 +328,15 @@ class PrimitiveTests(ChannelHarness):
             channels = open_ranks(4)
             threads_per_rank = 3
 
-            def work(ch: dp.ControlChannel, thread: int) -> dict:
+            def work(ch: dp.ControlChannel, thread: int) -> dict[str, Any]:
                 me = contender_name(ch.rank, thread)
                 return {"contender": me, "got": claim_rounds(ch, "claim/", me, rounds)}
 
-            contenders = run_all([lambda c=c, t=t: work(c, t) for c in channels for t in range(threads_per_rank)])
+            contenders = run_all([partial(work, c, t) for c in channels for t in range(threads_per_rank)])
             where = f"threads ({len(channels)} ranks x {threads_per_rank} threads)"
         _check_claims(contenders, "claim/", rounds, where)
 
-    def test_compare_set_releases_a_waiting_get(self, open_ranks):
+    def test_compare_set_releases_a_waiting_get(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(b.get, "cas", 20)
@@ -313,17 +344,18 @@ class PrimitiveTests(ChannelHarness):
             a.compare_set("cas", b"", b"won")
             assert future.result(timeout=10) == b"won"
 
-    def test_multi_set_and_multi_get_keep_the_order_of_keys(self, open_ranks):
+    def test_multi_set_and_multi_get_keep_the_order_of_keys(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         a.multi_set(["m/2", "m/1", "m/3"], [b"two", b"one", b""])
         assert b.multi_get(["m/1", "m/2", "m/3", "m/1"], timeout=5) == [b"one", b"two", b"", b"one"]
         assert b.multi_get([], timeout=5) == []
         with pytest.raises(TypeError):
             a.multi_set(["x", "y"], [b"1"])
+        not_bytes: Any = ["text"]  # the wrong type on purpose: refused at run time
         with pytest.raises(TypeError):
-            a.multi_set(["x"], ["text"])
+            a.multi_set(["x"], not_bytes)
 
-    def test_multi_get_blocks_until_every_key_exists(self, open_ranks):
+    def test_multi_get_blocks_until_every_key_exists(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         a.set("mg/0", b"0")
         with ThreadPoolExecutor(1) as pool:
@@ -340,7 +372,7 @@ class PrimitiveTests(ChannelHarness):
         assert 0.45 <= time.monotonic() - start < 3.0
         assert info.value.waited >= 0.45
 
-    def test_concurrent_appends_lose_nothing(self, open_ranks):
+    def test_concurrent_appends_lose_nothing(self, open_ranks: OpenRanks) -> None:
         # Equal bytes from every rank: an append that took another rank's write for its own
         # (by comparing bytes) would lose one.
         channels = open_ranks(3)
@@ -351,7 +383,7 @@ class PrimitiveTests(ChannelHarness):
                 ch.append("same", b"x")
                 ch.append("tagged", f"{ch.rank}:{i};".encode())
 
-        run_all([lambda c=c: body(c) for c in channels])
+        run_all([partial(body, c) for c in channels])
         assert channels[1].get("same", timeout=5) == b"x" * (rounds * len(channels))
         parts = channels[2].get("tagged", timeout=5).decode().split(";")[:-1]
         assert sorted(parts) == sorted(f"{r}:{i}" for r in range(len(channels)) for i in range(rounds))
@@ -361,10 +393,10 @@ class PrimitiveTests(ChannelHarness):
         channels[0].append("same", b"new")  # a deleted key starts again from empty
         assert channels[1].get("same", timeout=5) == b"new"
 
-    def test_reserved_keys_cannot_be_written(self, open_ranks):
+    def test_reserved_keys_cannot_be_written(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         forged = json.dumps({"rank": 1, "last_seen": 0, "reason": "forged", "by": 0}).encode()
-        attempts = [
+        attempts: list[Callable[[], object]] = [
             lambda: a.set("__dp/lost", forged),
             lambda: a.add("__dp/next_rank", 1),
             lambda: a.compare_set("__dp/token", b"", b"x"),
@@ -377,10 +409,10 @@ class PrimitiveTests(ChannelHarness):
                 attempt()
         assert not a.check(["fine"]), "a refused multi_set must write nothing"
         assert a.check(["__dp/claim/1"]), "reading reserved keys stays allowed"
-        run_all([lambda c=c: c.barrier("unforged", timeout=STEP_TIMEOUT) for c in (a, b)])
+        run_all([partial(c.barrier, "unforged", timeout=STEP_TIMEOUT) for c in (a, b)])
         assert a.lost_peers() == {} and b.lost_peers() == {}
 
-    def test_delete_reports_whether_the_key_existed(self, open_ranks):
+    def test_delete_reports_whether_the_key_existed(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         a.set("gone", b"1")
         assert b.delete("gone") is True
@@ -389,7 +421,7 @@ class PrimitiveTests(ChannelHarness):
         with pytest.raises(dp.ControlTimeout):
             a.get("gone", timeout=0.2)
 
-    def test_check_is_true_only_when_all_keys_exist(self, open_ranks):
+    def test_check_is_true_only_when_all_keys_exist(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1)
         assert a.check([])
         a.set("x", b"1")
@@ -398,7 +430,7 @@ class PrimitiveTests(ChannelHarness):
         a.set("y", b"2")
         assert a.check(["x", "y"])
 
-    def test_num_keys_counts_new_keys(self, open_ranks):
+    def test_num_keys_counts_new_keys(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1)
         before = a.num_keys()
         for i in range(5):
@@ -408,7 +440,7 @@ class PrimitiveTests(ChannelHarness):
         a.delete("nk/4")
         assert a.num_keys() == before + 4
 
-    def test_wait_returns_when_all_keys_exist_and_times_out_otherwise(self, open_ranks):
+    def test_wait_returns_when_all_keys_exist_and_times_out_otherwise(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(b.wait, ["w1", "w2"], 20)
@@ -423,18 +455,22 @@ class PrimitiveTests(ChannelHarness):
         assert time.monotonic() - start < 3.0
         assert "missing" in str(info.value)
 
-    def test_bad_arguments_raise_type_error(self, open_ranks):
+    def test_bad_arguments_raise_type_error(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1)
+        # Arguments of the wrong types on purpose: the channel must refuse them at run time.
+        not_bytes: Any = "a str, not bytes"
+        not_a_str: Any = b"bytes-key"
+        not_an_int: Any = 1.5
         with pytest.raises(TypeError):
-            a.set("k", "a str, not bytes")  # type: ignore[arg-type]
+            a.set("k", not_bytes)
         with pytest.raises(TypeError):
-            a.set(b"bytes-key", b"v")  # type: ignore[arg-type]
+            a.set(not_a_str, b"v")
         with pytest.raises(TypeError):
-            a.add("k", 1.5)  # type: ignore[arg-type]
+            a.add("k", not_an_int)
         with pytest.raises(dp.ConfigError):
             a.get("k", timeout=0)
 
-    def test_closed_channel_raises_channel_closed(self, channel_url):
+    def test_closed_channel_raises_channel_closed(self, channel_url: str) -> None:
         ch = dp.connect(channel_url, rank=0, world_size=1, job="closing", timeout=10)
         ch.set("k", b"v")
         ch.close()
@@ -444,14 +480,16 @@ class PrimitiveTests(ChannelHarness):
                 call()
 
     @pytest.mark.timeout(120)
-    def test_only_control_errors_escape_when_the_coordinator_goes(self, open_ranks, channel_url):
+    def test_only_control_errors_escape_when_the_coordinator_goes(
+        self, open_ranks: OpenRanks, channel_url: str
+    ) -> None:
         """Rank 0 leaves (and with it the coordinator, where it hosts one): every call of the
         remaining rank either works or raises a ControlError, never a library's own error."""
         # A short timeout: a hosting rank's close waits that long (at most) for the others.
         a, b = open_ranks(2, url=with_options(channel_url, **FAST_LIVENESS), timeout=3)
         b.set("k", b"v")
         a.close()
-        calls = {
+        calls: dict[str, Callable[[], object]] = {
             "set": lambda: b.set("k", b"w"),
             "get": lambda: b.get("k", timeout=1),
             "get missing": lambda: b.get("missing", timeout=1),
@@ -479,17 +517,23 @@ class PrimitiveTests(ChannelHarness):
                     raise AssertionError(f"{name}: {type(err).__module__}.{type(err).__name__} escaped: {err}") from err
         b.close()
 
-    def test_closing_from_many_threads_at_once_closes_once(self, open_ranks):
+    def test_closing_from_many_threads_at_once_closes_once(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         calls: list[int] = []
         release = b._close
-        b._close = lambda: (calls.append(1), release())[1]
+
+        def close_counted() -> None:
+            calls.append(1)
+            release()
+
+        # Set on the instance, in front of the class's method: mypy refuses a plain assignment to a method.
+        setattr(b, "_close", close_counted)  # noqa: B010
         run_all([b.close] * 8)
         assert calls == [1], f"the transport's _close ran {len(calls)} times"
         a.set("still", b"open")
         assert a.get("still", timeout=5) == b"open"
 
-    def test_context_manager_closes(self, channel_url):
+    def test_context_manager_closes(self, channel_url: str) -> None:
         with dp.connect(channel_url, rank=0, world_size=1, job="ctx", timeout=10) as ch:
             ch.set("k", b"v")
         with pytest.raises(dp.ChannelClosed):
@@ -499,16 +543,18 @@ class PrimitiveTests(ChannelHarness):
 class MembershipTests(ChannelHarness):
     """Rank assignment, rendezvous, token agreement, job isolation."""
 
-    def test_rank_none_assigns_distinct_ranks(self, channel_url):
+    def test_rank_none_assigns_distinct_ranks(self, channel_url: str) -> None:
         n = 4
         channels = run_all([lambda: dp.connect(channel_url, world_size=n, job="auto", timeout=30) for _ in range(n)])
         try:
-            assert sorted(c.rank for c in channels) == list(range(n))
+            assert sorted(_held_rank(c) for c in channels) == list(range(n))
             self.rendezvous_all(channels)
         finally:
             close_all(channels)
 
-    def test_full_job_and_taken_rank_are_refused_naming_a_live_holder(self, open_ranks, channel_url):
+    def test_full_job_and_taken_rank_are_refused_naming_a_live_holder(
+        self, open_ranks: OpenRanks, channel_url: str
+    ) -> None:
         """A rank held by a live process is refused, and the message says the holder is alive;
         in bounded time (a transport may wait out the liveness timeout to be sure)."""
         url = with_options(channel_url, **FAST_LIVENESS)
@@ -521,7 +567,9 @@ class MembershipTests(ChannelHarness):
             assert time.monotonic() - start < bound, f"refused after {time.monotonic() - start:.1f}s: {info.value}"
 
     @pytest.mark.timeout(60)
-    def test_a_connect_that_waits_says_what_it_waits_for(self, channel_url, caplog, monkeypatch):
+    def test_a_connect_that_waits_says_what_it_waits_for(
+        self, channel_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """While a connect waits for a coordinator (or etcd, or a store) that is not there, it
         says so every few seconds with check's diagnosis, then fails at its timeout. A URL
         with no network endpoint has nothing to wait for: it connects without a word."""
@@ -546,16 +594,22 @@ class MembershipTests(ChannelHarness):
         later = [r for r in caplog.records if "still connecting" in r.getMessage()]
         assert len(later) == len(notices), "notices went on after the connect ended"
 
-    def test_rank_and_world_size_are_validated(self, channel_url):
-        for kwargs in ({"rank": 2, "world_size": 2}, {"rank": -1, "world_size": 2}, {"world_size": 0}):
+    def test_rank_and_world_size_are_validated(self, channel_url: str) -> None:
+        for connect in (
+            partial(dp.connect, rank=2, world_size=2),
+            partial(dp.connect, rank=-1, world_size=2),
+            partial(dp.connect, world_size=0),
+        ):
             with pytest.raises(dp.ConfigError):
-                dp.connect(channel_url, job="bad", timeout=5, **kwargs)
+                connect(channel_url, job="bad", timeout=5)
 
-    def test_unknown_url_option_is_refused_with_the_allowed_ones(self, channel_url):
+    def test_unknown_url_option_is_refused_with_the_allowed_ones(self, channel_url: str) -> None:
         with pytest.raises(dp.ConfigError, match="liveness_timeout"):
             dp.connect(with_options(channel_url, bogus=1), rank=0, world_size=1, timeout=5)
 
-    def test_wrong_token_gets_auth_error_in_seconds_whatever_the_timeout(self, open_ranks, channel_url):
+    def test_wrong_token_gets_auth_error_in_seconds_whatever_the_timeout(
+        self, open_ranks: OpenRanks, channel_url: str
+    ) -> None:
         open_ranks(1, job="secret", token="right")
         for token in ("wrong", None):
             start = time.monotonic()
@@ -563,23 +617,29 @@ class MembershipTests(ChannelHarness):
                 dp.connect(channel_url, world_size=2, job="secret", token=token, timeout=300)
             assert time.monotonic() - start < 10, f"token {token!r}: refused after {time.monotonic() - start:.1f}s"
 
-    def test_rendezvous_waits_for_every_rank(self, open_ranks):
+    def test_rendezvous_waits_for_every_rank(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(3)
         done = threading.Event()
+
+        def arrive(ch: dp.ControlChannel) -> None:
+            ch.rendezvous(timeout=20)
+            done.set()
+
         with ThreadPoolExecutor(2) as pool:
-            early = [pool.submit(lambda c=c: (c.rendezvous(timeout=20), done.set())) for c in channels[:2]]
+            early = [pool.submit(arrive, c) for c in channels[:2]]
             assert not done.wait(0.5), "rendezvous returned before every rank arrived"
             channels[2].rendezvous(timeout=20)
             for f in early:
                 f.result(timeout=10)
-        assert channels[0].peer_info(2)["pid"] == os.getpid()
+        info = channels[0].peer_info(2)
+        assert info is not None and info["pid"] == os.getpid(), info
 
-    def test_rendezvous_times_out_naming_the_missing_count(self, open_ranks):
+    def test_rendezvous_times_out_naming_the_missing_count(self, open_ranks: OpenRanks) -> None:
         a, _b = open_ranks(2)
         with pytest.raises(dp.ControlTimeout, match="1/2"):
             a.rendezvous(timeout=0.5)
 
-    def test_jobs_are_isolated(self, open_ranks, channel_url):
+    def test_jobs_are_isolated(self, open_ranks: OpenRanks, channel_url: str) -> None:
         (a,) = open_ranks(1, job="job-a")
         (b,) = open_ranks(1, job="job-b")
         a.set("same", b"from a")
@@ -594,36 +654,42 @@ class MembershipTests(ChannelHarness):
 class CollectiveTests(ChannelHarness):
     """barrier, broadcast, gather, all_gather: semantics, reuse, cleanup."""
 
-    def test_barrier_holds_until_the_last_rank_arrives(self, open_ranks):
+    def test_barrier_holds_until_the_last_rank_arrives(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(4)
         released = threading.Event()
+
+        def arrive(ch: dp.ControlChannel) -> None:
+            ch.barrier("b", timeout=20)
+            released.set()
+
         with ThreadPoolExecutor(3) as pool:
-            early = [pool.submit(lambda c=c: (c.barrier("b", timeout=20), released.set())) for c in channels[:3]]
+            early = [pool.submit(arrive, c) for c in channels[:3]]
             assert not released.wait(0.5), "barrier released before every rank arrived"
             channels[3].barrier("b", timeout=20)
             for f in early:
                 f.result(timeout=10)
 
-    def test_barrier_is_reusable_for_many_rounds(self, open_ranks):
+    def test_barrier_is_reusable_for_many_rounds(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(4)
         rounds = 40
         progress = [0] * len(channels)
 
         def body(ch: dp.ControlChannel) -> None:
+            rank = _held_rank(ch)
             for r in range(rounds):
-                progress[ch.rank] = r + 1
+                progress[rank] = r + 1
                 ch.barrier("loop", timeout=20)
                 # Nobody may be a round behind once the barrier has released us.
                 assert min(progress) >= r + 1, (ch.rank, r, list(progress))
 
-        run_all([lambda c=c: body(c) for c in channels], timeout=120)
+        run_all([partial(body, c) for c in channels], timeout=120)
 
-    def test_rounds_of_one_name_back_to_back_with_a_slow_rank(self, open_ranks):
+    def test_rounds_of_one_name_back_to_back_with_a_slow_rank(self, open_ranks: OpenRanks) -> None:
         """A name reused at once while a different rank lags in each round: each round's
         barrier, all_gather and broadcast see that round's values, never a neighbour's."""
         channels = open_ranks(4)
 
-        def body(ch: dp.ControlChannel) -> list:
+        def body(ch: dp.ControlChannel) -> list[list[bytes] | bytes]:
             got: list[list[bytes] | bytes] = []
             for r in range(6):
                 if ch.rank == r % 4:
@@ -633,27 +699,27 @@ class CollectiveTests(ChannelHarness):
                 got.append(ch.broadcast("again", f"b{r}".encode() if ch.rank == r % 4 else None, src=r % 4, timeout=20))
             return got
 
-        results = run_all([lambda c=c: body(c) for c in channels], timeout=120)
-        expected = []
+        results = run_all([partial(body, c) for c in channels], timeout=120)
+        expected: list[list[bytes] | bytes] = []
         for r in range(6):
             expected += [[f"{r}:{rank}".encode() for rank in range(4)], f"b{r}".encode()]
         assert results == [expected] * 4
 
-    def test_many_ranks_meet_in_every_collective(self, open_ranks):
+    def test_many_ranks_meet_in_every_collective(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(12)
 
-        def body(ch: dp.ControlChannel) -> tuple:
+        def body(ch: dp.ControlChannel) -> tuple[list[bytes], list[bytes] | None]:
             for _ in range(3):
                 ch.barrier("crowd", timeout=60)
             mine = str(ch.rank).encode()
             return ch.all_gather("crowd", mine, timeout=60), ch.gather("crowd", mine, dst=11, timeout=60)
 
-        results = run_all([lambda c=c: body(c) for c in channels], timeout=120)
+        results = run_all([partial(body, c) for c in channels], timeout=120)
         values = [str(r).encode() for r in range(12)]
         assert all(r[0] == values for r in results)
         assert [r[1] for r in results] == [None] * 11 + [values]
 
-    def test_barrier_timeout_says_how_many_arrived(self, open_ranks):
+    def test_barrier_timeout_says_how_many_arrived(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(3)
         with ThreadPoolExecutor(1) as pool:
             other = pool.submit(channels[1].barrier, "partial", 3.0)
@@ -662,7 +728,7 @@ class CollectiveTests(ChannelHarness):
             with pytest.raises(dp.ControlTimeout):
                 other.result(timeout=10)
 
-    def test_broadcast_from_any_source_for_many_rounds(self, open_ranks):
+    def test_broadcast_from_any_source_for_many_rounds(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(3)
 
         def body(ch: dp.ControlChannel) -> list[bytes]:
@@ -673,23 +739,23 @@ class CollectiveTests(ChannelHarness):
                 got.append(ch.broadcast("cmd", value, src=src, timeout=20))
             return got
 
-        results = run_all([lambda c=c: body(c) for c in channels])
+        results = run_all([partial(body, c) for c in channels])
         expected = [f"round {r} from {r % 3}".encode() for r in range(10)]
         assert results == [expected] * 3
 
-    def test_gather_and_all_gather_index_by_rank(self, open_ranks):
+    def test_gather_and_all_gather_index_by_rank(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(3)
 
-        def body(ch: dp.ControlChannel) -> tuple:
+        def body(ch: dp.ControlChannel) -> tuple[list[bytes] | None, list[bytes]]:
             mine = f"v{ch.rank}".encode()
             return ch.gather("g", mine, dst=1, timeout=20), ch.all_gather("ag", mine, timeout=20)
 
-        results = run_all([lambda c=c: body(c) for c in channels])
+        results = run_all([partial(body, c) for c in channels])
         values = [b"v0", b"v1", b"v2"]
         assert [r[0] for r in results] == [None, values, None]
         assert all(r[1] == values for r in results)
 
-    def test_collectives_clean_up_their_keys(self, open_ranks):
+    def test_collectives_clean_up_their_keys(self, open_ranks: OpenRanks) -> None:
         channels = open_ranks(3)
 
         def body(ch: dp.ControlChannel) -> None:
@@ -702,13 +768,13 @@ class CollectiveTests(ChannelHarness):
 
         # Counted where the state is held: keys, and a coordinator's open collectives too.
         holder = next((c for c in channels if c.hosts_coordinator), channels[0])
-        run_all([lambda c=c: body(c) for c in channels])
+        run_all([partial(body, c) for c in channels])
         start = holder._held_state()
-        run_all([lambda c=c: body(c) for c in channels])
+        run_all([partial(body, c) for c in channels])
         assert holder._held_state() == start, "repeated collectives must not grow the job's state"
 
     @pytest.mark.timeout(120)
-    def test_a_rank_that_closed_without_entering_a_collective_ends_it_at_once(self, open_ranks):
+    def test_a_rank_that_closed_without_entering_a_collective_ends_it_at_once(self, open_ranks: OpenRanks) -> None:
         """A rank that closes its channel (it ended early, or skipped a collective) fails
         every collective round it never entered, for every rank waiting in it or entering
         it later, with PeerLeft naming it, within a slice of the wait; never at the timeout.
@@ -721,7 +787,7 @@ class CollectiveTests(ChannelHarness):
             "gather": lambda c: c.gather("end", b"v", dst=0, timeout=STEP_TIMEOUT),  # only rank 0 waits
         }
         cases = [(name, first) for name in waits for first in (False, True)]
-        jobs = run_all([lambda n=n, f=f: open_ranks(3, job=f"left-{n}-{f}") for n, f in cases])
+        jobs = run_all([partial(open_ranks, 3, job=f"left-{n}-{f}") for n, f in cases])
 
         def case(name: str, closes_first: bool, channels: list[dp.ControlChannel]) -> None:
             if name != "rendezvous":  # one earlier round everyone entered: not a miss
@@ -762,30 +828,30 @@ class CollectiveTests(ChannelHarness):
             channels[0].set("after", b"1")
             assert channels[1].get("after", timeout=5) == b"1"
 
-        run_all([lambda c=c, j=j: case(*c, j) for c, j in zip(cases, jobs, strict=True)], timeout=100)
+        run_all([partial(case, n, f, j) for (n, f), j in zip(cases, jobs, strict=True)], timeout=100)
 
     @pytest.mark.timeout(60)
-    def test_a_rank_that_closed_after_its_part_does_not_end_a_collective(self, open_ranks):
+    def test_a_rank_that_closed_after_its_part_does_not_end_a_collective(self, open_ranks: OpenRanks) -> None:
         """What a closed rank did before it closed counts: its broadcast value and its gather
         value are delivered to ranks that enter later, and the rounds it entered stay done."""
         channels = open_ranks(3, job="left-done")
         self.rendezvous_all(channels)
-        run_all([lambda c=c: c.barrier("b", timeout=STEP_TIMEOUT) for c in channels])
+        run_all([partial(c.barrier, "b", timeout=STEP_TIMEOUT) for c in channels])
         channels[2].broadcast("cmd", b"last words", src=2)
         channels[2].gather("g", b"v2", dst=0)
         channels[2].close()
         time.sleep(channels[0].liveness_poll + 0.5)  # the departure is seen by now
 
-        def late(ch: dp.ControlChannel) -> tuple:
+        def late(ch: dp.ControlChannel) -> tuple[bytes, list[bytes] | None]:
             got = ch.broadcast("cmd", src=2, timeout=STEP_TIMEOUT)
             return got, ch.gather("g", f"v{ch.rank}".encode(), dst=0, timeout=STEP_TIMEOUT)
 
-        results = run_all([lambda c=c: late(c) for c in channels[:2]])
+        results = run_all([partial(late, c) for c in channels[:2]])
         assert results == [(b"last words", [b"v0", b"v1", b"v2"]), (b"last words", None)]
         with pytest.raises(dp.PeerLeft, match="barrier 'b' round 1"):
-            run_all([lambda c=c: c.barrier("b", timeout=STEP_TIMEOUT) for c in channels[:2]])
+            run_all([partial(c.barrier, "b", timeout=STEP_TIMEOUT) for c in channels[:2]])
 
-    def test_bad_source_rank_is_refused(self, open_ranks):
+    def test_bad_source_rank_is_refused(self, open_ranks: OpenRanks) -> None:
         (a,) = open_ranks(1)
         with pytest.raises(ValueError):
             a.broadcast("x", b"v", src=5)
@@ -818,7 +884,12 @@ class LivenessTests(ChannelHarness):
         assert elapsed < bound, f"PeerLost took {elapsed:.1f}s (bound {bound:g}s)"
 
     def _kill_or_freeze(
-        self, channel_url: str, sig: int, rendezvous: bool, liveness: dict | None = None, bound: float | None = None
+        self,
+        channel_url: str,
+        sig: int,
+        rendezvous: bool,
+        liveness: dict[str, float] | None = None,
+        bound: float | None = None,
     ) -> None:
         url = with_options(channel_url, **(liveness or self.LIVENESS))
         n, victim = 3, 2
@@ -847,31 +918,35 @@ class LivenessTests(ChannelHarness):
             proc.kill()
             proc.communicate(timeout=10)
 
-    def _stop_in_process(self, open_ranks, channel_url: str, rendezvous: bool) -> None:
+    def _stop_in_process(self, open_ranks: OpenRanks, channel_url: str, rendezvous: bool) -> None:
         # Ranks are threads: the in-process equivalent of SIGKILL or SIGSTOP is a rank whose
         # liveness stops without announcing a departure.
         channels = open_ranks(3, job=f"frozen{rendezvous}", url=with_options(channel_url, **self.LIVENESS))
         if rendezvous:
             self.rendezvous_all(channels)
-        channels[2]._liveness.stop(announce=False)
+        _stop_liveness(channels[2])
         self._expect_peer_lost(channels[:2], 2, time.monotonic())
 
     @pytest.mark.timeout(120)
-    def test_peer_killed_before_rendezvous_is_reported_as_peer_lost(self, channel_url, open_ranks):
+    def test_peer_killed_before_rendezvous_is_reported_as_peer_lost(
+        self, channel_url: str, open_ranks: OpenRanks
+    ) -> None:
         if not self.cross_process:
             self._stop_in_process(open_ranks, channel_url, rendezvous=False)
             return
         self._kill_or_freeze(channel_url, signal.SIGKILL, rendezvous=False)
 
     @pytest.mark.timeout(120)
-    def test_killed_peer_is_reported_as_peer_lost(self, channel_url, open_ranks):
+    def test_killed_peer_is_reported_as_peer_lost(self, channel_url: str, open_ranks: OpenRanks) -> None:
         if not self.cross_process:
             self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return
         self._kill_or_freeze(channel_url, signal.SIGKILL, rendezvous=True)
 
     @pytest.mark.timeout(120)
-    def test_a_killed_peer_is_noticed_as_soon_as_the_transport_promises(self, channel_url, open_ranks):
+    def test_a_killed_peer_is_noticed_as_soon_as_the_transport_promises(
+        self, channel_url: str, open_ranks: OpenRanks
+    ) -> None:
         """A peer killed on this machine, with a liveness timeout of 3 s: a transport that
         ``notices_exits`` reports it within a second (its connections closed when it died);
         any other within the liveness timeout's bound."""
@@ -885,14 +960,14 @@ class LivenessTests(ChannelHarness):
         self._kill_or_freeze(channel_url, signal.SIGKILL, rendezvous=True, liveness=liveness, bound=bound)
 
     @pytest.mark.timeout(120)
-    def test_frozen_peer_is_reported_as_peer_lost(self, channel_url, open_ranks):
+    def test_frozen_peer_is_reported_as_peer_lost(self, channel_url: str, open_ranks: OpenRanks) -> None:
         if not self.cross_process:
             self._stop_in_process(open_ranks, channel_url, rendezvous=True)
             return
         self._kill_or_freeze(channel_url, signal.SIGSTOP, rendezvous=True)
 
     @pytest.mark.timeout(120)
-    def test_a_rank_declared_lost_is_cut_off_when_it_resumes(self, channel_url, open_ranks):
+    def test_a_rank_declared_lost_is_cut_off_when_it_resumes(self, channel_url: str, open_ranks: OpenRanks) -> None:
         """A rank frozen past the liveness timeout, then resumed, must not carry on as if
         nothing happened. A transport that ``fences_lost_members`` refuses its writes from
         the moment the others were told (none lands after); one that does not cuts it off
@@ -900,7 +975,7 @@ class LivenessTests(ChannelHarness):
         if not self.cross_process:
             channels = open_ranks(3, job="fence", url=with_options(channel_url, **self.LIVENESS))
             self.rendezvous_all(channels)
-            channels[2]._liveness.stop(announce=False)
+            _stop_liveness(channels[2])
             self._expect_peer_lost(channels[:2], 2, time.monotonic())
             if channels[2].fences_lost_members:
                 with pytest.raises(dp.ChannelClosed, match="declared lost"):
@@ -911,7 +986,7 @@ class LivenessTests(ChannelHarness):
         proc = self.spawn_rank("write", url, victim, n, job, "--hold", "90")
         try:
             channels = run_all(
-                [lambda r=r: dp.connect(url, rank=r, world_size=n, job=job, timeout=30) for r in range(n - 1)]
+                [partial(dp.connect, url, rank=r, world_size=n, job=job, timeout=30) for r in range(n - 1)]
             )
             try:
                 self.rendezvous_all(channels)
@@ -940,7 +1015,7 @@ class LivenessTests(ChannelHarness):
             assert result["failed_at"] - resumed < self._detect_bound(channels[0]), result
 
     @pytest.mark.timeout(120)
-    def test_ranks_joining_together_are_never_reported_lost(self, channel_url):
+    def test_ranks_joining_together_are_never_reported_lost(self, channel_url: str) -> None:
         """Ranks that connect at the same moment watch each other from the start: none may
         take another's half-finished join for a loss."""
         url = with_options(channel_url, **self.LIVENESS)
@@ -954,16 +1029,16 @@ class LivenessTests(ChannelHarness):
         for attempt in range(8):
             job = f"together{attempt}"
             delays = [rng.uniform(0, 0.1) for _ in range(n)]
-            channels = run_all([lambda r=r, j=job, d=delays[r]: join(r, j, d) for r in range(n)])
+            channels = run_all([partial(join, r, job, delays[r]) for r in range(n)])
             try:
-                run_all([lambda c=c: c.barrier("joined", timeout=STEP_TIMEOUT) for c in channels])
+                run_all([partial(c.barrier, "joined", timeout=STEP_TIMEOUT) for c in channels])
                 lost = {c.rank: c.lost_peers() for c in channels if c.lost_peers()}
                 assert not lost, f"attempt {attempt}: live ranks reported lost: {lost}"
             finally:
                 close_all(channels)
 
     @pytest.mark.timeout(60)
-    def test_clean_close_is_not_a_loss(self, channel_url, open_ranks):
+    def test_clean_close_is_not_a_loss(self, channel_url: str, open_ranks: OpenRanks) -> None:
         channels = open_ranks(3, job="clean", url=with_options(channel_url, **self.LIVENESS))
         self.rendezvous_all(channels)
         channels[2].close()
@@ -980,10 +1055,12 @@ class RunTests(ChannelHarness):
     LIVENESS = FAST_LIVENESS
 
     @pytest.mark.timeout(180)
-    def test_a_killed_jobs_rerun_under_the_same_name_starts_clean(self, channel_url, open_ranks):
+    def test_a_killed_jobs_rerun_under_the_same_name_starts_clean(
+        self, channel_url: str, open_ranks: OpenRanks
+    ) -> None:
         url = with_options(channel_url, **self.LIVENESS)
         n, job = 3, "crashy"
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen[str]] = []
         try:
             if self.cross_process:
                 # A process of another job connects first: it hosts the coordinator or store where
@@ -1005,9 +1082,9 @@ class RunTests(ChannelHarness):
 
                 old = open_ranks(n, job=job, url=url)
                 self.rendezvous_all(old)
-                run_all([lambda c=c: leave_state(c) for c in old])
+                run_all([partial(leave_state, c) for c in old])
                 for ch in old:
-                    ch._liveness.stop(announce=False)
+                    _stop_liveness(ch)
             # Within the liveness timeout and some slack, not the channel's timeout (60 s): the
             # slack covers connects (torch's TCPStore stalls 5 s on some) on a loaded machine.
             bound = self.LIVENESS["liveness_timeout"] + 4 * self.LIVENESS["heartbeat"] + 20.0
@@ -1047,12 +1124,13 @@ class RunTests(ChannelHarness):
 class StoreTests(ChannelHarness):
     """``as_store()``: the torch Store API, PrefixStore over it, and gloo through it."""
 
-    def test_store_api_matches_torch_semantics(self, open_ranks):
+    def test_store_api_matches_torch_semantics(self, open_ranks: OpenRanks) -> None:
         import torch.distributed as dist
 
         a, b = open_ranks(2)
-        sa, sb = a.as_store(), b.as_store()
-        assert a.as_store() is sa, "one store per channel, kept alive by it"
+        first = a.as_store()
+        sa, sb = _as_bound(first), _as_bound(b.as_store())
+        assert a.as_store() is first, "one store per channel, kept alive by it"
         sa.set("s", "text")
         assert sb.get("s") == b"text"
         assert sa.add("c", 3) == 3 and sb.add("c", 4) == 7
@@ -1074,34 +1152,36 @@ class StoreTests(ChannelHarness):
         clone = sa.clone()
         assert clone.get("s") == b"text"
 
-    def test_store_serves_torchs_cpp_callers(self, open_ranks):
+    def test_store_serves_torchs_cpp_callers(self, open_ranks: OpenRanks) -> None:
         import gc
 
-        import torch.distributed as dist
+        from torch._C._distributed_c10d import _test_python_store
+        from torch.distributed.distributed_c10d import PrefixStore
 
         a, b = open_ranks(2)
         store = a.as_store()
-        assert store.has_extended_api()
+        assert _as_bound(store).has_extended_api()
         # clone() called from C++: the Python object behind the clone must outlive the call.
-        clone = dist.PrefixStore("cpp", store).clone()
+        clone = _as_bound(PrefixStore("cpp", store)).clone()
         gc.collect()
         clone.set("k", b"v")
         assert clone.get("k") == b"v" and b.get("cpp/k", timeout=5) == b"v"
         clone.multi_set(["x", "y"], [b"1", b"2"])  # PrefixStore (C++) -> our multi_set
-        assert dist.PrefixStore("cpp", b.as_store()).multi_get(["y", "x"]) == [b"2", b"1"]
+        assert PrefixStore("cpp", b.as_store()).multi_get(["y", "x"]) == [b"2", b"1"]
         clone.append("log", b"ab")
-        dist.PrefixStore("cpp", b.as_store()).append("log", b"cd")
+        _as_bound(PrefixStore("cpp", b.as_store())).append("log", b"cd")
         assert a.get("cpp/log", timeout=5) == b"abcd"
-        dist._test_python_store(store)  # torch's own C++ walk through a Python store (it clones)
+        _test_python_store(store)  # torch's own C++ walk through a Python store (it clones)
 
-    def test_store_timeouts_are_dist_store_errors_that_say_timeout(self, open_ranks):
+    def test_store_timeouts_are_dist_store_errors_that_say_timeout(self, open_ranks: OpenRanks) -> None:
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import PrefixStore
 
         (a,) = open_ranks(1)
         store = a.as_store()
         store.set_timeout(timedelta(seconds=0.3))
-        prefixed = dist.PrefixStore("p", store)
-        calls = {
+        prefixed = PrefixStore("p", store)
+        calls: dict[str, Callable[[], object]] = {
             "get": lambda: store.get("never"),
             "wait": lambda: store.wait(["never"], timedelta(seconds=0.3)),
             "multi_get": lambda: store.multi_get(["never"]),
@@ -1112,12 +1192,12 @@ class StoreTests(ChannelHarness):
                 call()
             assert "timeout" in str(info.value).lower(), f"{name}: {info.value}"
 
-    def test_prefix_store_over_channel_store(self, open_ranks):
-        import torch.distributed as dist
+    def test_prefix_store_over_channel_store(self, open_ranks: OpenRanks) -> None:
+        from torch.distributed.distributed_c10d import PrefixStore
 
         a, b = open_ranks(2)
-        pa = dist.PrefixStore("trainer", a.as_store())
-        pb = dist.PrefixStore("trainer", b.as_store())
+        pa = _as_bound(PrefixStore("trainer", a.as_store()))
+        pb = PrefixStore("trainer", b.as_store())
         pa.set("x", b"1")
         assert pb.get("x") == b"1"
         assert pb.add("n", 2) == 2
@@ -1125,7 +1205,9 @@ class StoreTests(ChannelHarness):
         assert not pa.check(["y"])
 
     @pytest.mark.timeout(180)
-    def test_gloo_process_group_through_the_channel(self, channel_url, open_ranks, monkeypatch):
+    def test_gloo_process_group_through_the_channel(
+        self, channel_url: str, open_ranks: OpenRanks, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         n = 3
         # gloo fetches its peers' addresses with one multi_get per rank (what
         # dataparallel.init_process_group asks of it), not one get per peer.
@@ -1144,23 +1226,24 @@ class StoreTests(ChannelHarness):
             assert res["multi_gets"] >= 1, "gloo's init did not reach the channel's multi_get"
 
     @staticmethod
-    def _gloo_on_threads(open_ranks, n: int) -> list[dict]:
+    def _gloo_on_threads(open_ranks: OpenRanks, n: int) -> list[dict[str, Any]]:
         # One process: a gloo group per thread, built on the channel's store directly.
         import torch
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import PrefixStore
 
         channels = open_ranks(n, job="gloo")
         counted = _count_multi_gets(channels)
 
-        def gloo(store: dist.Store, rank: int) -> _GlooBackend:
+        def gloo(store: Store, rank: int) -> _GlooBackend:
             # torch's stubs declare these collectives on ProcessGroup only; Backend (ProcessGroupGloo's base)
             # has them in its bindings.
             return cast("_GlooBackend", dist.ProcessGroupGloo(store, rank, n, timedelta(seconds=60)))
 
-        def body(ch: dp.ControlChannel) -> dict:
+        def body(ch: dp.ControlChannel) -> dict[str, Any]:
             ch.rendezvous(timeout=STEP_TIMEOUT)
             rank = _held_rank(ch)
-            store = dist.PrefixStore("pg0/", ch.as_store())
+            store = PrefixStore("pg0/", ch.as_store())
             pg = gloo(store, rank)
             summed = torch.tensor([float(rank + 1), 2.0**rank])
             pg.allreduce([summed]).wait()
@@ -1172,7 +1255,7 @@ class StoreTests(ChannelHarness):
             gathered = [torch.zeros(1) for _ in range(n)]
             pg.allgather([gathered], [torch.tensor([float(rank)])]).wait()
             # A second group on its own prefix: the store is used again after init.
-            pg2 = gloo(dist.PrefixStore("pg1/", ch.as_store()), rank)
+            pg2 = gloo(PrefixStore("pg1/", ch.as_store()), rank)
             ones = torch.ones(1)
             pg2.allreduce([ones]).wait()
             return {
@@ -1196,11 +1279,46 @@ class _GlooBackend(Protocol):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]) -> dist.Work: ...
 
 
+class _BoundStore(Protocol):
+    """``torch.distributed.Store`` as torch's C++ binding has it, for the calls the store tests make.
+    torch's stubs (``torch/_C/_distributed_c10d.pyi``, torch 2.13) leave out ``append``, ``multi_set``,
+    ``clone`` and ``has_extended_api``, which the binding has, and type values as ``str`` where the
+    binding (pybind11's ``std::string``) takes ``bytes`` too."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, value: int) -> int: ...
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def delete_key(self, key: str) -> bool: ...
+    def num_keys(self) -> int: ...
+    def set_timeout(self, timeout: timedelta) -> None: ...
+    def wait(self, keys: list[str], timeout: timedelta = ...) -> None: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None: ...
+    def append(self, key: str, value: str | bytes) -> None: ...
+    def clone(self) -> _BoundStore: ...
+    def has_extended_api(self) -> bool: ...
+
+
+def _as_bound(store: Store) -> _BoundStore:
+    """``store``, typed with the methods torch's stubs leave out (see :class:`_BoundStore`)."""
+    return cast("_BoundStore", store)
+
+
 def _held_rank(ch: dp.ControlChannel) -> int:
     """``ch.rank``, which a channel that ``dp.connect`` returned holds."""
     if ch.rank is None:
         pytest.fail(f"{ch!r} holds no rank: dp.connect returned it before its rank was assigned")
     return ch.rank
+
+
+def _stop_liveness(ch: dp.ControlChannel) -> None:
+    """Stop ``ch``'s liveness without announcing a departure: to its peers, the rank was
+    killed or froze (where ranks are threads of one process)."""
+    if ch._liveness is None:
+        pytest.fail(f"{ch!r} has no liveness to stop: dp.connect returned it before it joined")
+    ch._liveness.stop(announce=False)
 
 
 def _count_multi_gets(channels: Sequence[dp.ControlChannel]) -> dict[int, int]:
@@ -1241,7 +1359,7 @@ def _check_adds(values: list[int], final: bytes, where: str) -> None:
         pytest.fail(f"add lost updates across {where}: the counter reads {final!r} after {total} adds")
 
 
-def _check_claims(contenders: list[dict], prefix: str, rounds: int, where: str) -> None:
+def _check_claims(contenders: list[dict[str, Any]], prefix: str, rounds: int, where: str) -> None:
     """Each contender ``{"contender": name, "got": [...]}`` called ``compare_set(prefix + i,
     b"", name)`` in round ``i`` and got ``got[i]`` back: exactly one may win each round, and
     every contender must get the winner's name."""
@@ -1265,7 +1383,7 @@ def _check_claims(contenders: list[dict], prefix: str, rounds: int, where: str) 
         )
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> dict:
+def _finish(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -1274,7 +1392,8 @@ def _finish(proc: subprocess.Popen, timeout: float) -> dict:
         pytest.fail(f"worker hung for {timeout}s; stderr:\n{err[-3000:]}")
     if proc.returncode != 0:
         pytest.fail(f"worker exited {proc.returncode}; stderr:\n{err[-3000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])  # the worker's last line: a JSON object
+    return result
 
 
 class LinearizabilityTests(ChannelHarness):
@@ -1289,16 +1408,18 @@ class LinearizabilityTests(ChannelHarness):
     MIN_OPERATIONS = 2200
 
     @pytest.mark.timeout(240)
-    def test_store_is_linearizable_under_kills_freezes_and_connection_resets(self, channel_url, tmp_path):
+    def test_store_is_linearizable_under_kills_freezes_and_connection_resets(
+        self, channel_url: str, tmp_path: Path
+    ) -> None:
         from .linearizability import Faults, check, client_ops, load_history, run_workload
 
         if not self.cross_process:  # ranks are threads: no process to kill or freeze
             url = with_options(channel_url, **self.LIVENESS)
-            channels = run_all([lambda r=r: dp.connect(url, rank=r, world_size=4, job="lin") for r in range(4)])
+            channels = run_all([partial(dp.connect, url, rank=r, world_size=4, job="lin") for r in range(4)])
             try:
                 self.rendezvous_all(channels)
                 files = [tmp_path / f"client{r}.jsonl" for r in range(4)]
-                run_all([lambda r=r: client_ops(channels[r], files[r], r, 1000, 0, 3, r) for r in range(4)], 120)
+                run_all([partial(client_ops, channels[r], files[r], r, 1000, 0, 3, r) for r in range(4)], 120)
             finally:
                 close_all(channels)
             report = check(load_history(files))
@@ -1313,7 +1434,7 @@ class LinearizabilityTests(ChannelHarness):
         assert report.operations >= self.MIN_OPERATIONS, f"only {report.operations} operations recorded"
 
     @pytest.mark.timeout(240)
-    def test_ranks_are_unique_and_barriers_never_release_early_under_connection_resets(self, channel_url):
+    def test_ranks_are_unique_and_barriers_never_release_early_under_connection_resets(self, channel_url: str) -> None:
         """Beyond single keys: 4 processes joining with ``rank=None`` get distinct ranks, and
         in each of 40 barrier rounds no rank leaves before the last one entered. Connections
         are reset every 0.5 s where the transport ``survives_connection_loss``."""
@@ -1326,7 +1447,7 @@ class LinearizabilityTests(ChannelHarness):
             channels = run_all([lambda: dp.connect(url, rank=None, world_size=n, job=job) for _ in range(n)])
             try:
                 self.rendezvous_all(channels)
-                results = run_all([lambda c=c: timed_barriers(c, rounds, STEP_TIMEOUT) for c in channels], 120)
+                results = run_all([partial(timed_barriers, c, rounds, STEP_TIMEOUT) for c in channels], 120)
             finally:
                 close_all(channels)
         else:

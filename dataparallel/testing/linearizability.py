@@ -240,7 +240,7 @@ def load_history(paths: Iterable[Path]) -> list[Operation]:
     after it (the client was killed) is indeterminate."""
     ops: list[Operation] = []
     for path in paths:
-        pending: dict[int, dict] = {}
+        pending: dict[int, dict[str, Any]] = {}
         for line in Path(path).read_text().splitlines():
             try:
                 rec = json.loads(line)
@@ -386,7 +386,7 @@ def run_workload(
     workdir.mkdir(parents=True, exist_ok=True)
     host = dp.connect(full, rank=0, world_size=clients + 1, job=job, timeout=60)
     proxy, client_url = proxy_in_front(full) if faults.reset_every else (None, full)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[str]] = []
     try:
         for c in range(clients):
             cmd = [sys.executable, "-m", "dataparallel.testing.linearizability", "--url", client_url]
@@ -399,7 +399,7 @@ def run_workload(
         if proxy is not None:
             proxy.reset_every(faults.reset_every)
 
-        def freeze(proc: subprocess.Popen) -> None:
+        def freeze(proc: subprocess.Popen[str]) -> None:
             proc.send_signal(signal.SIGSTOP)
             time.sleep(host.liveness_timeout + 2)  # declared lost meanwhile
             proc.send_signal(signal.SIGCONT)

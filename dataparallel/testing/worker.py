@@ -19,7 +19,7 @@ from typing import Any
 import dataparallel as dp
 
 
-def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     from datetime import timedelta
 
     import torch
@@ -57,7 +57,7 @@ def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
         dist.destroy_process_group()
 
 
-def _hold(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+def _hold(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     print(json.dumps({"ready": ch.rank}), flush=True)
     deadline = time.monotonic() + args.hold
     while time.monotonic() < deadline:  # until killed or stopped by the test
@@ -65,10 +65,10 @@ def _hold(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     return {"rank": ch.rank, "held": args.hold}
 
 
-def _write(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+def _write(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     """Write every 50 ms until a write fails (the rank was frozen, declared lost, resumed)."""
     print(json.dumps({"ready": ch.rank}), flush=True)
-    last_write = None
+    last_write: float | None = None
     deadline = time.monotonic() + args.hold
     while time.monotonic() < deadline:
         try:
@@ -86,9 +86,9 @@ def _write(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
     return {"rank": ch.rank, "error": None, "last_write": last_write}
 
 
-def timed_barriers(ch: dp.ControlChannel, rounds: int, timeout: float) -> dict:
+def timed_barriers(ch: dp.ControlChannel, rounds: int, timeout: float) -> dict[str, Any]:
     """``rounds`` barriers, each one's entry and exit time recorded (one clock per machine)."""
-    times = []
+    times: list[tuple[float, float]] = []
     for _ in range(rounds):
         entered = time.monotonic()
         ch.barrier("rounds", timeout=timeout)
@@ -96,7 +96,7 @@ def timed_barriers(ch: dp.ControlChannel, rounds: int, timeout: float) -> dict:
     return {"rank": ch.rank, "times": times}
 
 
-def _barriers(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+def _barriers(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     return timed_barriers(ch, args.rounds, args.timeout)
 
 
@@ -142,16 +142,16 @@ def contender_name(rank: int | None, thread: int) -> str:
     return f"rank{rank}/pid{os.getpid()}/thread{thread}"
 
 
-def _adds(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+def _adds(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     start_at = start_line(ch, args.timeout)
     values = contend(lambda _: count_adds(ch, args.key, args.rounds), args.threads, start_at, args.timeout)
     return {"rank": ch.rank, "pid": os.getpid(), "values": values}
 
 
-def _compare_set(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+def _compare_set(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     start_at = start_line(ch, args.timeout)
 
-    def work(thread: int) -> dict:
+    def work(thread: int) -> dict[str, Any]:
         me = contender_name(ch.rank, thread)
         return {"contender": me, "got": claim_rounds(ch, args.key, me, args.rounds)}
 
@@ -175,7 +175,7 @@ def leave_state(ch: dp.ControlChannel) -> None:
         time.sleep(0.3)  # in the barrier before the test kills it
 
 
-def _crash_mid_run(ch: dp.ControlChannel, args: argparse.Namespace) -> dict:
+def _crash_mid_run(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     leave_state(ch)
     return _hold(ch, args)
 

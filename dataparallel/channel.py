@@ -30,7 +30,7 @@ from .registry import ChannelURL
 from .wire import MAX_WORLD_SIZE, purpose_key
 
 if TYPE_CHECKING:
-    import torch.distributed
+    import torch.distributed as dist
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class ControlChannel(Collectives, abc.ABC):
         self._close_lock = threading.Lock()
         self._broken: ControlError | None = None
         self._liveness: Liveness | None = None
-        self._store: torch.distributed.Store | None = None
+        self._store: dist.Store | None = None
         self._seq_lock = threading.Lock()
         self._seq: dict[tuple[str, str], int] = {}
         self._departed: dict[int, Departure] = {}  # ranks that closed: how far they went
@@ -836,7 +836,7 @@ class ControlChannel(Collectives, abc.ABC):
         self._set(self._scoped(f"{RESERVED_PREFIX}peer/{self.rank}"), json.dumps(info).encode())
 
     # ------------------------------------------------------------------ torch
-    def as_store(self) -> torch.distributed.Store:
+    def as_store(self) -> dist.Store:
         """A ``torch.distributed.Store`` over this channel (one per channel, kept alive by it),
         for ``init_process_group(backend, store=ch.as_store(), rank=ch.rank, world_size=...)``."""
         if self._store is None:

@@ -79,7 +79,7 @@ def _load(args: argparse.Namespace):
 
 def _launch(args: argparse.Namespace) -> int:
     from .launcher import launch, read_line, worker_command
-    from .ssh import SshOptions, launch_hosts
+    from .ssh import SshOptions
 
     target = list(args.target)
     if target and target[0] == "--":
@@ -91,17 +91,15 @@ def _launch(args: argparse.Namespace) -> int:
     command = worker_command(target, module=bool(args.module), no_python=args.no_python)
     config = _load(args)
     prefix = not args.no_prefix
-    if args.from_launcher:  # a host's part of a job started over ssh: the token on stdin, then its end
+    if args.from_launcher:  # a host's part of a job started over ssh: token and URL on stdin, then its end
         lifeline = sys.stdin.fileno()
-        token = read_line(lifeline).strip()
-        config = dataclasses.replace(config, token=token or config.token)
+        token, url = read_line(lifeline).strip(), read_line(lifeline).strip()
+        if not token or not url:
+            raise ConfigError("the launcher's stdin ended before it sent the job's token and URL")
+        config = dataclasses.replace(config, token=token, url=url)
         return launch(command, config, grace=args.grace, prefix=prefix, first_rank=args.first_rank, lifeline=lifeline)
-    if config.hosts:
-        ssh = SshOptions(
-            port=args.ssh_port, options=tuple(args.ssh_option), python=args.remote_python or sys.executable
-        )
-        return launch_hosts(command, config, grace=args.grace, prefix=prefix, ssh=ssh)
-    return launch(command, config, grace=args.grace, prefix=prefix)
+    ssh = SshOptions(port=args.ssh_port, options=tuple(args.ssh_option), python=args.remote_python or sys.executable)
+    return launch(command, config, grace=args.grace, prefix=prefix, ssh=ssh)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ Every bad value raises :class:`ConfigError` naming the setting and where it came
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from collections.abc import Mapping
@@ -56,6 +57,8 @@ else:  # pragma: no cover
 
 DEFAULT_FILE = "dataparallel.toml"
 DEFAULT_JOB = "default"
+#: Where the coordinator's host came from when the hosts placed it (the first of them).
+PLACED = "the first of the hosts"
 DEFAULT_PORT = 29500  # the coordinator's port where a launcher gives none (mpirun)
 DEFAULT_TIMEOUT = 300.0
 
@@ -85,25 +88,88 @@ SETTINGS: dict[str, tuple[type, str | None]] = {
 CHOICES: dict[str, tuple[str, ...]] = {"log_format": ("text", "json")}
 #: torchrun's variables, read below the ``DP_*`` ones.
 TORCHRUN = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
-#: Cluster launchers' variables (rank, world size, local rank, ranks on this host), below
-#: torchrun's, the innermost launcher first: Open MPI's mpirun (inside a Slurm allocation it
-#: starts its daemons with srun, so its ranks see a step's SLURM_PROCID too: the node's),
-#: Slurm's srun (a step's tasks: the batch script itself has no SLURM_STEP_NUM_TASKS), MPICH's
-#: and Intel MPI's (Hydra; ``srun --mpi=pmi2`` sets PMI_RANK too, equal to SLURM_PROCID).
-CLUSTER = (
-    (
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """A program that starts a job's processes and tells each its place in the environment."""
+
+    name: str
+    title: str  # how check --env names it, formatted with the environment
+    rank: str  # the variables of the process's rank, the world size, its local rank...
+    size: str
+    local_rank: str | None = None
+    local_size: str | None = None  # ...and of the ranks on its host
+    marker: str | None = None  # a variable that only this launcher sets beside them
+    nests: bool = False  # it runs inside another launcher's processes: its ranks are the ones that count
+    cluster: bool = False  # read by the cluster layer, below torchrun's and the DP_* variables
+
+    def detects(self, env: Mapping[str, str]) -> bool:
+        return all(env.get(var, "") != "" for var in (self.rank, self.size, self.marker) if var is not None)
+
+
+#: The launch environments, the innermost first (one started inside another wins): dataparallel
+#: launch and torchrun run inside any of the others; Open MPI's mpirun, inside a Slurm
+#: allocation, starts its daemons with srun, so its ranks see a step's SLURM_PROCID too (the
+#: node's); Slurm's srun (a step's tasks: the batch script itself has no SLURM_STEP_NUM_TASKS);
+#: MPICH's and Intel MPI's Hydra (``srun --mpi=pmi2`` sets PMI_RANK too, equal to
+#: SLURM_PROCID); then RANK and WORLD_SIZE alone, as Kubernetes operators set them.
+LAUNCH_ENVIRONMENTS = (
+    LaunchEnvironment(
+        "dataparallel launch",
+        "dataparallel launch (node {DP_NODE_RANK} of {DP_NODES})",
+        "DP_RANK",
+        "DP_WORLD_SIZE",
+        "DP_LOCAL_RANK",
+        "DP_NPROCS",
+        nests=True,
+    ),
+    LaunchEnvironment(
+        "torchrun",
+        "torchrun (run {TORCHELASTIC_RUN_ID})",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        marker="TORCHELASTIC_RUN_ID",
+        nests=True,
+    ),
+    LaunchEnvironment(
         "mpirun",
+        "Open MPI (mpirun)",
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
+        cluster=True,
     ),
-    ("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
-    ("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    LaunchEnvironment(
+        "srun",
+        "Slurm job {SLURM_JOB_ID} (srun, step {SLURM_STEP_ID})",
+        "SLURM_PROCID",
+        "SLURM_STEP_NUM_TASKS",
+        "SLURM_LOCALID",
+        cluster=True,
+    ),
+    LaunchEnvironment(
+        "mpirun",
+        "MPICH or Intel MPI (PMI)",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+        cluster=True,
+    ),
+    LaunchEnvironment(
+        "env://",
+        "RANK and WORLD_SIZE (env://, as a Kubernetes PyTorchJob sets them)",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+    ),
 )
-#: What a launcher that starts processes inside another's sets: its ranks are the processes'
-#: (torchrun's agent, and ``dataparallel launch``, which sets GROUP_RANK too).
-NESTED = ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "DP_RANK")
+#: The cluster launchers, read below torchrun's variables.
+CLUSTER = tuple(e for e in LAUNCH_ENVIRONMENTS if e.cluster)
 
 
 @dataclass(frozen=True)
@@ -127,6 +193,11 @@ class JobConfig:
     #: (``h1:2,h2:2``) or ``hostfile``: ``dataparallel launch`` starts each over ssh.
     hosts: tuple[tuple[str, int | None], ...] = ()
     origin: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def slots(self) -> list[int]:
+        """Workers per host of ``hosts``: each host's slots, else ``nprocs``, else 1."""
+        return [count or self.nprocs or 1 for _, count in self.hosts]
 
     def describe(self, name: str) -> str:
         return f"{name} (from {self.origin.get(name, 'default')})"
@@ -227,10 +298,10 @@ def _read_file(path: Path, origin: str) -> dict[str, tuple[Any, str]]:
     where = f"file {path}"
     _check_keys(data, f"key in {path}")
     out = {name: (value, f"{where}: {name}") for name, value in data.items()}
-    if "token_file" in out:  # relative to the file that names it
-        value = out["token_file"][0]
+    for name in ("token_file", "hostfile"):  # relative to the file that names them
+        value = out[name][0] if name in out else None
         if isinstance(value, str):
-            out["token_file"] = (str(path.parent / Path(value).expanduser()), out["token_file"][1])
+            out[name] = (str(path.parent / Path(value).expanduser()), out[name][1])
     return out
 
 
@@ -281,13 +352,15 @@ def _cluster(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     else what the launcher tells (``__cluster``): with every rank on this host, loopback; under
     Slurm, the step's first node, at a port derived from the job id (15000 + its last 4
     digits, as Lightning does: two jobs sharing a first node do not collide)."""
-    for launcher, rank, size, local_rank, local_size in CLUSTER:
-        if env.get(rank, "") == "" or env.get(size, "") == "":
+    for found in CLUSTER:
+        if not found.detects(env):
             continue
+        launcher, rank, size = found.name, found.rank, found.size
+        local_rank, local_size = found.local_rank, found.local_size
         if launcher == "srun" and env.get("PMI_RANK", env[rank]) != env[rank]:
             continue  # mpiexec (Hydra) inside an allocation: srun started its proxies, PMI has the ranks
         out: dict[str, tuple[Any, str]] = {"rank": (env[rank], rank), "world_size": (env[size], size)}
-        if env.get(local_rank, "") != "":
+        if local_rank is not None and env.get(local_rank, "") != "":
             out["local_rank"] = (env[local_rank], local_rank)
         host, port = None, DEFAULT_PORT
         nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
@@ -311,7 +384,7 @@ def _agree(
     a launcher started this process inside the other's (torchrun under srun, ``dataparallel
     launch`` under mpirun: then the inner one's are the process's, below). A stale ``export
     RANK=0`` in a batch script would otherwise make every task rank 0."""
-    if any(env.get(var, "") != "" for var in NESTED):
+    if any(e.nests and e.detects(env) for e in LAUNCH_ENVIRONMENTS):
         return
     for name in ("rank", "world_size"):
         if name in cluster and name in torchrun and str(cluster[name][0]).strip() != str(torchrun[name][0]).strip():
@@ -329,35 +402,22 @@ def describe_launch(config: JobConfig, env: Mapping[str, str] | None = None) -> 
     coordinator zmq://node01:15042``."""
     env = os.environ if env is None else env
     source = config.origin.get("rank", "")
-    names = {
-        "SLURM_PROCID": f"Slurm job {env.get('SLURM_JOB_ID', '?')} (srun, step {env.get('SLURM_STEP_ID', '?')})",
-        "OMPI_COMM_WORLD_RANK": "Open MPI (mpirun)",
-        "PMI_RANK": "MPICH or Intel MPI (PMI)",
-        "DP_RANK": f"dataparallel launch (node {config.node_rank} of {config.nodes})",
-    }
-    if source == "RANK":
-        torchrun = env.get("TORCHELASTIC_RUN_ID", "") != ""
-        who = (
-            f"torchrun (run {env['TORCHELASTIC_RUN_ID']})"
-            if torchrun
-            else "RANK and WORLD_SIZE (env://, as a Kubernetes PyTorchJob sets them)"
-        )
+    found = next((e for e in LAUNCH_ENVIRONMENTS if e.rank == source and e.detects(env)), None)
+    if found is not None:
+        who = found.title.format_map(collections.defaultdict(lambda: "?", env))
     elif config.hosts:
-        slots = [count or config.nprocs or 1 for _, count in config.hosts]
-        who = f"a job over ssh on {len(config.hosts)} hosts, {sum(slots)} ranks (this is its launcher, not a rank)"
-    else:
-        who = names.get(
-            source,
-            "no launcher: this process is no rank of a job "
-            "(start it with dataparallel launch, torchrun, srun or mpirun)",
+        who = (
+            f"a job over ssh on {len(config.hosts)} hosts, {sum(config.slots)} ranks (this is its launcher, not a rank)"
         )
+    else:
+        who = "no launcher: this process is no rank of a job (start it with launch, torchrun, srun or mpirun)"
     parts = [who]
     if config.rank is not None:
         parts.append(f"rank {config.rank} of {config.world_size if config.world_size is not None else '?'}")
     if config.local_rank is not None:
         parts.append(f"local rank {config.local_rank}")
     if config.url is not None:
-        parts.append(f"coordinator {config.url}")
+        parts.append(f"coordinator {locate(config.url)[0].shown}")  # no password of the URL's
     return ", ".join(parts)
 
 
@@ -452,6 +512,10 @@ def address_of(host: str) -> str:
 def _hosts(values: dict[str, Any], origin: dict[str, str]) -> None:
     """``hosts`` or ``hostfile`` as ``__hosts``; the first host hosts the coordinator unless
     the configuration says otherwise (``__cluster``, as a cluster launcher places rank 0)."""
+    if "rank" in values:  # a rank: its launcher placed it (the hosts are that launcher's business)
+        values.pop("hosts", None)
+        values.pop("hostfile", None)
+        return
     if "hosts" in values and "hostfile" in values:
         raise ConfigError(f"both {origin['hosts']} and {origin['hostfile']} name the job's hosts: give one")
     if "hosts" in values:
@@ -464,6 +528,14 @@ def _hosts(values: dict[str, Any], origin: dict[str, str]) -> None:
         if name in values:
             where = origin.get("hosts") or origin["hostfile"]
             raise ConfigError(f"{name} (from {origin[name]}) and the hosts (from {where}) both place nodes: give one")
+    seen: dict[str, str] = {}
+    for host, _ in hosts:
+        if address_of(host) in seen:
+            raise ConfigError(
+                f"{address_of(host)} is named twice in the hosts ({seen[address_of(host)]!r} and {host!r}): give each "
+                "host once, with all its slots (two launchers on one host would share its GPUs and local ranks)"
+            )
+        seen[address_of(host)] = host
     values["__hosts"] = tuple(hosts)
     values["nodes"] = len(hosts)
     origin["nodes"] = origin.get("hosts") or origin["hostfile"]
@@ -473,7 +545,7 @@ def _hosts(values: dict[str, Any], origin: dict[str, str]) -> None:
             "launcher": "ssh",
             "host": first,
             "port": DEFAULT_PORT,
-            "where": "the first of the hosts",
+            "where": PLACED,
         }
 
 

@@ -27,14 +27,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from .config import CLUSTER, JobConfig
+from .config import CLUSTER, LAUNCH_ENVIRONMENTS, JobConfig
 from .errors import ConfigError
 from .registry import locate, resolve
 
+if TYPE_CHECKING:
+    from .ssh import SshOptions
+
 #: Seconds a worker gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 5.0
+#: The least it gets when the launcher itself was told to stop (dp.fit with a checkpoint
+#: stops at a step and writes it first); a second SIGINT or SIGTERM kills at once.
+SIGNALLED_GRACE = 60.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -117,6 +123,7 @@ def launch(
     log: Log | None = None,
     first_rank: int | None = None,
     lifeline: int | None = None,
+    ssh: SshOptions | None = None,
 ) -> int:
     """Run this node's workers of ``command`` (a full argv) until they all exit.
 
@@ -130,14 +137,15 @@ def launch(
     code is that of the first failure only if rank 0 failed or no worker of the node is left.
 
     With ``config.hosts`` it starts this function on every host over ssh instead
-    (:func:`dataparallel.ssh.launch_hosts`). ``lifeline``: a file descriptor whose end stops the
-    workers as SIGTERM does (a host's launcher started over ssh reads its stdin: when the
-    connection to the launcher that started it goes, so do its workers).
+    (:func:`dataparallel.ssh.launch_hosts`, reaching them as ``ssh`` says). ``lifeline``: a
+    file descriptor whose end stops the workers as SIGTERM does (a host's launcher started
+    over ssh reads its stdin: when the connection to the launcher that started it goes, so
+    do its workers).
     """
     if config.hosts and lifeline is None:
         from .ssh import launch_hosts
 
-        return launch_hosts(command, config, grace=grace, log=log)
+        return launch_hosts(command, config, grace=grace, prefix=prefix, log=log, ssh=ssh)
     config = _node_of_cluster(config)
     url, nprocs, world = plan(config, first_rank)
     log = log or sys.stderr
@@ -149,8 +157,8 @@ def launch(
     base = config.node_rank * nprocs if first_rank is None else first_rank
     env = dict(os.environ)
     stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
-    for name in (*stale, "DP_RDZV_ROUND"):
-        env.pop(name, None)  # the URL says it all (and no torchrun agent's round applies)
+    for name in (*stale, "DP_RDZV_ROUND", "DP_HOSTS", "DP_HOSTFILE"):
+        env.pop(name, None)  # the URL says it all (no torchrun agent's round applies, no hosts list)
     env.update(
         DP_URL=url,
         DP_WORLD_SIZE=str(world),
@@ -222,7 +230,7 @@ def _node_of_cluster(config: JobConfig) -> JobConfig:
     """Under ``srun`` or ``mpirun``, ``dataparallel launch`` is one node's launcher (as torchrun
     is under srun): the cluster's tasks are the job's nodes, each starting ``nprocs`` workers,
     and the coordinator is where the cluster layer put rank 0."""
-    tasks = {rank: size for _, rank, size, _, _ in CLUSTER}
+    tasks = {e.rank: e.size for e in CLUSTER}
     source = config.origin.get("rank", "")
     if source not in tasks or config.origin.get("world_size") != tasks[source] or "node_rank" in config.origin:
         return config
@@ -300,6 +308,7 @@ class _Supervisor:
         self.workers: list[Worker] = []
         self.pumps: list[threading.Thread] = []
         self.signalled: int | None = None
+        self._signalled_at = 0.0
         self._out_lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -319,6 +328,9 @@ class _Supervisor:
         if self.signalled is None:
             self.signalled = signum
             self._send(signum)
+        elif signum in (signal.SIGINT, signal.SIGTERM) and time.monotonic() - self._signalled_at > 1.0:
+            self._send(signal.SIGKILL)  # asked again (a second Ctrl-C): no more waiting
+        self._signalled_at = self._signalled_at or time.monotonic()
 
     def start(
         self,
@@ -434,16 +446,19 @@ class _Supervisor:
 
     def stop(self, signum: int, quiet: bool = False) -> None:
         """Send ``signum`` to every live worker's process group; SIGKILL what is left after the grace."""
+        # Stopped from outside (Slurm's SIGTERM before a preemption, Ctrl-C): time for dp.fit to
+        # write its checkpoint at a step, which a worker failure does not need.
+        grace = self.grace if self.signalled is None else max(self.grace, SIGNALLED_GRACE)
         if signum != signal.SIGKILL and any(w.proc.poll() is None for w in self.workers):
             if self.signalled is None:
                 self._send(signum)
-            deadline = time.monotonic() + self.grace
+            deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
                 time.sleep(0.05)
         stubborn = [w for w in self.workers if w.proc.poll() is None]
         if stubborn and not quiet:
             print(
-                f"[launch] killing {_names(stubborn)} (no exit within {self.grace:g}s)",
+                f"[launch] killing {_names(stubborn)} (no exit within {grace:g}s)",
                 file=self.log,
                 flush=True,
             )
@@ -477,8 +492,7 @@ def in_worker(env: Mapping[str, str] | None = None) -> bool:
     """True in a process started by ``dataparallel launch``, torchrun, or a cluster launcher
     (``srun``, ``mpirun``)."""
     env = os.environ if env is None else env
-    launched = any(env.get(rank) and env.get(size) for _, rank, size, _, _ in CLUSTER)
-    return bool(env.get("DP_RANK") or env.get("RANK") or launched)
+    return any(e.detects(env) for e in LAUNCH_ENVIRONMENTS) or bool(env.get("DP_RANK") or env.get("RANK"))
 
 
 def relaunch(script: str, args: Sequence[str], **settings: object) -> int:
@@ -495,7 +509,10 @@ def _json_line(text: bytes, **fields: Any) -> bytes:
     stream it came from), and the line as ``message``; a line that is a JSON object already
     (``dp.fit``'s per-epoch metrics under ``DP_LOG_FORMAT=json``) gives its fields instead."""
     message = text.decode(errors="replace").rstrip()
-    record: dict[str, Any] = {"time": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"), **fields}
+    record: dict[str, Any] = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+        **fields,
+    }
     try:
         parsed = json.loads(message) if message.startswith("{") else None
     except ValueError:

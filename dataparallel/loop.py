@@ -58,6 +58,11 @@ Batch = Any
 #: About how often (seconds of training) the ranks poll for a stop signal: the most a stop
 #: waits for the ranks to agree, besides a step.
 STOP_POLL_SECONDS = 0.2
+#: The most steps between two polls, whatever the last epoch's step time said.
+MAX_POLL_STRIDE = 64
+#: A stop signal repeated within this many seconds is the same stop (delivered twice, by
+#: srun to every process of a step and by a launcher forwarding it); later, it acts at once.
+REPEAT_SECONDS = 5.0
 LossFn = Callable[[Any, Any], torch.Tensor]  # (model output, targets) -> scalar loss
 BatchSource = Callable[[int, int, int], Iterable[Batch]]
 
@@ -77,7 +82,7 @@ class TrainOptions:
     patience: int | None = None  # stop after this many epochs without a better validation loss
     #: What rank 0 writes after every epoch: a path, or a filesystem URL (``s3://``, ``gs://``,
     #: ``memory://``... through fsspec, where its package is installed).
-    checkpoint: str | os.PathLike | None = None
+    checkpoint: str | os.PathLike[str] | None = None
     resume: bool = False  # continue from ``checkpoint`` if it exists
     checkpoint_every: int = 1  # epochs between checkpoints; the last epoch's is always written
     scheduler_interval: str = "epoch"  # when the scheduler steps: "epoch", or "step" (every optimizer step)
@@ -216,8 +221,8 @@ def fit(
     model: torch.nn.Module,
     loss_fn: LossFn,
     optimizer: Callable[[Any], torch.optim.Optimizer],
-    train_data: Dataset | BatchSource,
-    val_data: Dataset | BatchSource | None = None,
+    train_data: Dataset[Any] | BatchSource,
+    val_data: Dataset[Any] | BatchSource | None = None,
     *,
     options: TrainOptions | None = None,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
@@ -276,19 +281,19 @@ def follow(channel: ControlChannel, *args: Any, **kwargs: Any) -> FitResult:
 class _Trainer:
     def __init__(
         self,
-        channel,
-        model,
-        loss_fn,
-        optimizer,
-        train_data,
-        val_data,
-        options,
-        scheduler,
-        callbacks,
-        pg,
-        step_callbacks=(),
-        extra_state=None,
-    ):
+        channel: ControlChannel,
+        model: torch.nn.Module,
+        loss_fn: LossFn,
+        optimizer: Callable[[Any], torch.optim.Optimizer],
+        train_data: Dataset[Any] | BatchSource,
+        val_data: Dataset[Any] | BatchSource | None,
+        options: TrainOptions,
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+        callbacks: Sequence[Callable[[EpochMetrics], None]],
+        pg: dist.ProcessGroup | None,
+        step_callbacks: Sequence[Callable[[StepInfo], None]] = (),
+        extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+    ) -> None:
         self.ch: ControlChannel = channel
         if channel.rank is None:
             raise ValueError(f"{channel!r} holds no rank: open it with dataparallel.connect")
@@ -324,6 +329,7 @@ class _Trainer:
         self._snapshot: dict[str, Any] | None = None  # the current epoch's start (elastic)
         self._epoch = -1  # the epoch being trained (for messages)
         self._signalled: int | None = None  # a stop signal this process received
+        self._agreed_signal = 0  # the signal the ranks agreed to stop for
         self._stop_poll: tuple[torch.Tensor, Any] | None = None  # the all-reduce of the ranks' stop flags
         self._stopped_at: int | None = None  # batches of the epoch done when the ranks agreed to stop
         self._partial: dict[str, Any] | None = None  # where a resumed epoch starts (a stop's checkpoint)
@@ -361,33 +367,33 @@ class _Trainer:
             self._lay_out_buckets()
 
     def _lay_out_buckets(self) -> None:
-        """One backward through DDP before training, changing nothing, so that every step of a
-        run uses the same gradient buckets. DDP lays its buckets out again after its first
-        backward (in the order the gradients became ready), and an all-reduce over three or
-        more ranks adds each element in an order that depends on its place in its bucket: a
-        resumed run (or a regrouped one), whose first step would use the first layout where
-        the uninterrupted run used the second, would differ in the last bits. In eval mode
-        (no dropout, batch-norm statistics untouched), the RNG state restored, no optimizer
+        """One training step's forward and backward through DDP before training, changing
+        nothing, so that every step of a run uses the same gradient buckets. DDP lays its
+        buckets out again after its first backward (in the order the gradients became ready),
+        and an all-reduce over three or more ranks adds each element in an order that depends
+        on its place in its bucket: a resumed run (or a regrouped one), whose first step would
+        use the first layout where the uninterrupted run used the second, would differ in the
+        last bits. Train mode (every parameter a step uses gets its gradient), the RNG states
+        and the buffers (batch-norm statistics) restored, the gradients dropped, no optimizer
         step; skipped on every rank unless every rank has a first batch."""
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
-        try:
-            first = next(iter(self._batches(self.train_data, 0, train=True)), None)
-            everyone = torch.tensor([0 if first is None else 1], device=self.device)
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.pg)
-            if first is None or not everyone.item():
-                return
-            x, y = _to(first[0], self.device), _to(first[1], self.device)
-            self.ddp.eval()
-            with self._autocast():
-                loss = self.loss_fn(self.ddp(x), y)
-            loss.float().backward()
-        finally:
-            self.ddp.train()
-            self.ddp.zero_grad(set_to_none=True)
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+        module = self.ddp.module
+        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            try:
+                first = next(iter(self._batches(self.train_data, 0, train=True)), None)
+                everyone = torch.tensor([0 if first is None else 1], device=self.device)
+                dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.pg)
+                if first is None or not everyone.item():
+                    return
+                x, y = _to(first[0], self.device), _to(first[1], self.device)
+                with self._autocast():
+                    loss = self.loss_fn(self.ddp(x), y)
+                loss.float().backward()
+            finally:
+                self.ddp.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for name, b in module.named_buffers():
+                        b.copy_(buffers[name])
 
     def _start_watchdog(self) -> None:
         self._lost = None
@@ -424,6 +430,7 @@ class _Trainer:
         self._preflight()
         self._setup()
         caught = self._catch_stop_signals()
+        stopped = False
         try:
             epoch = None
             while True:
@@ -433,6 +440,9 @@ class _Trainer:
                         epoch = self.start_epoch
                     self._epochs(epoch)
                     break
+                except Preempted:
+                    stopped = True
+                    raise
                 except (RuntimeError, ControlError) as err:
                     failure = self._explain(err, self._epoch)
                     if not isinstance(failure, PeerLost) or not self._can_regroup(failure):
@@ -440,7 +450,9 @@ class _Trainer:
                     epoch = self._regroup(failure)
         finally:
             for signum, handler in caught.items():
-                signal.signal(signum, handler)
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set from C
+            if self._signalled is not None and not stopped:
+                os.kill(os.getpid(), self._signalled)  # caught but not acted on: it acts now, as it would have
             self._stop_watchdog()
             if self._own_pg and self._lost is None:
                 with contextlib.suppress(Exception):
@@ -550,7 +562,7 @@ class _Trainer:
         self.pg = dist.group.WORLD
         self._wrap()
         self._start_watchdog()
-        epoch = snapshot["epoch"]
+        epoch = int(snapshot["epoch"])
         seconds = time.monotonic() - started
         self.history.regroups.append(Regroup(epoch, lost, len(members), generation, seconds))
         log.warning(
@@ -560,13 +572,15 @@ class _Trainer:
         )  # fmt: skip
         return epoch
 
-    def _command(self, next_epoch: int) -> dict:
+    def _command(self, next_epoch: int) -> dict[str, Any]:
         payload = None
         if self.rank == 0:
             stop = next_epoch >= self.opts.epochs or self._should_stop_early()
-            command = {"cmd": "train", "epoch": next_epoch, "poll_every": self._poll_every()}
-            payload = json.dumps({"cmd": "stop", "early": self._should_stop_early()} if stop else command).encode()
-        command = json.loads(self.ch.broadcast("dp-command", payload, timeout=self.opts.collective_timeout))
+            mine = {"cmd": "train", "epoch": next_epoch, "poll_every": self._poll_every()}
+            payload = json.dumps({"cmd": "stop", "early": self._should_stop_early()} if stop else mine).encode()
+        command: dict[str, Any] = json.loads(
+            self.ch.broadcast("dp-command", payload, timeout=self.opts.collective_timeout)
+        )
         self._poll_stride = command.get("poll_every", 1)
         return command
 
@@ -578,7 +592,7 @@ class _Trainer:
             return 1
         last = self.history.last
         steps = max(1, last.train_batches_per_rank[0] // self.opts.grad_accum)
-        return max(1, int(STOP_POLL_SECONDS / max(last.train_seconds / steps, 1e-9)))
+        return max(1, min(MAX_POLL_STRIDE, int(STOP_POLL_SECONDS / max(last.train_seconds / steps, 1e-9))))
 
     def _should_stop_early(self) -> bool:
         patience = self.opts.patience
@@ -612,7 +626,7 @@ class _Trainer:
         return err
 
     # ------------------------------------------------------------------ epochs
-    def _batches(self, data: Dataset | BatchSource, epoch: int, train: bool) -> Iterable[Batch]:
+    def _batches(self, data: Dataset[Any] | BatchSource, epoch: int, train: bool) -> Iterable[Batch]:
         if callable(data) and not isinstance(data, Dataset):
             return data(epoch, self.rank, self.world)
         if train:
@@ -629,7 +643,7 @@ class _Trainer:
             sampler = range(self.rank, len(data), self.world)
         return DataLoader(data, batch_size=self.opts.batch_size, sampler=sampler, **self.opts.loader_options)
 
-    def _autocast(self):
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.opts.amp is None:
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.opts.amp == "bf16" else torch.float16
@@ -659,14 +673,15 @@ class _Trainer:
         forward = self.ddp.module if local else self.ddp
         batches, skip = iter(batches), 0
         if self._partial is not None:  # resumed where a stop signal ended the last run
-            skip, (loss_sum, samples, count) = self._partial["batches"], self._partial["train"]
+            loss_sum, samples, count = self._partial["train"]
+            skip = count  # this rank's batches before the stop
             for _ in itertools.islice(batches, skip):
                 pass
             _set_rng_state(self._partial["rng"])  # after the loader's start, which draws from it
             self._partial = None
             if bar is not None:
                 bar.update(skip)
-        polling = self._polls_stop() and not uneven  # under Join the ranks' collectives differ
+        polling = self._polls_stop() and not uneven  # under Join the ranks' collectives differ: at its end
         self._stop_poll, self._stopped_at = None, None
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
         with Join([self.ddp], enable=uneven):
@@ -694,8 +709,8 @@ class _Trainer:
                 if polling and boundary and due and self._agreed_to_stop():
                     self._stopped_at = i + 1
                     break
-        if polling and self._stopped_at is None and self._agreed_to_stop(last=True):
-            self._stopped_at = count  # agreed at the epoch's last step: stop before validating
+        if self._polls_stop() and self._stopped_at is None and self._agreed_to_stop(last=True):
+            self._stopped_at = count  # agreed at the epoch's end: stop before validating
         if bar is not None:
             bar.close()
         self._bar = None
@@ -714,14 +729,23 @@ class _Trainer:
         if not self._polls_stop() or threading.current_thread() is not threading.main_thread():
             return {}
 
-        def stop(signum: int, frame: object) -> None:
-            if self._signalled is not None:  # the second: act as it would have
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            self._signalled = signum
+        first: list[float] = []
+        previous: dict[int, Any] = {}
 
-        return {sig: signal.signal(sig, stop) for sig in (signal.Signals[name] for name in self.opts.stop_signals)}
+        def stop(signum: int, frame: object) -> None:
+            if self._signalled is None:
+                self._signalled = signum
+                first.append(time.monotonic())
+            elif time.monotonic() - first[0] > REPEAT_SECONDS:  # insisted on: act as it would have
+                handler = previous.get(signum)
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+                os.kill(os.getpid(), signum)
+            # else the same stop again (srun signals every process of a step, and dataparallel
+            # launch forwards what it got): nothing more to do
+
+        for sig in (signal.Signals[name] for name in self.opts.stop_signals):
+            previous[sig] = signal.signal(sig, stop)
+        return previous
 
     def _agreed_to_stop(self, last: bool = False) -> bool:
         """Whether some rank had been signalled by the previous poll (every rank gets the same
@@ -730,19 +754,24 @@ class _Trainer:
         before its validation)."""
         stop = self._read_poll()
         if not stop:
-            flag = torch.tensor([0 if self._signalled is None else 1], device=self.device)
+            flag = torch.tensor([self._signalled or 0], device=self.device)
             self._stop_poll = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg, async_op=True))
             if last:
                 stop = self._read_poll()
         return stop
 
     def _read_poll(self) -> bool:
+        """The pending poll's answer: the highest signal number any rank got (0: none), kept as
+        the signal every rank stops for (so that every rank exits with the same code)."""
         if self._stop_poll is None:
             return False
         flag, work = self._stop_poll
         self._stop_poll = None
         work.wait()
-        return bool(flag.item())
+        agreed = int(flag.item())
+        if agreed:
+            self._agreed_signal = agreed
+        return agreed > 0
 
     def _stop_here(self, epoch: int, batches: int, train: tuple[float, int, int]) -> None:
         """The ranks agreed to stop after ``batches`` batches of ``epoch``: the driver writes
@@ -750,13 +779,14 @@ class _Trainer:
         raises :class:`Preempted`."""
         timeout = self.opts.collective_timeout
         mine = json.dumps({"rng": _rng_state(), "train": list(train)}).encode()
-        parts = self.ch.gather(f"dp-stop-{epoch}", mine, dst=0, timeout=timeout)
-        if parts is not None:  # the driver's
-            parsed = [json.loads(part) for part in parts]
+        parsed = [json.loads(p) for p in self.ch.all_gather(f"dp-stop-{epoch}", mine, timeout=timeout)]
+        # An epoch of uneven batch counts stopped at its end: its optimizer state as _report syncs it.
+        self._sync_after_join([p["train"][2] for p in parsed])
+        if self.rank == 0:
             partial = {"epoch": epoch, "batches": batches, "train": [p["train"] for p in parsed]}
             self._save(epoch - 1, [p["rng"] for p in parsed], partial=partial)
         self.ch.barrier(f"dp-stopped-{epoch}", timeout=timeout)  # no rank ends before the file is there
-        stopped = Preempted(self._signalled or signal.SIGTERM, epoch, batches, str(self.opts.checkpoint))
+        stopped = Preempted(self._agreed_signal or signal.SIGTERM, epoch, batches, str(self.opts.checkpoint))
         if self.rank == 0:
             print(f"dataparallel: {stopped}", file=sys.stderr, flush=True)
         raise stopped
@@ -771,6 +801,8 @@ class _Trainer:
         if optimizer:
             for state in self.optimizer.state.values():
                 tensors += [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
+        if self.pg is None:
+            raise RuntimeError("local SGD averages over the job's process group, which is not set up yet")
         average_parameters(iter(tensors), self.pg)
 
     def _uneven(self, epoch: int, batches: Iterable[Batch]) -> bool:
@@ -888,7 +920,14 @@ class _Trainer:
                 torch.cuda.set_rng_state_all(cuda_rng)
 
     # ------------------------------------------------------------------ reports, checkpoints
-    def _report(self, epoch: int, train: tuple, val: tuple, lr: float, stamps: list[float]) -> None:
+    def _report(
+        self,
+        epoch: int,
+        train: tuple[float, int, int],
+        val: tuple[float, int, int, int],
+        lr: float,
+        stamps: list[float],
+    ) -> None:
         """Every rank's loss sums and counts to every rank (each keeps the same history);
         the RNG states only to the driver, and only when it writes a checkpoint."""
         mine = {"train": train, "val": val}
@@ -968,7 +1007,7 @@ class _Trainer:
         every = self.opts.checkpoint_every
         return self.opts.checkpoint is not None and ((epoch + 1) % every == 0 or epoch == self.opts.epochs - 1)
 
-    def _target(self) -> str | os.PathLike:
+    def _target(self) -> str | os.PathLike[str]:
         """Where the checkpoint goes (only asked where ``checkpoint`` is set)."""
         if self.opts.checkpoint is None:
             raise ValueError("no checkpoint: set TrainOptions(checkpoint=PATH)")

@@ -30,16 +30,19 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from . import __version__
-from .config import JobConfig, address_of
+from .config import PLACED, SETTINGS, JobConfig, address_of
 from .errors import ConfigError
-from .launcher import DEFAULT_GRACE, Log, Worker, _Supervisor
+from .launcher import DEFAULT_GRACE, SIGNALLED_GRACE, Log, Worker, _Supervisor
 from .registry import resolve
 
 #: Environment variables a host's workers get from this launcher's environment (names, or
 #: prefixes ending in ``_``): tuning of the libraries underneath, not this machine's paths.
 FORWARDED = ("NCCL_", "GLOO_", "TORCH_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "PYTHONPATH")
+#: The variables a host's own environment might set that would speak over this launcher's.
+OWN = {var for _, var in SETTINGS.values() if var} | {"DP_CONFIG", "DP_TOKEN"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +56,33 @@ class SshOptions:
     python: str = sys.executable
     connect_timeout: float = 10.0
 
-    def argv(self, host: str, command: str) -> list[str]:
-        argv = ["ssh", "-T", "-x", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(self.connect_timeout))}"]
+    def argv(self, host: str, command: str | None = None, *extra: str) -> list[str]:
+        """``ssh`` to ``host`` (an IPv6 address without its brackets, as ssh takes it) running
+        ``command``. The user's options come first: for each option ssh keeps the first value."""
+        argv = ["ssh", "-T", "-x", *extra]
+        for option in self.options:
+            argv += ["-o", option]
+        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(self.connect_timeout))}"]
         # A host that vanishes without closing the connection (cut off, powered down) ends
         # its ssh within half a minute: the job sees a failed host, not a silent one.
         argv += ["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6"]
         if self.port is not None:
             argv += ["-p", str(self.port)]
-        for option in self.options:
-            argv += ["-o", option]
-        return [*argv, host, command]
+        user, at, address = host.rpartition("@")
+        return [*argv, f"{user}{at}{address.strip('[]')}", *([command] if command is not None else [])]
+
+    def hostname(self, host: str) -> str:
+        """The address ssh connects to for ``host`` (``HostName`` in ~/.ssh/config, else the
+        host itself), from ``ssh -G``: what the other hosts must use to reach it too."""
+        try:
+            done = subprocess.run(self.argv(host, None, "-G"), capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return address_of(host)
+        for line in done.stdout.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "hostname" and value.strip():
+                return value.strip()
+        return address_of(host)
 
 
 def check_hosts(hosts: Sequence[str], ssh: SshOptions, cwd: str) -> None:
@@ -120,10 +140,11 @@ def remote_command(
     cwd: str,
 ) -> str:
     """The shell command that runs host ``node``'s launcher: its ranks, the job's settings as
-    flags (``--config /dev/null``: the remote side reads no file or variable of its own, so
-    every host runs the configuration resolved here), the token left for stdin."""
+    flags (the remote side reads no file or ``DP_*`` variable of its own: ``--config
+    /dev/null``, ``env -u``, so every host runs the configuration resolved here); the token
+    and the URL (which may hold a password) are left for stdin, off every command line."""
     argv = [ssh.python, "-m", "dataparallel", "launch", "--from-launcher", "--config", os.devnull]
-    argv += ["--url", config.require("url"), "--job", config.job, "--timeout", f"{config.timeout:g}"]
+    argv += ["--job", config.job, "--timeout", f"{config.timeout:g}"]
     argv += ["--nodes", str(config.nodes), "--node-rank", str(node), "--nprocs", str(slots)]
     argv += ["--world-size", str(world), "--first-rank", str(first_rank), "--max-restarts", str(config.max_restarts)]
     argv += ["--log-format", config.log_format, "--grace", f"{grace:g}"]
@@ -138,8 +159,8 @@ def remote_command(
         for name, value in sorted(os.environ.items())
         if any(name == f or (f.endswith("_") and name.startswith(f)) for f in FORWARDED)
     ]
-    env = shlex.join(["env", *forwarded]) + " " if forwarded else ""
-    return f"cd {shlex.quote(cwd)} && exec {env}{shlex.join(argv)}"
+    unset = [arg for var in sorted(OWN) for arg in ("-u", var)]
+    return f"cd {shlex.quote(cwd)} && exec {shlex.join(['env', *unset, *forwarded, *argv])}"
 
 
 class _Hosts(_Supervisor):
@@ -152,7 +173,7 @@ class _Hosts(_Supervisor):
             super()._deliver(worker, signum)
             return
         if worker.proc.stdin is not None and not worker.proc.stdin.closed:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 worker.proc.stdin.close()
 
 
@@ -169,8 +190,7 @@ def launch_hosts(
     every host of ``config.hosts`` over ssh; returns as ``launch`` does."""
     ssh = ssh or SshOptions()
     log = log or sys.stderr
-    hosts = [host for host, _ in config.hosts]
-    slots = [count or config.nprocs or 1 for _, count in config.hosts]
+    hosts, slots = [host for host, _ in config.hosts], config.slots
     world = sum(slots)
     if config.world_size is not None and config.world_size != world:
         raise ConfigError(
@@ -178,21 +198,27 @@ def launch_hosts(
             f"({' + '.join(map(str, slots))} = {world})"
         )
     url = config.require("url")
+    if config.origin.get("host") == PLACED:  # the first host's own address, as ssh resolves it
+        url = _with_host(url, ssh.hostname(hosts[0]))
     token = config.token or secrets.token_urlsafe(24)  # a job over a network always has one
-    resolve(url, token, where=config.describe("url"))
+    shown = resolve(url, token, where=config.describe("url"))[0].shown
     cwd = os.getcwd()
     check_hosts(hosts, ssh, cwd)
     print(
-        f"[launch] {len(hosts)} hosts over ssh, {world} ranks, coordinator {url} (job {config.job!r}"
+        f"[launch] {len(hosts)} hosts over ssh, {world} ranks, coordinator {shown} (job {config.job!r}"
         + ("" if config.token else "; a token was made for this run")
         + ")",
         file=log,
         flush=True,
     )
-    supervisor = _Hosts(grace * 2 + 10, log, tolerate=config.elastic, as_json=config.log_format == "json")
+    supervisor = _Hosts(
+        max(grace, SIGNALLED_GRACE) + 10, log, tolerate=config.elastic, as_json=config.log_format == "json"
+    )
     first = 0
     with supervisor.forwarding_signals():
         for node, (host, count) in enumerate(zip(hosts, slots, strict=True)):
+            if supervisor.signalled is not None:
+                break  # stopped while starting: start no more
             remote = remote_command(
                 command, config, node, first, count, world, grace=grace, ssh=ssh, prefix=prefix, cwd=cwd
             )
@@ -200,8 +226,16 @@ def launch_hosts(
                 node, 0, ssh.argv(host, remote), None, prefix, label=address_of(host), stdin=subprocess.PIPE
             )
             assert worker.proc.stdin is not None
-            with contextlib.suppress(BrokenPipeError):  # an ssh that ended at once: wait() reports it
-                worker.proc.stdin.write(f"{token}\n".encode())
+            # An ssh that ended at once, or one stopped meanwhile (stdin closed): wait() tells.
+            with contextlib.suppress(BrokenPipeError, ValueError):
+                worker.proc.stdin.write(f"{token}\n{url}\n".encode())
                 worker.proc.stdin.flush()
             first += count
         return supervisor.wait()
+
+
+def _with_host(url: str, host: str) -> str:
+    """``url`` with its host replaced (its port and options kept)."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"[{host}]{port}" if ":" in host else f"{host}{port}"))

@@ -242,3 +242,22 @@ def test_the_kubernetes_manifest_gives_each_pod_its_place():
             assert describe_launch(config, env).startswith("RANK and WORLD_SIZE (env://, as a Kubernetes PyTorchJob")
             rank += 1
     assert rank == 3
+
+
+def test_a_rank_ignores_the_hosts_its_launcher_used(tmp_path):
+    """A worker started by launch --hosts reads the same dataparallel.toml (hosts = [...]) and
+    inherits DP_HOSTS: its place is its launcher's (DP_RANK, DP_NODES...), not the hosts'."""
+    file = tmp_path / "dataparallel.toml"
+    file.write_text('hosts = ["a:2", "b:2"]\n')
+    worker = {"DP_RANK": "3", "DP_WORLD_SIZE": "4", "DP_NODES": "2", "DP_NODE_RANK": "1", "DP_URL": "zmq://a:29500"}
+    config = load_config({"config": file}, env={**worker, "DP_HOSTS": "a:2,b:2"})
+    assert (config.rank, config.world_size, config.nodes, config.hosts) == (3, 4, 2, ())
+
+
+def test_a_host_file_named_in_a_file_is_relative_to_it_and_hosts_are_named_once(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "hosts").write_text("n1 slots=2\nn2 slots=2\n")
+    (tmp_path / "conf" / "dataparallel.toml").write_text('hostfile = "hosts"\n')
+    assert load_config({"config": tmp_path / "conf" / "dataparallel.toml"}, env={}).slots == [2, 2]
+    with pytest.raises(dp.ConfigError, match=re.escape("n1 is named twice in the hosts ('n1' and 'root@n1')")):
+        load_config({"hosts": "n1:2,root@n1:2"}, env={})

@@ -108,7 +108,19 @@ def test_the_digits_example_runs_unchanged_under_srun(cluster, tmp_path):
             7,
             16,
         ),
-        ({**STEP, "RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "0", "DP_RANK": "1", "DP_URL": "zmq://n1:9"}, 1, 2),
+        (
+            {
+                **STEP,
+                "RANK": "1",
+                "WORLD_SIZE": "2",
+                "GROUP_RANK": "0",
+                "DP_RANK": "1",
+                "DP_WORLD_SIZE": "2",
+                "DP_URL": "zmq://n1:9",
+            },
+            1,
+            2,
+        ),
     ],
 )
 def test_the_innermost_launcher_gives_the_rank(env, rank, world):
@@ -169,12 +181,14 @@ def test_scancel_signal_term_checkpoints_and_the_job_started_again_resumes(clust
     env = {**clean, "OMP_NUM_THREADS": "1", **cluster.env}
 
     def srun(name: str, *args: str, **kwargs):
-        argv = ["srun", "-n", "3", "-J", name, "--kill-on-bad-exit=0", sys.executable, script, "--epochs", "3", *args]
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        argv = ["srun", "-n", "3", "-J", name, "--kill-on-bad-exit=0", sys.executable, script, "--epochs", "4", *args]
+        return subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+        )
 
     whole = srun("dp-whole", "--result", str(tmp_path / "whole.json"))
-    out, err = whole.communicate(timeout=200)
-    assert whole.returncode == 0, err[-3000:]
+    out, _ = whole.communicate(timeout=200)
+    assert whole.returncode == 0, out[-3000:]
     ckpt, result = str(tmp_path / "digits.ckpt"), str(tmp_path / "resumed.json")
     job = srun("dp-preempted", "--checkpoint", ckpt, "--result", result)
     assert job.stdout is not None
@@ -185,14 +199,38 @@ def test_scancel_signal_term_checkpoints_and_the_job_started_again_resumes(clust
         ["scancel", "--signal=TERM", "--name", "dp-preempted"], capture_output=True, text=True, env=env, timeout=30
     )
     assert cancel.returncode == 0, cancel.stderr
-    out, err = job.communicate(timeout=120)
-    assert job.returncode == 128 + 15, err[-3000:]
-    assert re.search(r"dataparallel: stopped by SIGTERM in epoch [12] after \d+ batches", err), err[-3000:]
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 128 + 15, out[-3000:]
+    assert re.search(r"dataparallel: stopped by SIGTERM in epoch [123] after \d+ batches", out), out[-3000:]
     assert not Path(result).exists()
     again = srun("dp-preempted", "--checkpoint", ckpt, "--result", result)
-    out, err = again.communicate(timeout=200)
-    assert again.returncode == 0, err[-3000:]
-    assert "driver: 3 epochs on 3 processes" in out
+    out, _ = again.communicate(timeout=200)
+    assert again.returncode == 0, out[-3000:]
+    assert "driver: 4 epochs on 3 processes" in out
     params, expected = torch.load(Path(result).with_suffix(".pt")), torch.load(tmp_path / "whole.pt")
     for name, tensor in expected.items():
         assert torch.equal(params[name], tensor), name
+
+
+@pytest.mark.timeout(300)
+def test_the_sbatch_example_runs_as_submitted(cluster, tmp_path):
+    """examples/slurm/train.sbatch through sbatch (on this one node: -N1, three tasks), its
+    token from $HOME/.dataparallel/token as the script says, two epochs."""
+    home = tmp_path / "home"
+    (home / ".dataparallel").mkdir(parents=True)
+    token = home / ".dataparallel" / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "SLURM_", "OMPI_", "PMI"))}
+    env = {**clean, **cluster.env, "HOME": str(home), "EPOCHS": "2", "PYTHON": sys.executable}
+    env["CHECKPOINT"] = str(tmp_path / "digits.ckpt")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "job.out"
+    argv = ["sbatch", "--wait", "-N1", "--ntasks-per-node=3", "--cpus-per-task=1", f"--output={out}"]
+    run = subprocess.run(
+        [*argv, "examples/slurm/train.sbatch"], capture_output=True, text=True, env=env, cwd=root, timeout=280
+    )
+    log = out.read_text() if out.exists() else ""
+    assert run.returncode == 0, run.stderr + log[-3000:]
+    assert "driver: 2 epochs on 3 processes over zmq" in log, log[-3000:]
+    assert (tmp_path / "digits.ckpt").exists()

@@ -22,6 +22,9 @@ from sshcluster import SshHosts, require_sshd
 from test_multihost import EPOCHS, SAME_THREADS, SCRIPT, _assert_same_model
 from test_multihost import one_host as one_host  # the one-host run to compare with (a fixture)
 
+from dataparallel.config import load_config
+from dataparallel.ssh import SshOptions, _with_host, remote_command
+
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = "10.77.0.1:1,10.77.0.2:1,10.77.0.3:1"
 pytestmark = pytest.mark.timeout(600)
@@ -83,13 +86,14 @@ def test_one_command_trains_on_every_host_and_the_token_is_on_no_command_line(cl
         for pid, line in _cmdlines().items():
             if token.encode() in line:
                 leaked.append(line)
-            if b"--from-launcher" in line:
-                remote_launchers.add(pid)
+            if line.startswith(sys.executable.encode()) and b"--from-launcher" in line:
+                remote_launchers.add(pid)  # a host's launcher itself (not the ssh client that started it)
         time.sleep(0.1)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
     assert not leaked, leaked
-    assert len(remote_launchers) >= 3  # the sampling saw the job: one launcher per host (ssh's and its own)
+    assert token not in out + err
+    assert len(remote_launchers) >= 3  # the sampling saw the job: a launcher on each host
     assert "[launch] 3 hosts over ssh, 3 ranks, coordinator zmq://10.77.0.1:29500" in err
     for node in range(3):
         host = f"10.77.0.{node + 1}"
@@ -210,3 +214,17 @@ def test_max_restarts_restarts_every_host_in_step(cluster, tmp_path):
     for host in ("10.77.0.1", "10.77.0.2", "10.77.0.3"):  # every host's group failed once, then all ran again
         assert f"[{host}] [launch] worker group failed" in err, err[-4000:]
     assert out.count("attempt 1 done on 3") == 3, out
+
+
+def test_the_ssh_command_line_and_what_stays_off_it():
+    ssh = SshOptions(port=2222, options=("ConnectTimeout=60",))
+    argv = ssh.argv("root@[fd00::1]", "true")
+    assert argv[-2:] == ["root@fd00::1", "true"]  # ssh takes an IPv6 address without brackets
+    # ssh keeps an option's first value: the user's come before the launcher's defaults.
+    assert argv.index("ConnectTimeout=60") < argv.index("ConnectTimeout=10")
+    config = load_config({"hosts": "a:1,b:1", "url": "etcd://e:2379?user=u&password=s3cret"}, env={})
+    remote = remote_command([sys.executable, "t.py"], config, 1, 1, 1, 2, grace=5, ssh=ssh, prefix=True, cwd="/x")
+    assert "s3cret" not in remote and "etcd://" not in remote  # the URL goes over stdin with the token
+    assert "-u DP_URL" in remote and "-u DP_HOSTS" in remote  # the host's own settings do not speak
+    assert _with_host("zmq://gpu1:29500?curve=1", "10.0.0.5") == "zmq://10.0.0.5:29500?curve=1"
+    assert _with_host("zmq://gpu1:29500", "fd00::5") == "zmq://[fd00::5]:29500"

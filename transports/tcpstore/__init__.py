@@ -105,17 +105,19 @@ class TCPStoreChannel(ControlChannel):
             with self._lock:
                 if self._root is None:
                     raise ChannelClosed(f"{self!r} is closed")
-                client = self._clone(self._root)
+                client = self._clone()
                 self._clients[ident] = client
         return client
 
-    def _clone(self, root: Connection) -> Connection:
+    def _clone(self) -> Connection:
         """A connection of its own: a clone of the store opened at connect, within the
         channel's timeout. A new TCPStore connection looks the peer's address up in DNS
         (torch's socket logging, on both ends); where the resolver is slow or drops a query,
         that takes its timeout (5 s), so a shorter bound would turn it into a false failure."""
         try:
-            client = root.clone()
+            if self._root is None:
+                raise ChannelClosed(f"{self!r} is closed")
+            client = self._root.clone()
         except (dist.DistError, RuntimeError, OSError) as err:
             raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
         client.set_timeout(timedelta(seconds=self.timeout))

@@ -530,12 +530,13 @@ def _hosts(values: dict[str, Any], origin: dict[str, str]) -> None:
             raise ConfigError(f"{name} (from {origin[name]}) and the hosts (from {where}) both place nodes: give one")
     seen: dict[str, str] = {}
     for host, _ in hosts:
-        if address_of(host) in seen:
+        address = address_of(host)
+        if address in seen:
             raise ConfigError(
-                f"{address_of(host)} is named twice in the hosts ({seen[address_of(host)]!r} and {host!r}): give each "
+                f"{address} is named twice in the hosts ({seen[address]!r} and {host!r}): give each "
                 "host once, with all its slots (two launchers on one host would share its GPUs and local ranks)"
             )
-        seen[address_of(host)] = host
+        seen[address] = host
     values["__hosts"] = tuple(hosts)
     values["nodes"] = len(hosts)
     origin["nodes"] = origin.get("hosts") or origin["hostfile"]

@@ -127,7 +127,8 @@ class TrainOptions:
     #: sums with it) and every rank raises :class:`Preempted` (exit code 128 + the signal).
     #: Started again with ``resume=True`` on as many ranks, the job continues from that step
     #: and ends exactly as an uninterrupted run would (on another number of ranks, from the
-    #: start of that epoch). A second signal acts at once. Empty: signals act as they would.
+    #: start of that epoch). The same signal again within 5 s is the same stop; later, it acts
+    #: at once. Empty: signals act as they would.
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
 
     def __post_init__(self) -> None:
@@ -1070,7 +1071,7 @@ class _Trainer:
         partial = state.get("partial")
         if partial is not None and state["world_size"] == self.world:
             train = partial["train"][self.rank]
-            self._partial = {"batches": partial["batches"], "train": tuple(train), "rng": state["rng"][self.rank]}
+            self._partial = {"train": tuple(train), "rng": state["rng"][self.rank]}  # skips train's batch count
         if self.rank != 0:
             return
         if partial is None:

@@ -106,6 +106,10 @@ class StoreHeartbeats(Liveness):
     publishes it under ``__dp/lost`` (first report wins), where every rank reads it on its
     next tick. A rank that closes writes ``closed`` instead: a clean departure.
 
+    A second thread guards the first: when no tick has completed for ``timeout`` seconds,
+    failing or blocked (a frozen coordinator: TCPStore's client waits for a reply without a
+    bound), the channel fails with ChannelClosed, whose ``_fail`` releases the blocked calls.
+
     Cost per tick: one write per rank, plus two reads per watched peer.
     """
 
@@ -123,6 +127,11 @@ class StoreHeartbeats(Liveness):
         self._last_watch = time.monotonic()  # when _watch last looked
         self._ready = threading.Event()  # set after the thread's first tick
         self._first_error: BaseException | None = None
+        self._last_ok = time.monotonic()  # when a tick last completed
+        self._last_error: BaseException | None = None  # why the ticks since then failed, if they did
+        self._guard_thread = threading.Thread(
+            target=self._guard, name=f"dp-liveness-guard-r{channel.rank}", daemon=True
+        )
 
     @property
     def _me(self) -> int:
@@ -143,11 +152,14 @@ class StoreHeartbeats(Liveness):
             raise ChannelClosed(f"job {self._ch.job!r}: no first heartbeat within {self._ch.timeout:g}s")
         if self._first_error is not None:
             raise self._first_error
+        self._last_ok = time.monotonic()
+        self._guard_thread.start()
 
     def stop(self, announce: bool) -> None:
         self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self._interval * 4)
+        for thread in (self._thread, self._guard_thread):
+            if thread.is_alive() and threading.current_thread() is not thread:
+                thread.join(timeout=self._interval * 4)
         if announce:
             try:
                 self._ch._set(self._key(_HB, self._me), _CLOSED)
@@ -194,22 +206,36 @@ class StoreHeartbeats(Liveness):
         finally:
             self._ready.set()
         # A failed tick (a connection reset: the transport reconnects on the next call) is
-        # retried; only a store unreachable for the whole liveness timeout breaks the channel.
-        last_ok = time.monotonic()
+        # retried; only a store unanswered for the whole liveness timeout breaks the channel
+        # (the guard's rule, which holds for a blocked tick too).
         while not self._stop.wait(self._interval):
+            if self._ch.failure is not None:
+                return
             try:
                 self._beat()
                 self._watch()
                 self._read_reports()
-                last_ok = time.monotonic()
+                self._last_ok = time.monotonic()
             except Exception as err:
-                if self._stop.is_set():
-                    return
-                if time.monotonic() - last_ok <= self._timeout:
-                    continue
+                self._last_error = err
+
+    def _guard(self) -> None:
+        """Fail the channel once no tick has completed for the liveness timeout."""
+        awake = time.monotonic()
+        while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            if now - awake > self._timeout / 2:
+                # This process stalled (frozen, or starved): the gap is nobody's silence. If the
+                # others gave this rank up meanwhile, the next tick reads it and says so.
+                self._last_ok = now
+            awake = now
+            quiet = now - self._last_ok
+            if quiet > self._timeout and not self._stop.is_set():
+                why = self._last_error or "a heartbeat is still waiting for its reply"
                 self._ch._fail(
                     ChannelClosed(
-                        f"lost contact with the coordinator of job {self._ch.job!r} for {self._timeout:g}s: {err}"
+                        f"lost contact with the coordinator of job {self._ch.job!r}: no heartbeat completed "
+                        f"for {quiet:.1f}s (liveness timeout {self._timeout:g}s): {why}"
                     )
                 )
                 return

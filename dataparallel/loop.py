@@ -345,6 +345,9 @@ class _Trainer:
         if self.opts.elastic and self.ch.url.port == 0:
             raise ValueError(f"elastic training needs the coordinator at a fixed port: {self.ch.url.shown}")
         self.ch.rendezvous()
+        # After the rendezvous: a rank whose first batch fails ends (with its coordinator, on
+        # rank 0) only once every rank has joined, so each reports the same cause itself.
+        self._preflight()
         if self.pg is None:
             if not dist.is_initialized():
                 init_process_group(self.ch, device=self.device, timeout=self.opts.collective_timeout)
@@ -428,7 +431,6 @@ class _Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> FitResult:
-        self._preflight()
         self._setup()
         caught = self._catch_stop_signals()
         stopped = False
@@ -885,8 +887,8 @@ class _Trainer:
 
     @torch.no_grad()
     def _preflight(self) -> None:
-        """One training and one validation batch through the model and ``loss_fn`` before
-        anything else, so that a model or loss that cannot take the data fails in seconds,
+        """One training and one validation batch through the model and ``loss_fn`` right after
+        the rendezvous, so that a model or loss that cannot take the data fails in seconds,
         not after an epoch. Changes nothing: eval mode, no gradients, RNG states restored."""
         module, epoch = self.model, 0
         cpu_rng = torch.get_rng_state()

@@ -41,3 +41,36 @@ def test_a_slow_new_connection_delays_the_join_and_never_costs_a_rank(monkeypatc
         assert [c._liveness.lost() for c in channels] == [[], []]
     finally:
         close_all(channels)
+
+
+@pytest.mark.timeout(60)
+def test_a_write_whose_connection_breaks_after_it_left_is_never_sent_again():
+    """set, multi_set and append have no reply in TCPStore's protocol: the channel follows each
+    with a check on the same connection. When the connection breaks after the write's bytes
+    left (a reset seen only by the check's send: "Broken pipe"), the server may have applied
+    it: the channel reports ChannelClosed and does not send it again (an append applied twice
+    here, and a set applied again after another client's write, broke linearizability)."""
+    import threading
+
+    import torch.distributed as dist
+
+    import dataparallel as dp
+
+    ch = dp.connect(f"tcpstore://127.0.0.1:{free_port()}", rank=0, world_size=1, job="twice", timeout=10)
+    try:
+        ch.append("k", b"a")
+        real = ch._client()
+
+        class BreaksAfterTheWrite:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def check(self, keys):
+                raise dist.DistNetworkError("Broken pipe")  # the reset, seen after the append went out
+
+        ch._clients[threading.get_ident()] = BreaksAfterTheWrite()
+        with pytest.raises(dp.ChannelClosed, match="may have been applied"):
+            ch.append("k", b"b")
+        assert ch.get("k", timeout=5) == b"ab"  # applied once, on a new connection's read
+    finally:
+        ch.close()

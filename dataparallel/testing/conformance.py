@@ -967,6 +967,72 @@ class LivenessTests(ChannelHarness):
         self._kill_or_freeze(channel_url, signal.SIGSTOP, rendezvous=True)
 
     @pytest.mark.timeout(120)
+    def test_a_frozen_rank_0_holds_no_call_of_another_rank_past_the_liveness_bound(
+        self, channel_url: str, open_ranks: OpenRanks
+    ) -> None:
+        """Rank 0 frozen (SIGSTOP) with the others mid-job. Where it hosts the coordinator the
+        others' calls fail with ChannelClosed once it has been silent for the liveness
+        timeout; where it does not, it is a lost peer. Either way a write, a read of a key
+        nobody writes and a barrier, each with a long timeout, are all answered within the
+        liveness bound, and the two that need rank 0 fail with a ControlError."""
+        if not self.cross_process:
+            channels = open_ranks(3, job="frozen0", url=with_options(channel_url, **self.LIVENESS))
+            self.rendezvous_all(channels)
+            _stop_liveness(channels[0])
+            self._expect_peer_lost(channels[1:], 0, time.monotonic())
+            return
+        url = with_options(channel_url, **self.LIVENESS)
+        n, job = 3, "frozen0"
+        proc = self.spawn_rank("hold", url, 0, n, job, "--hold", "120")
+        outcomes: dict[int, list[tuple[str, float, BaseException | None]]] = {}
+
+        def calls(ch: dp.ControlChannel, since: float) -> None:
+            steps: list[tuple[str, Callable[[], object]]] = [
+                ("add", lambda: ch.add("frozen0/n", 1)),
+                ("get", lambda: ch.get("frozen0/never", timeout=STEP_TIMEOUT)),
+                ("barrier", lambda: ch.barrier("frozen0/b", timeout=STEP_TIMEOUT)),
+            ]
+            mine = outcomes.setdefault(_held_rank(ch), [])
+            for name, call in steps:
+                try:
+                    call()
+                    mine.append((name, time.monotonic() - since, None))
+                except dp.ControlError as err:
+                    mine.append((name, time.monotonic() - since, err))
+
+        try:
+            channels = run_all([partial(dp.connect, url, rank=r, world_size=n, job=job, timeout=30) for r in (1, 2)])
+            try:
+                self.rendezvous_all(channels)
+                self.read_ready(proc)
+                os.kill(proc.pid, signal.SIGSTOP)
+                since = time.monotonic()
+                bound = self._detect_bound(channels[0])
+                threads = [threading.Thread(target=calls, args=(c, since), daemon=True) for c in channels]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(max(0.0, since + bound + 5 - time.monotonic()))
+                hung = {
+                    _held_rank(c): outcomes.get(_held_rank(c), [])
+                    for c, t in zip(channels, threads, strict=True)
+                    if t.is_alive()
+                }
+                assert not hung, f"calls still blocked {bound + 5:g}s after rank 0 froze (done so far: {hung})"
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+                close_all(channels)
+        finally:
+            proc.kill()
+            proc.communicate(timeout=10)
+        for rank, done in outcomes.items():
+            for name, elapsed, err in done:
+                assert elapsed < bound, f"rank {rank}'s {name} took {elapsed:.1f}s (bound {bound:g}s): {err!r}"
+            failed = {name: err for name, _, err in done}
+            assert isinstance(failed["get"], (dp.PeerLost, dp.ChannelClosed)), f"rank {rank}: {done}"
+            assert isinstance(failed["barrier"], (dp.PeerLost, dp.ChannelClosed)), f"rank {rank}: {done}"
+
+    @pytest.mark.timeout(120)
     def test_a_rank_declared_lost_is_cut_off_when_it_resumes(self, channel_url: str, open_ranks: OpenRanks) -> None:
         """A rank frozen past the liveness timeout, then resumed, must not carry on as if
         nothing happened. A transport that ``fences_lost_members`` refuses its writes from

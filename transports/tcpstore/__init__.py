@@ -7,11 +7,19 @@ TCPStore client serialises its calls, so each thread gets its own connection (``
 of the store made at connect, which only keeps the server, when hosting, alive); a
 connection that fails is dropped, and that thread's next call opens a new one.
 The token is only checked for agreement: TCPStore has no authentication.
+
+TCPStore's client waits for a reply without a bound, so a call to a frozen coordinator
+would never return: when the channel fails (its heartbeats unanswered for the liveness
+timeout), it shuts down its own connections' sockets, found by their local ports, and the
+blocked calls return with the channel's failure.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +60,11 @@ def _connection(store: dist.TCPStore) -> Connection:
     return cast(Connection, store)
 
 
+class _SentUnanswered(Exception):
+    """A write went out on a connection that then failed before the request after it (which
+    has a reply) was answered: the write may have been applied."""
+
+
 class TCPStoreChannel(ControlChannel):
     scheme = "tcpstore"
     # Each timed-out TCPStore wait logs a C++ warning: poll for lost peers less often.
@@ -65,6 +78,8 @@ class TCPStoreChannel(ControlChannel):
         self._hosting = False
         self._root: Connection | None = self._open(url.host, url.require_port())
         self._clients: dict[int, Connection] = {}
+        self._peer = _addresses(url.host), url.require_port()  # the coordinator, as sockets name it
+        self._local_ports: set[int] = set()  # this channel's connections, by their local port
         #: A value no rank stores (see _get).
         self._absent = b"\0dp-absent\0" + os.urandom(12)
 
@@ -113,48 +128,93 @@ class TCPStoreChannel(ControlChannel):
         """A connection of its own: a clone of the store opened at connect, within the
         channel's timeout. A new TCPStore connection looks the peer's address up in DNS
         (torch's socket logging, on both ends); where the resolver is slow or drops a query,
-        that takes its timeout (5 s), so a shorter bound would turn it into a false failure."""
+        that takes its timeout (5 s), so a shorter bound would turn it into a false failure.
+        The new socket's local port is noted (see :meth:`_fail`)."""
         try:
             if self._root is None:
                 raise ChannelClosed(f"{self!r} is closed")
-            client = self._root.clone()
+            with _CLONING:
+                before = _connections_to(*self._peer)
+                client = self._root.clone()
+                self._local_ports.update(_connections_to(*self._peer).keys() - before.keys())
         except (dist.DistError, RuntimeError, OSError) as err:
             raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
         client.set_timeout(timedelta(seconds=self.timeout))
         return client
 
+    def _fail(self, error: ControlError) -> None:
+        """Fail the channel and release its calls blocked on a connection (a frozen
+        coordinator): shutting a socket down ends the recv torch's client waits in."""
+        super()._fail(error)
+        if self._hosting:
+            return  # the coordinator is this process: not frozen while this runs
+        for local_port, sock in _connections_to(*self._peer, keep=True).items():
+            with sock:
+                if local_port in self._local_ports:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
     def _call(self, op: Callable[[Connection], T], read: bool = False) -> T:
         """Run ``op`` on this thread's connection: the one place TCPStore's errors become the
-        channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``.
+        channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``; any
+        other failure drops the connection (a reply still on its way would otherwise be read
+        as the next request's).
 
         A connection that failed is dropped and the call tried again on a new one, for up to
         ``liveness_timeout`` seconds, when that cannot apply anything twice: a read, or a
-        request that never left (the send failed: "Broken pipe"). A write whose reply was
+        request that never left (its send failed: "Broken pipe"; not so for a write followed
+        by a request on the same connection, see :meth:`_acked`). A write whose reply was
         lost may have been applied: ChannelClosed (TCPStore has no request ids to dedupe a
         re-sent one)."""
         deadline = time.monotonic() + self.liveness_timeout
         while True:
+            self._raise_failure()
             try:
                 return op(self._client())
+            except dist.DistStoreError:
+                raise
             except dist.DistNetworkError as err:
-                self._clients.pop(threading.get_ident(), None)  # a new connection next time
+                self._drop_connection()
+                self._raise_failure()  # a call released by _fail
                 unsent = "Broken pipe" in str(err)
                 if not (read or unsent) or time.monotonic() > deadline:
                     raise ChannelClosed(f"TCPStore at {self._address}: connection failed: {err}") from err
                 time.sleep(0.05)
-            except dist.DistStoreError:
-                raise
+            except _SentUnanswered as err:
+                self._drop_connection()
+                raise ChannelClosed(
+                    f"TCPStore at {self._address}: connection failed after a write was sent (it may have "
+                    f"been applied): {err.__cause__}"
+                ) from err.__cause__
             except (dist.DistError, RuntimeError) as err:
+                self._drop_connection()
                 raise ControlError(f"TCPStore at {self._address}: {err}") from err
+
+    def _raise_failure(self) -> None:
+        """Raise the channel's failure, if it failed (not its closing: a closing rank still
+        announces its departure)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def _drop_connection(self) -> None:
+        """This thread's next call opens a new connection."""
+        self._clients.pop(threading.get_ident(), None)
 
     def _acked(self, write: Callable[[Connection], None], key: str) -> None:
         """TCPStore's set, multi_set and append send no reply: follow one with a request that
         has one on the same connection (the server answers in order), so the write has been
-        applied when this returns and a read by any rank sees it."""
+        applied when this returns and a read by any rank sees it. Once the write's send has
+        returned, a failure of the check may follow a write the server applied (its bytes
+        left before the connection broke): never sent again."""
 
         def acked(store: Connection) -> bool:
-            write(store)
-            return store.check([key])
+            write(store)  # a "Broken pipe" here: nothing left, safe to send again
+            try:
+                return store.check([key])
+            except dist.DistNetworkError as err:
+                raise _SentUnanswered() from err
 
         self._call(acked)
 
@@ -227,6 +287,59 @@ class TCPStoreChannel(ControlChannel):
             # Dropping the last reference to the hosting store stops its server.
             self._clients.clear()
             self._root = None
+
+
+#: Held while a connection is made, so that a new socket to the coordinator is the clone's.
+_CLONING = threading.Lock()
+
+
+def _addresses(host: str) -> set[str]:
+    """The IP addresses ``host`` stands for (empty if it does not resolve now)."""
+    try:
+        return {_plain(str(info[4][0])) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return set()
+
+
+def _plain(address: str) -> str:
+    """An IP address as one spelling: IPv4-mapped IPv6 (a dual-stack socket's view) as IPv4."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def _connections_to(addresses: set[str], port: int, keep: bool = False) -> dict[int, socket.socket]:
+    """This process's TCP connections to ``port`` on one of ``addresses`` (any address when
+    it is empty), by local port: each as a socket on a duplicate of its descriptor when
+    ``keep`` (the caller closes them), else closed again. Linux (``/proc/self/fd``); an empty
+    map elsewhere (a blocked call is then released only when the coordinator's process ends)."""
+    found: dict[int, socket.socket] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except (ValueError, OSError):
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                peer = sock.getpeername()
+                if peer[1] == port and (not addresses or _plain(peer[0]) in addresses):
+                    found[sock.getsockname()[1]] = sock
+                    continue
+        except (OSError, ValueError):
+            pass
+        sock.close()
+    if not keep:
+        for sock in found.values():
+            sock.close()
+    return found
 
 
 def _torchrun_agent_store(host: str, port: int) -> bool:

@@ -106,9 +106,10 @@ class StoreHeartbeats(Liveness):
     publishes it under ``__dp/lost`` (first report wins), where every rank reads it on its
     next tick. A rank that closes writes ``closed`` instead: a clean departure.
 
-    A second thread guards the first: when no tick has completed for ``timeout`` seconds,
-    failing or blocked (a frozen coordinator: TCPStore's client waits for a reply without a
-    bound), the channel fails with ChannelClosed, whose ``_fail`` releases the blocked calls.
+    A second thread guards the first: when the store has answered none of its requests for
+    ``timeout`` seconds, failing or blocked (a frozen coordinator: TCPStore's client waits
+    for a reply without a bound), the channel fails with ChannelClosed, whose ``_fail``
+    releases the blocked calls.
 
     Cost per tick: one write per rank, plus two reads per watched peer.
     """
@@ -127,8 +128,9 @@ class StoreHeartbeats(Liveness):
         self._last_watch = time.monotonic()  # when _watch last looked
         self._ready = threading.Event()  # set after the thread's first tick
         self._first_error: BaseException | None = None
-        self._last_ok = time.monotonic()  # when a tick last completed
-        self._last_error: BaseException | None = None  # why the ticks since then failed, if they did
+        self._last_ok = time.monotonic()  # when the store last answered a request of a tick
+        self._failing_since: float | None = None  # when the ticks began to fail, if they do
+        self._last_error: BaseException | None = None  # why, if they do
         self._guard_thread = threading.Thread(
             target=self._guard, name=f"dp-liveness-guard-r{channel.rank}", daemon=True
         )
@@ -206,8 +208,7 @@ class StoreHeartbeats(Liveness):
         finally:
             self._ready.set()
         # A failed tick (a connection reset: the transport reconnects on the next call) is
-        # retried; only a store unanswered for the whole liveness timeout breaks the channel
-        # (the guard's rule, which holds for a blocked tick too).
+        # retried; the guard decides when the store has been unanswered for too long.
         while not self._stop.wait(self._interval):
             if self._ch.failure is not None:
                 return
@@ -215,37 +216,51 @@ class StoreHeartbeats(Liveness):
                 self._beat()
                 self._watch()
                 self._read_reports()
-                self._last_ok = time.monotonic()
+                self._failing_since = None
             except Exception as err:
                 self._last_error = err
+                self._failing_since = self._failing_since or time.monotonic()
+
+    def _answered(self) -> None:
+        """A request of a tick was answered: the store is there."""
+        self._last_ok = time.monotonic()
+        self._last_error = None
 
     def _guard(self) -> None:
-        """Fail the channel once no tick has completed for the liveness timeout."""
+        """Fail the channel once the store has answered no request of a tick for the liveness
+        timeout (failing, or blocked: a frozen coordinator); where the channel hosts the
+        coordinator (it cannot be frozen while this runs), once ticks have failed for it."""
+        period = min(self._interval, self._timeout / 4)
         awake = time.monotonic()
-        while not self._stop.wait(self._interval):
+        while not self._stop.wait(period):
             now = time.monotonic()
             if now - awake > self._timeout / 2:
                 # This process stalled (frozen, or starved): the gap is nobody's silence. If the
                 # others gave this rank up meanwhile, the next tick reads it and says so.
                 self._last_ok = now
+                self._failing_since = self._failing_since and now
             awake = now
-            quiet = now - self._last_ok
-            if quiet > self._timeout and not self._stop.is_set():
+            if self._stop.is_set() or self._ch.failure is not None:
+                return
+            since = self._failing_since if self._ch.hosts_coordinator else self._last_ok
+            quiet = 0.0 if since is None else now - since
+            if quiet > self._timeout:
                 why = self._last_error or "a heartbeat is still waiting for its reply"
                 self._ch._fail(
                     ChannelClosed(
-                        f"lost contact with the coordinator of job {self._ch.job!r}: no heartbeat completed "
-                        f"for {quiet:.1f}s (liveness timeout {self._timeout:g}s): {why}"
+                        f"lost contact with the coordinator of job {self._ch.job!r}: no answer for "
+                        f"{quiet:.1f}s (liveness timeout {self._timeout:g}s): {why}"
                     )
                 )
                 return
 
     def _beat(self) -> None:
         self._ch._add(self._key(_HB, self._me), 1)
+        self._answered()
 
     def _watch(self) -> None:
         now = time.monotonic()
-        if now - self._last_watch > self._timeout / 2:
+        if now - self._last_watch > max(self._timeout / 2, 2 * self._interval):
             # This watcher could not look for a while (its process stalled, or the store did:
             # torch's TCPStore server stops answering while it looks a new client up in DNS).
             # A peer is judged on time this watcher could see it: the gap is nobody's silence.
@@ -256,6 +271,7 @@ class StoreHeartbeats(Liveness):
                 continue
             key = self._key(_HB, rank)
             value = self._ch._get(key, self._interval) if self._ch._check([key]) else None
+            self._answered()
             seen = self._seen.get(rank)
             if value == _CLOSED:
                 self._left.add(rank)

@@ -162,6 +162,10 @@ class TrainOptions:
 
 @dataclass
 class EpochMetrics:
+    """One epoch's metrics as every rank's history has them (``FitResult.epochs``): the
+    losses are means over every rank's samples, the accuracy over every rank's validation
+    samples (None where the outputs are not class scores), the times the driver's."""
+
     epoch: int
     train_loss: float
     train_samples: int
@@ -346,7 +350,8 @@ class _Trainer:
             raise ValueError(f"elastic training needs the coordinator at a fixed port: {self.ch.url.shown}")
         self.ch.rendezvous()
         # After the rendezvous: a rank whose first batch fails ends (with its coordinator, on
-        # rank 0) only once every rank has joined, so each reports the same cause itself.
+        # rank 0) only once every rank has joined, so where every rank's fails (the same model
+        # and loss), each reports that cause itself rather than a coordinator gone.
         self._preflight()
         if self.pg is None:
             if not dist.is_initialized():

@@ -138,6 +138,9 @@ def main(cfg: dict) -> None:
             "step_callbacks": [lambda info: seen["steps"].append([info.epoch, info.step, info.batch, info.rank])],
             "extra_state": (save_extra, lambda value: seen.update(loaded=value)),
         }
+    if cfg.get("started"):  # a file per rank, made at its first step: the job is training
+        marker = Path(f"{cfg['started']}.{cfg['rank']}")
+        hooks.setdefault("step_callbacks", []).append(lambda info: marker.exists() or marker.touch())
     if cfg.get("step_sleep"):  # slow steps (seconds each, every rank)
         hooks.setdefault("step_callbacks", []).append(lambda info: time.sleep(cfg["step_sleep"]))
     if cfg.get("die") or cfg.get("freeze") or cfg.get("term"):

@@ -68,7 +68,7 @@ def test_a_write_whose_connection_breaks_after_it_left_is_never_sent_again():
             def check(self, keys):
                 raise dist.DistNetworkError("Broken pipe")  # the reset, seen after the append went out
 
-        ch._clients[threading.get_ident()] = BreaksAfterTheWrite()
+        ch._clients[threading.current_thread()] = (BreaksAfterTheWrite(), set())
         with pytest.raises(dp.ChannelClosed, match="may have been applied"):
             ch.append("k", b"b")
         assert ch.get("k", timeout=5) == b"ab"  # applied once, on a new connection's read

@@ -50,14 +50,23 @@ def spawn(cfg: dict) -> subprocess.Popen:
 class Job:
     """A two-process training job, slow enough (0.2 s a batch) to be hit mid-epoch."""
 
-    def __init__(self, url: str, tmp_path: Path, epochs: int = 50) -> None:
-        url = with_options(url, heartbeat=0.2, liveness_timeout=LIVENESS)
+    def __init__(self, url: str, tmp_path: Path, epochs: int = 50, liveness: float = LIVENESS) -> None:
+        url = with_options(url, heartbeat=0.2, liveness_timeout=liveness)
+        self.started = tmp_path / "started"
         cfg = {"url": url, "world": 2, "out": str(tmp_path / "model.pt"), "slow": True, "epochs": epochs}
+        cfg["started"] = str(self.started)
         cfg["collective_timeout"] = COLLECTIVE_TIMEOUT
         self.procs = [spawn({**cfg, "rank": 1}), spawn({**cfg, "rank": 0})][::-1]  # [driver, follower]
 
-    def wait_training(self) -> None:
-        time.sleep(7)  # both ranks are inside an epoch
+    def wait_training(self, timeout: float = 90) -> None:
+        """Until both ranks have made their first step, then a second more: inside an epoch."""
+        deadline = time.monotonic() + timeout
+        while not all(Path(f"{self.started}.{rank}").exists() for rank in range(len(self.procs))):
+            for p in self.procs:
+                assert p.poll() is None, p.communicate(timeout=10)[1][-3000:]
+            assert time.monotonic() < deadline, f"the job made no step within {timeout:g}s"
+            time.sleep(0.1)
+        time.sleep(1.0)
         for p in self.procs:
             assert p.poll() is None, p.communicate(timeout=10)[1][-3000:]
 
@@ -171,7 +180,9 @@ def test_etcd_leader_killed_in_a_three_member_cluster(tmp_path):
     members = start_cluster(tmp_path, 3)
     try:
         url = "etcd://" + ",".join(f"127.0.0.1:{m.client_port}" for m in members)
-        job = Job(url, tmp_path, epochs=4)
+        # etcd elects a new leader within its election timeout (1 s) and the clients fail over
+        # to another member: seconds on a loaded machine, which the leases' TTL must outlast.
+        job = Job(url, tmp_path, epochs=4, liveness=6.0)
         try:
             job.wait_training()
             leader = _leader(members)

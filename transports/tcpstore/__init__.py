@@ -11,7 +11,8 @@ The token is only checked for agreement: TCPStore has no authentication.
 TCPStore's client waits for a reply without a bound, so a call to a frozen coordinator
 would never return: when the channel fails (its heartbeats unanswered for the liveness
 timeout), it shuts down its own connections' sockets, found by their local ports, and the
-blocked calls return with the channel's failure.
+blocked calls return with the channel's failure; a connection being made (whose answer
+torch waits for without a bound too) is waited for on a thread of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Protocol, TypeVar, cast
@@ -76,10 +78,16 @@ class TCPStoreChannel(ControlChannel):
         self._prefix = f"{self.job}/"
         self._lock = threading.Lock()
         self._hosting = False
-        self._root: Connection | None = self._open(url.host, url.require_port())
-        self._clients: dict[int, Connection] = {}
         self._peer = _addresses(url.host), url.require_port()  # the coordinator, as sockets name it
-        self._local_ports: set[int] = set()  # this channel's connections, by their local port
+        # Not under _lock_for: a process hosting the store and joining it from another thread
+        # opens both at once. (A clone made in that moment might take this socket for its own:
+        # _fail would then shut down the root connection too, which serves no call.)
+        self._root: Connection | None = self._open(url.host, url.require_port())
+        #: Each thread's connection and the local ports of its sockets (see _fail), by the
+        #: thread: a new thread gets a new connection even where it reuses a dead one's ident.
+        self._clients: weakref.WeakKeyDictionary[threading.Thread, tuple[Connection, set[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
         #: A value no rank stores (see _get).
         self._absent = b"\0dp-absent\0" + os.urandom(12)
 
@@ -114,33 +122,52 @@ class TCPStoreChannel(ControlChannel):
         return self._root.port
 
     def _client(self) -> Connection:
-        ident = threading.get_ident()
-        client = self._clients.get(ident)
-        if client is None:
+        thread = threading.current_thread()
+        entry = self._clients.get(thread)
+        if entry is None:
             with self._lock:
-                if self._root is None:
-                    raise ChannelClosed(f"{self!r} is closed")
-                client = self._clone()
-                self._clients[ident] = client
-        return client
+                entry = self._clone()
+                self._clients[thread] = entry
+        return entry[0]
 
-    def _clone(self) -> Connection:
-        """A connection of its own: a clone of the store opened at connect, within the
-        channel's timeout. A new TCPStore connection looks the peer's address up in DNS
-        (torch's socket logging, on both ends); where the resolver is slow or drops a query,
-        that takes its timeout (5 s), so a shorter bound would turn it into a false failure.
-        The new socket's local port is noted (see :meth:`_fail`)."""
-        try:
-            if self._root is None:
-                raise ChannelClosed(f"{self!r} is closed")
-            with _CLONING:
-                before = _connections_to(*self._peer)
-                client = self._root.clone()
-                self._local_ports.update(_connections_to(*self._peer).keys() - before.keys())
-        except (dist.DistError, RuntimeError, OSError) as err:
-            raise ChannelClosed(f"TCPStore at {self._address} unreachable: {err}") from err
-        client.set_timeout(timedelta(seconds=self.timeout))
-        return client
+    def _clone(self) -> tuple[Connection, set[int]]:
+        """A connection of its own and the local ports of its sockets: a clone of the store
+        opened at connect, within the channel's timeout. A new TCPStore connection looks the
+        peer's address up in DNS (torch's socket logging, on both ends); where the resolver
+        is slow or drops a query, that takes its timeout (5 s), so a shorter bound would turn
+        it into a false failure. torch's clone waits for the server's answer without a bound
+        of its own (a frozen coordinator accepts connections in its kernel, never answers),
+        so it runs on a thread of its own, and the caller leaves with the channel's failure
+        once there is one."""
+        root = self._root
+        if root is None:
+            raise ChannelClosed(f"{self!r} is closed")
+        made: list[Connection | BaseException] = []
+        ports: set[int] = set()
+
+        def connect() -> None:
+            try:
+                with _lock_for(self._peer):  # the socket that appears meanwhile is the clone's
+                    before = _connections_to(*self._peer)
+                    try:
+                        made.append(root.clone())
+                    finally:
+                        ports.update(_connections_to(*self._peer).keys() - before.keys())
+            except BaseException as err:
+                made.append(err)
+
+        helper = threading.Thread(target=connect, name=f"dp-tcpstore-connect-r{self.rank}", daemon=True)
+        helper.start()
+        while helper.is_alive():
+            helper.join(0.05)
+            self._raise_failure()
+        result = made[0]
+        if isinstance(result, (dist.DistError, RuntimeError, OSError)):
+            raise ChannelClosed(f"TCPStore at {self._address} unreachable: {result}") from result
+        if isinstance(result, BaseException):
+            raise result
+        result.set_timeout(timedelta(seconds=self.timeout))
+        return result, ports
 
     def _fail(self, error: ControlError) -> None:
         """Fail the channel and release its calls blocked on a connection (a frozen
@@ -148,9 +175,10 @@ class TCPStoreChannel(ControlChannel):
         super()._fail(error)
         if self._hosting:
             return  # the coordinator is this process: not frozen while this runs
+        mine = {port for _, ports in list(self._clients.values()) for port in ports}
         for local_port, sock in _connections_to(*self._peer, keep=True).items():
             with sock:
-                if local_port in self._local_ports:
+                if local_port in mine:
                     try:
                         sock.shutdown(socket.SHUT_RDWR)
                     except OSError:
@@ -184,6 +212,7 @@ class TCPStoreChannel(ControlChannel):
                 time.sleep(0.05)
             except _SentUnanswered as err:
                 self._drop_connection()
+                self._raise_failure()  # released by _fail
                 raise ChannelClosed(
                     f"TCPStore at {self._address}: connection failed after a write was sent (it may have "
                     f"been applied): {err.__cause__}"
@@ -200,7 +229,7 @@ class TCPStoreChannel(ControlChannel):
 
     def _drop_connection(self) -> None:
         """This thread's next call opens a new connection."""
-        self._clients.pop(threading.get_ident(), None)
+        self._clients.pop(threading.current_thread(), None)
 
     def _acked(self, write: Callable[[Connection], None], key: str) -> None:
         """TCPStore's set, multi_set and append send no reply: follow one with a request that
@@ -289,8 +318,16 @@ class TCPStoreChannel(ControlChannel):
             self._root = None
 
 
-#: Held while a connection is made, so that a new socket to the coordinator is the clone's.
-_CLONING = threading.Lock()
+#: Held while a connection to a coordinator is made (one lock per coordinator address), so
+#: that a new socket to it is that connection's.
+_CONNECTING: dict[tuple[frozenset[str], int], threading.Lock] = {}
+_CONNECTING_LOCK = threading.Lock()
+
+
+def _lock_for(peer: tuple[set[str], int]) -> threading.Lock:
+    key = (frozenset(peer[0]), peer[1])
+    with _CONNECTING_LOCK:
+        return _CONNECTING.setdefault(key, threading.Lock())
 
 
 def _addresses(host: str) -> set[str]:
@@ -324,8 +361,13 @@ def _connections_to(addresses: set[str], port: int, keep: bool = False) -> dict[
             fd = int(name)
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
                 continue
-            sock = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except (ValueError, OSError):
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # closed and reused by something else meanwhile
+            os.close(copy)
             continue
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:

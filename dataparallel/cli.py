@@ -7,8 +7,10 @@ import dataclasses
 import logging
 import signal
 import sys
+from typing import Any
 
 from . import __version__
+from .config import CHOICES, SETTINGS, flag_of
 from .errors import ConfigError
 from .registry import resolve
 
@@ -35,40 +37,24 @@ examples:
 def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
     group = parser.add_argument_group("job configuration (flags > DP_* environment > dataparallel.toml)")
     group.add_argument("--config", help="TOML file (default: $DP_CONFIG, else ./dataparallel.toml if present)")
-    group.add_argument("--url", help="channel URL, e.g. zmq://10.0.0.1:29500, grpc://...?tls=1, etcd://h:2379")
-    group.add_argument("--transport", help="transport scheme (zmq, grpc, etcd, tcpstore...) with --host/--port")
-    group.add_argument("--host", help="coordinator (or etcd) host")
-    group.add_argument("--port", help="coordinator (or etcd) port")
-    group.add_argument("--option", dest="options", action="append", metavar="KEY=VALUE", help="URL option, repeatable")
-    group.add_argument("--job", help="job name (default: default)")
-    group.add_argument("--timeout", help="seconds any control call may block (default 300)")
-    group.add_argument("--token-file", help="file holding the job token (or set DP_TOKEN)")
+    names = ["url", "transport", "host", "port", "options", "job", "timeout", "token_file"]
     if launcher:
-        group.add_argument("--world-size", help="total workers (default: nodes x nprocs)")
-        group.add_argument("--nprocs", help="workers on this node (default: one per GPU, else 1)")
-        group.add_argument("--nodes", help="number of nodes (default 1)")
-        group.add_argument("--node-rank", help="this node's index, 0..nodes-1 (default 0)")
-        group.add_argument(
-            "--max-restarts", help="restart a failed worker group up to N times (resume from a checkpoint)"
-        )
-        group.add_argument(
-            "--elastic",
-            action="store_const",
-            const=True,
-            help="a follower that dies ends nothing: the others carry on (dp.fit regroups without it)",
-        )
-        group.add_argument("--hosts", help="start the job on these hosts over ssh: HOST:SLOTS,HOST:SLOTS...")
-        group.add_argument("--hostfile", help="the same from a file: one 'HOST slots=N' a line, # comments")
-        group.add_argument(
-            "--log-format",
-            choices=["text", "json"],
-            help="json: every output line one JSON object (time, rank, stream, message; "
-            "dp.fit's per-epoch metrics as fields) for log collectors (default text)",
-        )
+        names += ["world_size", "nprocs", "nodes", "node_rank", "max_restarts", "elastic", "hosts", "hostfile"]
+        names += ["log_format"]
+    for name in names:
+        setting = SETTINGS[name]
+        kwargs: dict[str, Any] = {"help": f"{setting.meaning} (default: {setting.default})"}
+        if name == "options":
+            kwargs.update(dest="options", action="append", metavar="KEY=VALUE")
+        elif setting.kind is bool:
+            kwargs.update(action="store_const", const=True)
+        elif name in CHOICES:
+            kwargs.update(choices=CHOICES[name])
+        group.add_argument(flag_of(name), **kwargs)
 
 
 def _load(args: argparse.Namespace):
-    from .config import SETTINGS, load_config
+    from .config import load_config
 
     flags = {name: getattr(args, name, None) for name in SETTINGS}
     flags["config"] = args.config

@@ -44,7 +44,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError
@@ -62,28 +62,92 @@ PLACED = "the first of the hosts"
 DEFAULT_PORT = 29500  # the coordinator's port where a launcher gives none (mpirun)
 DEFAULT_TIMEOUT = 300.0
 
-#: setting -> (type, environment variable); file keys and flag names follow the setting name.
-SETTINGS: dict[str, tuple[type, str | None]] = {
-    "url": (str, "DP_URL"),
-    "transport": (str, "DP_TRANSPORT"),
-    "host": (str, "DP_HOST"),
-    "port": (int, "DP_PORT"),
-    "options": (dict, "DP_OPTIONS"),
-    "job": (str, "DP_JOB"),
-    "world_size": (int, "DP_WORLD_SIZE"),
-    "rank": (int, "DP_RANK"),
-    "local_rank": (int, "DP_LOCAL_RANK"),
-    "timeout": (float, "DP_TIMEOUT"),
-    "token_file": (str, None),
-    "nprocs": (int, "DP_NPROCS"),
-    "nodes": (int, "DP_NODES"),
-    "node_rank": (int, "DP_NODE_RANK"),
-    "max_restarts": (int, "DP_MAX_RESTARTS"),
-    "elastic": (bool, "DP_ELASTIC"),
-    "log_format": (str, "DP_LOG_FORMAT"),
-    "hosts": (str, "DP_HOSTS"),
-    "hostfile": (str, "DP_HOSTFILE"),
+
+class Setting(NamedTuple):
+    """One job setting: its type, its ``DP_*`` variable (None: none), its default as a user
+    reads it, and what it means (the flag's help; the configuration reference)."""
+
+    kind: type
+    env: str | None
+    default: str
+    meaning: str
+
+
+#: Every setting, by its name: the file key; the flag is ``--`` and the name with dashes
+#: (``options``: ``--option KEY=VALUE``, repeatable); the reference's configuration table.
+SETTINGS: dict[str, Setting] = {
+    "url": Setting(
+        str,
+        "DP_URL",
+        "none; launch on one node: zmq://127.0.0.1 on a free port",
+        "channel URL, e.g. zmq://10.0.0.1:29500, grpc://...?tls=1, etcd://h:2379 (instead of transport, host and port)",
+    ),
+    "transport": Setting(
+        str,
+        "DP_TRANSPORT",
+        "zmq, given host and port",
+        "transport scheme (zmq, grpc, etcd, tcpstore, memory or a registered one) with host and port",
+    ),
+    "host": Setting(str, "DP_HOST", "none; srun, mpirun, hosts: the first host", "coordinator (or etcd) host"),
+    "port": Setting(
+        int,
+        "DP_PORT",
+        f"none; mpirun: {DEFAULT_PORT}, srun: 15000 + the job id's last 4 digits",
+        "coordinator (or etcd) port",
+    ),
+    "options": Setting(
+        dict,
+        "DP_OPTIONS",
+        "none",
+        "URL query options: a table in the file, a=1&b=2 in DP_OPTIONS, --option a=1 repeated",
+    ),
+    "job": Setting(str, "DP_JOB", DEFAULT_JOB, "job name: jobs on one coordinator are kept apart by it"),
+    "world_size": Setting(int, "DP_WORLD_SIZE", "nodes x nprocs", "total workers"),
+    "rank": Setting(
+        int, "DP_RANK", "from the launcher", "this process's rank (set by dataparallel launch, torchrun, srun, mpirun)"
+    ),
+    "local_rank": Setting(int, "DP_LOCAL_RANK", "from the launcher", "this process's rank on its host (its GPU)"),
+    "timeout": Setting(float, "DP_TIMEOUT", f"{DEFAULT_TIMEOUT:g}", "seconds any control call may block"),
+    "token_file": Setting(
+        str,
+        None,
+        "none; DP_TOKEN holds the token itself",
+        "file holding the job token (relative to the file naming it)",
+    ),
+    "nprocs": Setting(int, "DP_NPROCS", "one per GPU, else 1", "workers on this node"),
+    "nodes": Setting(int, "DP_NODES", "1", "number of nodes"),
+    "node_rank": Setting(int, "DP_NODE_RANK", "0", "this node's index, 0..nodes-1"),
+    "max_restarts": Setting(
+        int, "DP_MAX_RESTARTS", "0", "restart a failed worker group up to N times (resume from a checkpoint)"
+    ),
+    "elastic": Setting(
+        bool,
+        "DP_ELASTIC",
+        "false",
+        "a follower that dies ends nothing: the others carry on (dp.fit regroups without it)",
+    ),
+    "log_format": Setting(
+        str,
+        "DP_LOG_FORMAT",
+        "text",
+        "json: every output line of launch one JSON object (time, rank, stream, message; "
+        "dp.fit's per-epoch metrics as fields) for log collectors",
+    ),
+    "hosts": Setting(
+        str,
+        "DP_HOSTS",
+        "none",
+        "start the job on these hosts over ssh: HOST:SLOTS,HOST:SLOTS... (a list in the file)",
+    ),
+    "hostfile": Setting(str, "DP_HOSTFILE", "none", "the same from a file: one 'HOST slots=N' a line, # comments"),
 }
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of setting ``name``."""
+    return "--option" if name == "options" else f"--{name.replace('_', '-')}"
+
+
 #: The settings that take one of a few words.
 CHOICES: dict[str, tuple[str, ...]] = {"log_format": ("text", "json")}
 #: torchrun's variables, read below the ``DP_*`` ones.
@@ -311,12 +375,13 @@ def _check_keys(data: Mapping[str, Any], what: str) -> dict[str, tuple[Any, str]
         raise ConfigError(f"unknown {what}: {', '.join(unknown)}; known settings: {', '.join(SETTINGS)}")
     if what != "argument":
         return {k: (v, what) for k, v in data.items()}
-    return {k: (v, "--option" if k == "options" else f"--{k.replace('_', '-')}") for k, v in data.items()}
+    return {k: (v, flag_of(k)) for k, v in data.items()}
 
 
 def _environment(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     out = {}
-    for name, (_, var) in SETTINGS.items():
+    for name, setting in SETTINGS.items():
+        var = setting.env
         if var is not None and env.get(var, "") != "":
             out[name] = (env[var], var)
     return out
@@ -580,7 +645,7 @@ def _coerce(name: str, raw: Any, where: str) -> Any:
         return raw
     if name == "hosts" and isinstance(raw, list) and all(isinstance(item, str) for item in raw):
         raw = ",".join(raw)  # hosts = ["node1:2", "node2:2"] in the file
-    kind = SETTINGS[name][0]
+    kind = SETTINGS[name].kind
     if kind is int:
         if isinstance(raw, bool) or not isinstance(raw, int | str):
             raise ConfigError(f"{name} (from {where}) must be an integer, got {raw!r}")
@@ -711,7 +776,7 @@ def env_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
     it), or None when unset: for code that reads one setting, such as ``dp.fit`` reading
     ``elastic`` under ``dataparallel launch --elastic``."""
     env = os.environ if env is None else env
-    var = SETTINGS[name][1]
+    var = SETTINGS[name].env
     if var is None or env.get(var, "") == "":
         return None
     return _coerce(name, env[var], var)

@@ -10,13 +10,21 @@ import time
 
 
 class ControlError(Exception):
-    """Base of every error raised by a control channel."""
+    """Base of every error raised by a control channel: catch it to handle any of them.
+
+    What to do: read the message; it names what was awaited, from whom and for how long."""
 
 
 class ControlTimeout(ControlError, TimeoutError):
-    """A blocking call did not complete within its timeout.
+    """A blocking call did not complete within its timeout (``timeout=`` of the call, else
+    the channel's, set by :func:`dataparallel.connect` or ``DP_TIMEOUT``).
 
     ``what`` names the thing awaited (a key, a barrier), ``waited`` the seconds spent.
+
+    What to do: a rank that never arrived is usually still starting (raise the timeout for
+    slow starts) or took another path through the code (every rank must enter the same
+    collectives in the same order); a dead or frozen rank is reported as :class:`PeerLost`
+    instead, sooner.
     """
 
     def __init__(self, what: str, waited: float, hint: str = "") -> None:
@@ -32,6 +40,15 @@ class PeerLost(ControlError):
 
     ``rank`` is the lost peer, ``last_seen`` the wall-clock time (``time.time()``) it was
     last heard from, or ``None`` if it never was; ``reason`` says how it was noticed.
+
+    Raised to every rank waiting on the channel once a peer has been silent for
+    ``liveness_timeout`` seconds (a URL option, default 10), or at once where the transport
+    notices a killed process's connections close. ``dp.fit`` aborts the process group
+    then, so no rank hangs in a collective.
+
+    What to do: look at the lost rank's own output (it ran as the pid on the host the
+    reason names); restart the job with ``dataparallel launch --max-restarts N`` and a
+    checkpoint, or train with ``elastic=True`` to carry on without it.
     """
 
     def __init__(self, rank: int, last_seen: float | None, reason: str = "", during: str = "") -> None:
@@ -73,19 +90,37 @@ class PeerLeft(PeerLost):
 
 
 class AuthError(ControlError):
-    """The job token was missing or did not match the coordinator's."""
+    """The job token was missing or did not match the coordinator's (transports that check
+    it themselves); raised at connect, in seconds.
+
+    What to do: give every rank and the coordinator the same token (``DP_TOKEN`` or
+    ``--token-file``)."""
 
 
 class BadMessage(ControlError):
-    """A request or reply could not be parsed, was too large, or named an unknown operation."""
+    """A request or reply could not be parsed, was too large, or named an unknown operation.
+
+    What to do: something other than this library's ranks, or another version of it, is
+    talking to the coordinator: check that the URL is the job's and that every process
+    runs the same version (``dataparallel --version``)."""
 
 
 class ChannelClosed(ControlError):
-    """The channel was closed locally, or its coordinator went away."""
+    """The channel was closed locally, or its coordinator went away: closed, killed, frozen
+    or cut off for ``liveness_timeout`` seconds, or this rank was declared lost by the
+    others (it was frozen or cut off itself). Every later call raises it.
+
+    What to do: when the coordinator lives in rank 0 (zmq, grpc and tcpstore without a
+    standalone ``dataparallel serve``), look at rank 0's output first; a job restarted
+    with a checkpoint resumes where it was."""
 
 
 class ConfigError(ControlError, ValueError):
-    """A URL, option or argument is invalid; the message says which and what is allowed."""
+    """A URL, option or argument is invalid; the message says which, where it came from
+    (flag, ``DP_*`` variable, file) and what is allowed. Raised before anything connects.
+
+    What to do: fix the setting it names; ``dataparallel check --env`` shows every
+    setting and where it came from."""
 
 
 class Preempted(SystemExit):
@@ -94,7 +129,9 @@ class Preempted(SystemExit):
     SIGUSR1, as ``sbatch --signal=USR1@120`` sends): the ranks agreed on a step, the driver
     wrote the checkpoint there, and the process should end. The job started again with
     ``resume=True`` continues from that step. Uncaught, it ends the process with exit code
-    128 + the signal's number, as the signal itself would, without a traceback."""
+    128 + the signal's number, as the signal itself would, without a traceback.
+
+    What to do: nothing; start the job again (a requeued Slurm job does) and it resumes."""
 
     def __init__(self, signum: int, epoch: int, batches: int, checkpoint: str) -> None:
         super().__init__(128 + signum)

@@ -228,6 +228,9 @@ def _target_name(target: type[ControlChannel] | str) -> str:
 
 
 def known_schemes() -> list[str]:
+    """The URL schemes that name a transport here: the bundled ones, those installed
+    packages register (the ``dataparallel.transports`` entry point) and those given to
+    :func:`register_transport`, sorted."""
     with _lock:
         _load_entry_points_locked()
         return sorted(_registry)

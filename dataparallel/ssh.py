@@ -42,7 +42,7 @@ from .registry import resolve
 #: prefixes ending in ``_``): tuning of the libraries underneath, not this machine's paths.
 FORWARDED = ("NCCL_", "GLOO_", "TORCH_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "PYTHONPATH")
 #: The variables a host's own environment might set that would speak over this launcher's.
-OWN = {var for _, var in SETTINGS.values() if var} | {"DP_CONFIG", "DP_TOKEN"}
+OWN = {s.env for s in SETTINGS.values() if s.env} | {"DP_CONFIG", "DP_TOKEN"}
 
 
 @dataclasses.dataclass(frozen=True)

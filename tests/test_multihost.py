@@ -1,14 +1,17 @@
 """Several hosts on a private network (network namespaces + veth + a bridge, 10.77.0.0/24):
 the driver on one host, followers on two others, etcd on a fourth; each node started with
-``dataparallel launch --config FILE --node-rank K``, exactly as README's "Run on several
-machines" says. Training must end with the same model as the same job on one host, and
-``dataparallel check`` must say what is wrong when nothing listens or a host is gone.
+``dataparallel launch --node-rank K`` beside a ``dataparallel.toml``: the file and the commands
+are read from the how-to page (docs/howto/several-machines.md), so the page shows what runs.
+Training must end with the same model as the same job on one host, and ``dataparallel check``
+must say what is wrong when nothing listens or a host is gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -67,19 +70,48 @@ def _serve(net: PrivateNetwork, transport: str, tmp_path: Path) -> tuple[str, Et
     return f"etcd://{net.address(ETCD_HOST)}:2379", server
 
 
-def _config(path: Path, url: str) -> Path:
-    path.write_text(f'url = "{url}"\njob = "digits"\nnodes = 3\nnprocs = 1\ntimeout = 120\n')
+HOWTO = ROOT / "docs" / "howto" / "several-machines.md"
+
+
+def _howto() -> tuple[str, list[tuple[list[str], str]]]:
+    """The how-to's ``dataparallel.toml`` and its launch commands, each with the machine its
+    comment puts it on."""
+    text = HOWTO.read_text()
+    toml = re.search(r"```toml\n(.*?)```", text, re.S)
+    bash = re.search(r"```bash\n(dataparallel launch .*?)```", text, re.S)
+    assert toml and bash, f"{HOWTO} lost its dataparallel.toml or its launch commands"
+    commands = []
+    for line in bash.group(1).splitlines():
+        command, _, comment = line.partition("#")
+        machine = re.search(r"on (\d+\.\d+\.\d+\.\d+)", comment)
+        assert machine, line
+        commands.append((shlex.split(command), machine.group(1)))
+    return toml.group(1), commands
+
+
+def _job_dir(path: Path, url: str) -> Path:
+    """A directory as each machine of the how-to has it: its dataparallel.toml (the job's URL
+    in place of the page's zmq one) and the examples."""
+    toml, _ = _howto()
+    assert 'url = "zmq://10.77.0.1:29500"' in toml, toml
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "dataparallel.toml").write_text(toml.replace("zmq://10.77.0.1:29500", url))
+    (path / "examples").symlink_to(ROOT / "examples")
     return path
 
 
-def _run_job(net: PrivateNetwork, config: Path, result: Path) -> list[subprocess.CompletedProcess]:
-    """One `dataparallel launch` per host, as an operator would type them."""
+def _run_job(net: PrivateNetwork, job_dir: Path, result: Path) -> list[subprocess.CompletedProcess]:
+    """The how-to's launch commands, each on the machine it names, in the job's directory."""
+    _, commands = _howto()
     procs = []
-    for node, host in enumerate((DRIVER, *FOLLOWERS)):
-        argv = [sys.executable, "-m", "dataparallel", "launch", "--config", str(config), "--node-rank", str(node)]
-        argv += [SCRIPT, "--epochs", EPOCHS, "--result", str(result)]
+    for node, ((command, machine), host) in enumerate(zip(commands, (DRIVER, *FOLLOWERS), strict=True)):
+        assert machine == net.address(host) and command[:2] == ["dataparallel", "launch"], (command, machine)
+        assert command[command.index("--node-rank") + 1] == str(node), command
+        argv = [sys.executable, "-m", *command, "--epochs", EPOCHS, "--result", str(result)]
         procs.append(
-            net.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=SAME_THREADS)
+            net.popen(
+                host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=job_dir, env=SAME_THREADS
+            )
         )
     done = []
     for proc in procs:
@@ -104,7 +136,7 @@ def _assert_same_model(result: Path, reference: Path) -> None:
 def test_training_across_hosts_matches_one_host(net, one_host, transport, tmp_path):
     url, server = _serve(net, transport, tmp_path)
     result = tmp_path / "result.json"
-    runs = _run_job(net, _config(tmp_path / "dataparallel.toml", url), result)
+    runs = _run_job(net, _job_dir(tmp_path / "job", url), result)
     for node, run in enumerate(runs):
         assert run.returncode == 0, f"node {node}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
     # Each node ran its own rank; the driver's output (prefixed with its rank) has the report.

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import control_plane, elastic, faults, gpu_nccl, ports, rendezvous, strategies, swarm, train_loop
 
     if "control" in args.only:
-        # N=64 left out: tcpstore fails there on 2 cores (README, Performance)
+        # N=64 left out: tcpstore fails there on 2 cores (docs/benchmarks.md)
         sizes = ["2", "4"] if quick else ["2", "4", "8", "16", "32"]
         rounds, repeats = ("20", "300") if quick else ("100", "3000")
         control_plane.main(

@@ -1,4 +1,4 @@
-"""Detection times of the fault-injection suite, as a table for README.
+"""Detection times of the fault-injection suite, as a table for docs/howto/failures.md.
 
     python -m benchmarks.faults          # runs tests/test_faults.py and the partition tests
 

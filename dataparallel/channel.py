@@ -289,8 +289,8 @@ class ControlChannel(Collectives, abc.ABC):
     @classmethod
     def security(cls, url: ChannelURL, token: str | None) -> str:
         """One line for ``dataparallel check`` and ``dataparallel serve``: what this URL
-        authenticates and encrypts, and what is left to the network (README, "Threat
-        model"). Optional hook; the default says what ``native_auth`` implies."""
+        authenticates and encrypts, and what is left to the network (docs/howto/security.md,
+        "Threat model"). Optional hook; the default says what ``native_auth`` implies."""
         if cls.native_auth:
             return "authenticated by the transport"
         return (

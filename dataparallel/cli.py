@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="reach a coordinator or etcd: latency, token, diagnosis",
         description="Connect to the coordinator (or etcd) at URL without joining a job: report reachability, "
         "round-trip latency and whether the token works, or what is wrong (nothing listening, TLS or "
-        "encryption mismatch, wrong token). Exit status 0 when all is well, 1 otherwise.",
+        "encryption mismatch, wrong token). Exit status 0 when all is well, 1 otherwise. --timeout bounds "
+        "each step here (default 5 s; DP_TIMEOUT and the file's timeout are not used); --job matters only "
+        "with --env (the check itself uses the job __dp-check).",
     )
     check.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
     check.add_argument("--rounds", type=int, default=20, help="round trips to time (default 20)")

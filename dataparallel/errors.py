@@ -75,7 +75,7 @@ class PeerLeft(PeerLost):
 
     It is a :class:`PeerLost` (the peer is gone for this collective), but the channel stays
     usable: ``missed`` names the collective and its round, ``during`` what was waited for.
-    Usually a rank that ended early: every rank must enter the same collectives in the same
+    What to do: usually a rank ended early; every rank must enter the same collectives in the same
     order (a final ``rendezvous()`` included, where the others call it).
     """
 
@@ -110,8 +110,8 @@ class ChannelClosed(ControlError):
     or cut off for ``liveness_timeout`` seconds, or this rank was declared lost by the
     others (it was frozen or cut off itself). Every later call raises it.
 
-    What to do: when the coordinator lives in rank 0 (zmq, grpc and tcpstore without a
-    standalone ``dataparallel serve``), look at rank 0's output first; a job restarted
+    What to do: when the coordinator lives in rank 0 (zmq and grpc without a standalone
+    ``dataparallel serve``, tcpstore always), look at rank 0's output first; a job restarted
     with a checkpoint resumes where it was."""
 
 

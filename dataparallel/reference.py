@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -105,9 +106,20 @@ def transports() -> str:
 
 
 def cli() -> str:
-    out = []
-    for name, sub in _commands().items():
-        out += [f"## `dataparallel {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    """Every command's ``--help``, wrapped at 100 columns whatever the terminal."""
+    from .cli import build_parser
+
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width
+    try:
+        out = ["## `dataparallel`", "", "```text", build_parser().format_help().rstrip(), "```", ""]
+        for name, sub in _commands().items():
+            out += [f"## `dataparallel {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
     return "\n".join(out)
 
 

@@ -82,7 +82,7 @@ def test_fewer_survivors_than_min_world_size_end_the_job_saying_so(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_the_digits_example_carries_on_under_launch_when_a_follower_is_killed(tmp_path):
-    """README's command: ``launch --elastic`` keeps the survivors running (exit code 0) and
+    """The command docs/howto/failures.md shows: ``launch --elastic`` keeps the survivors running (exit code 0) and
     the driver reports the regroup; no restart happened (one launch attempt)."""
     script = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
     run = subprocess.run(

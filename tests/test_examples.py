@@ -75,7 +75,7 @@ def test_the_language_model_example_snapshots_resumes_and_runs_under_torchrun(tm
 def test_the_torchrun_script_and_its_fabric_port_train_as_the_dp_fit_port_does(tmp_path):
     """The script ports are counted against (benchmarks/ports.py) and its Lightning Fabric port
     both run under torchrun with their features (Fabric's snapshot resumed by a second run),
-    and land where the dp.fit port does; README's line counts are the code's."""
+    and land where the dp.fit port does; the line counts docs/howto/training.md shows are the code's."""
     from benchmarks.ports import RESULTS, measure
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "OMP_"))}

@@ -3,7 +3,7 @@ grpc and etcd: what the surviving processes see, and how long it takes.
 
 Every outcome is bounded: a typed error naming the lost peer, or the job carrying on. With
 ``DP_FAULT_REPORT=FILE`` the measured detection times are written to FILE (JSON) for
-README's table (``python -m benchmarks --only faults``).
+the fault table of docs/howto/failures.md (``python -m benchmarks --only faults``).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_driver_killed_mid_epoch(job_url, tmp_path):
         code, err, done = job.finish(1)
         seconds = done - hit
         assert code != 0
-        # The documented outcome (README's fault table): zmq/grpc: rank 0 hosted the
+        # The documented outcome (the fault table, docs/howto/failures.md): zmq/grpc: rank 0 hosted the
         # coordinator, which is gone with it; etcd outlives the driver: a lost peer.
         if _transport(job_url) == "etcd":
             assert "PeerLost" in err and "peer rank 0 lost" in err, err[-3000:]

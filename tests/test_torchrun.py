@@ -83,7 +83,7 @@ def _torchrun(backend: str, endpoint: str, run_id: str, out: Path, script: Path,
 @pytest.mark.parametrize("backend", ["dp-zmq", "dp-grpc", "dp-etcd"])
 def test_two_torchrun_nodes_rendezvous_and_restart(backend, tmp_path):
     members = []
-    if backend == "dp-etcd":  # a 3-member cluster, named as README shows: every member, comma-separated
+    if backend == "dp-etcd":  # a 3-member cluster, named as docs/howto/torchrun.md shows: every member, comma-separated
         require_etcd()
         members = start_cluster(tmp_path / "etcd", 3)
         endpoint = ",".join(f"127.0.0.1:{m.client_port}" for m in members)

@@ -205,6 +205,10 @@ class ControlChannel(Collectives, abc.ABC):
     #: a lost peer interrupts a blocked call (unless the liveness kind interrupts blocked
     #: calls itself). Transports whose timed-out waits are costly may raise it (tcpstore: 5).
     liveness_poll: ClassVar[float] = 0.5
+    #: Seconds a healthy store may leave every request unanswered, beyond which the default
+    #: liveness (:class:`~dataparallel.liveness.StoreHeartbeats`) takes it for gone, on top of
+    #: ``liveness_timeout`` (tcpstore: 5, torch's server looks each new client up in DNS first).
+    store_stall: ClassVar[float] = 0.0
     #: Longest ``close`` waits, where :attr:`hosts_coordinator`, for the other ranks to close
     #: or be lost (at most ``self.timeout``).
     CLOSE_GRACE: ClassVar[float] = 10.0

@@ -107,9 +107,9 @@ class StoreHeartbeats(Liveness):
     next tick. A rank that closes writes ``closed`` instead: a clean departure.
 
     A second thread guards the first: when the store has answered none of its requests for
-    ``timeout`` seconds, failing or blocked (a frozen coordinator: TCPStore's client waits
-    for a reply without a bound), the channel fails with ChannelClosed, whose ``_fail``
-    releases the blocked calls.
+    ``timeout`` seconds (plus the transport's ``store_stall``), failing or blocked (a frozen
+    coordinator: TCPStore's client waits for a reply without a bound), the channel fails
+    with ChannelClosed, whose ``_fail`` releases the blocked calls.
 
     Cost per tick: one write per rank, plus two reads per watched peer.
     """
@@ -244,7 +244,7 @@ class StoreHeartbeats(Liveness):
                 return
             since = self._failing_since if self._ch.hosts_coordinator else self._last_ok
             quiet = 0.0 if since is None else now - since
-            if quiet > self._timeout:
+            if quiet > self._timeout + self._ch.store_stall:
                 why = self._last_error or "a heartbeat is still waiting for its reply"
                 self._ch._fail(
                     ChannelClosed(

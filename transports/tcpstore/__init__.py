@@ -71,6 +71,9 @@ class TCPStoreChannel(ControlChannel):
     scheme = "tcpstore"
     # Each timed-out TCPStore wait logs a C++ warning: poll for lost peers less often.
     liveness_poll = 5.0
+    # torch's server stops answering while it looks a new client's address up in DNS (up to
+    # the resolver's 5 s): not a frozen coordinator.
+    store_stall = 5.0
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)

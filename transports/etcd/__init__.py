@@ -312,9 +312,23 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         deadline = time.monotonic() + self.liveness_timeout
         renewed = False
         while True:
-            metadata = self._etcd.metadata
+            client = self._etcd
+            metadata = client.metadata
             try:
-                return await getattr(self._etcd, method)(*args, **kwargs)
+                return await getattr(client, method)(*args, **kwargs)
+            except asyncio.CancelledError:
+                # Another call failing over closed the client this one ran on (its gRPC calls
+                # end cancelled): try again on the new one. A cancellation of this task itself
+                # (a wait_for that expired, the channel closing) goes on up.
+                task = asyncio.current_task()
+                cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+                if self._client is client or (cancelling is not None and cancelling()):
+                    raise
+                if time.monotonic() > deadline:
+                    raise ChannelClosed(
+                        f"etcd at {self.url.shown} unreachable for {self.liveness_timeout:g}s"
+                    ) from None
+                continue
             except _TRANSIENT as err:
                 if time.monotonic() > deadline:
                     raise ChannelClosed(

@@ -42,13 +42,25 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|data|attr|exc|obj|const):`(~?)([^`]+)`")
+_LITERAL = re.compile(r"(?<=\S)::$", re.MULTILINE)
+
+
+def _role(match: re.Match[str]) -> str:
+    short, target = match.group(1), match.group(2)
+    return f"`{target.rsplit('.', 1)[-1] if short else target}`"
+
+
+def rst_roles_as_code(text: str) -> str:
+    """``text`` with its reST roles as code spans (``~`` keeps the last component, as in
+    Sphinx) and its trailing ``::`` markers as ``:`` (the indented block after one is a code
+    block in Markdown too). The API pages' griffe extension uses it as well."""
+    return _LITERAL.sub(":", _ROLE.sub(_role, text))
+
+
 def _markdown(docstring: str | None) -> str:
-    """A docstring as Markdown: reST's double backticks and roles as code spans, its ``::``
-    blocks as indented code."""
-    text = inspect.cleandoc(docstring or "")
-    text = re.sub(r":(?:class|func|meth|attr|data|mod|exc):`~?([^`]+)`", r"`\1`", text)
-    text = text.replace("``", "`")
-    return re.sub(r"::\n", ":\n", text)
+    """A docstring as Markdown: its roles and double backticks as code spans."""
+    return rst_roles_as_code(inspect.cleandoc(docstring or "")).replace("``", "`")
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:

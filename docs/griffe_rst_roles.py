@@ -13,18 +13,12 @@ from typing import Any
 
 import griffe
 
-_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|data|attr|exc|obj|const):`(~?)([^`]+)`")
-_LITERAL = re.compile(r"(?<=\S)::$", re.MULTILINE)
-
-
-def _role(match: re.Match[str]) -> str:
-    short, target = match.group(1), match.group(2)
-    return f"`{target.rsplit('.', 1)[-1] if short else target}`"
+from dataparallel.reference import rst_roles_as_code
 
 
 def convert(text: str) -> str:
     """``text`` with its roles as code spans and its ``::`` markers as ``:``."""
-    return _LITERAL.sub(":", _ROLE.sub(_role, text))
+    return rst_roles_as_code(text)
 
 
 class RstRoles(griffe.Extension):

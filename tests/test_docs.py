@@ -4,6 +4,7 @@ documented. (The site itself is built with ``mkdocs build --strict`` by ``.ci/ru
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import dataparallel as dp
 from dataparallel import reference
 from dataparallel.cli import build_parser
-from dataparallel.config import SETTINGS, load_config
+from dataparallel.config import SETTINGS, flag_of, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ COMPANIONS = {
 
 
 def _origin(config: dp.JobConfig, name: str) -> str:
-    return config.origin.get({"token_file": "token", "hosts": "hosts", "hostfile": "hostfile"}.get(name, name), "")
+    return config.origin.get("token" if name == "token_file" else name, "")
 
 
 def test_the_configuration_table_lists_every_setting_as_the_code_defines_it():
@@ -69,7 +70,7 @@ def test_the_configuration_table_lists_every_setting_as_the_code_defines_it():
         setting = SETTINGS[name]
         if setting.env:
             assert cells[1] == f"`{setting.env}`", cells
-        flag = "--option" if name == "options" else f"--{name.replace('_', '-')}"
+        flag = flag_of(name)
         accepted = [command for command, known in flags.items() if flag in known]
         assert (f"`{flag}` ({', '.join(accepted)})" if accepted else "—") == cells[2], cells
         assert cells[3] and cells[4], f"{name}: no default or meaning"
@@ -83,7 +84,7 @@ def test_every_setting_in_the_table_is_accepted_where_the_table_says(name, tmp_p
     cells = _rows()[name]
     value = _value(name, tmp_path)
     base = {k: v for k, v in COMPANIONS.get(name, {}).items()}
-    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("DP_", "SLURM_", "OMPI_", "PMI_"))}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "SLURM_", "OMPI_", "PMI_"))}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         clean.pop(key, None)
 
@@ -126,8 +127,7 @@ def test_every_setting_in_the_table_is_accepted_where_the_table_says(name, tmp_p
     args = build_parser().parse_args(argv)
     flags = {n: getattr(args, n, None) for n in SETTINGS}
     config = load_config(flags, env=clean)
-    want = "--option" if name == "options" else flag.group(1)
-    assert _origin(config, name) == want, (name, config.origin)
+    assert _origin(config, name) == flag_of(name), (name, config.origin)
 
 
 def test_every_public_name_has_its_own_docstring():

@@ -32,6 +32,8 @@ from .wire import MAX_WORLD_SIZE, purpose_key
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from .elastic import Admission
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -260,6 +262,8 @@ class ControlChannel(Collectives, abc.ABC):
         self._run_seen: dict[int, tuple[bytes | None, float]] = {}
         self._run_alive: dict[int, float] = {}
         self._run_verdict = ""
+        #: A newcomer's seat in a running elastic job (set by ``dp.connect``; read by ``dp.fit``).
+        self._admission: Admission | None = None
 
     @classmethod
     def check_url(cls, url: ChannelURL, token: str | None = None, *, serving: bool = False) -> None:

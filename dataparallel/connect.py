@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .channel import ControlChannel
+from .elastic import Admission, await_admission, open_queue, running
+from .elastic import generation_job as elastic_job
 from .registry import ChannelURL, resolve
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ def connect(
     job: str | None = None,
     token: str | None = None,
     timeout: float | None = None,
+    elastic: bool | None = None,
 ) -> ControlChannel:
     """Open a control channel to the job ``job`` at ``url``.
 
@@ -37,6 +40,12 @@ def connect(
     and torchrun unchanged. Raises :class:`ConfigError` for a bad URL or setting (the message
     names it and where it came from), :class:`AuthError` for a token that does not match the
     job's, and :class:`ControlError` when the rank is taken or the job is full.
+
+    ``elastic`` (None: the ``elastic`` setting, ``DP_ELASTIC``): where the job is already
+    training elastically, this process is a newcomer: it waits, as long as that job's driver
+    lives, until the driver admits it at an epoch boundary, and returns a channel to the job's next
+    generation with the rank it was given (``rank`` and ``world_size`` are then not used);
+    :func:`dataparallel.fit` takes it from there.
     """
     where = None
     if url is None or rank is _FROM_CONFIG or world_size is None:
@@ -51,21 +60,46 @@ def connect(
         token = token if token is not None else config.token
         timeout = timeout if timeout is not None else config.timeout
     parsed, cls = resolve(url, token, where=where)
+    if elastic is None:
+        from .config import env_setting
+
+        elastic = bool(env_setting("elastic"))
+    job, timeout = job if job is not None else "default", timeout if timeout is not None else 300.0
     with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
-        channel = cls(
-            parsed,
-            rank=rank,
-            world_size=world_size,
-            job=job if job is not None else "default",
-            token=token,
-            timeout=timeout if timeout is not None else 300.0,
-        )
+        channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
         try:
+            admission = _admission(channel) if elastic else None
+            if admission is not None:
+                channel.close()
+                generation = elastic_job(job, admission.generation)
+                size = admission.world_size
+                channel = cls(
+                    parsed, rank=admission.rank, world_size=size, job=generation, token=token, timeout=timeout
+                )
+                channel._admission = admission
             channel._join()
         except BaseException:
             channel.close()
             raise
     return channel
+
+
+def _admission(channel: ControlChannel) -> Admission | None:
+    """Where ``channel``'s job is training elastically: this process's seat in it, once its
+    driver gives one (see :mod:`dataparallel.elastic`). None: the job is not (yet) running."""
+    queue = open_queue(channel, channel.timeout)
+    try:
+        if not running(queue):
+            return None
+        log.warning("job %r is running: waiting to be admitted at an epoch boundary", channel.job)
+        admission = await_admission(queue, channel.job)
+        log.warning(
+            "admitted to job %r as rank %d of %d (generation %d)",
+            channel.job, admission.rank, admission.world_size, admission.generation,
+        )  # fmt: skip
+        return admission
+    finally:
+        queue.close()
 
 
 #: Seconds between two "still connecting" notices.

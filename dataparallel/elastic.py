@@ -15,16 +15,34 @@ the driver waits until each rank of the old generation is ready or known lost (a
 ``__dp/elastic/G/members``, which the others wait for, and waits (as long again at most)
 until each member has written ``__dp/elastic/G/seen/RANK``: the decision reaches them even
 when the driver ends right after it (too few survivors) and takes the coordinator with it.
+
+Newcomers (a process started while the job runs, or a lost one started again) join at an
+epoch boundary through the job's *join queue*, the job ``JOB~join`` on the same coordinator
+or store, which no rank ever joins (so no loss ever ends it): the driver marks it
+``running`` once its job has met and moves that mark every heartbeat while it lives, and
+:func:`dataparallel.connect` of an elastic process that finds the mark queues there instead
+of claiming a rank; it waits as long as the mark moves (a dead driver is noticed after the
+liveness timeout). Each newcomer takes a
+number ``I`` (``add`` on ``count``) and writes ``request/I``; at an epoch boundary the
+driver writes ``offer/I`` (the next generation) to those waiting, each newcomer takes its
+offer (``compare_set`` of ``answer/I`` from empty to ``accept``), the driver withdraws those
+not taken within the settle time (the same ``compare_set``, to ``withdrawn``: exactly one
+of the two wins) and writes ``seat/I`` (rank and world size) for each that accepted. The
+members then move to that generation with them, the newcomers taking the ranks after theirs.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .channel import RESERVED_PREFIX, ControlChannel
-from .errors import ChannelClosed
+from .errors import ChannelClosed, ControlError
 
 _POLL = 0.05
 
@@ -78,3 +96,129 @@ def _wait_for(ch: ControlChannel, prefix: str, ranks: Iterable[int], seconds: fl
         if not pending or time.monotonic() >= deadline:
             return found - set(ch.lost_peers())
         time.sleep(_POLL)
+
+
+# ---------------------------------------------------------------------- newcomers
+_RUNNING, _COUNT = "running", "count"
+
+
+def join_job(job: str) -> str:
+    """The name of ``job``'s join queue."""
+    return f"{job}~join"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A newcomer's seat in a running elastic job."""
+
+    job: str  # the job's own name (generation 0's)
+    generation: int
+    rank: int
+    world_size: int
+    after: int  # the world size of the generation before, whose ranks come first
+
+
+def open_queue(channel: ControlChannel, timeout: float) -> ControlChannel:
+    """A channel to ``channel``'s join queue: same coordinator or store and token, no rank
+    (it never joins, so it is not watched and never watches), never hosting."""
+    queue = type(channel)(
+        channel.url, rank=None, world_size=1, job=join_job(channel.job), token=channel.token, timeout=timeout,
+        serve=False,
+    )  # fmt: skip
+    try:
+        if not queue.native_auth:
+            queue._agree_on_token()  # as dp.connect does; the coordinators check it themselves
+    except BaseException:
+        queue.close()
+        raise
+    return queue
+
+
+def running(queue: ControlChannel) -> bool:
+    """Whether the queue's job is training (its driver marked it so)."""
+    return queue.check([_RUNNING])
+
+
+def await_admission(queue: ControlChannel, job: str) -> Admission:
+    """Queue this process and wait for the driver to seat it at an epoch boundary, as long
+    as the driver lives (its ``running`` mark moves). Raises :class:`ChannelClosed` when the
+    job ends first, or its driver stops moving the mark for the liveness timeout."""
+    me = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+    silence = queue.liveness_timeout + 2 * queue.heartbeat_interval
+    beat, moved = b"", time.monotonic()
+    while True:
+        number = queue.add(_COUNT, 1) - 1
+        queue.set(f"request/{number}", me)
+        while not queue.check([f"offer/{number}"]):
+            now = time.monotonic()
+            if not queue.check([_RUNNING]):
+                raise ChannelClosed(f"job {job!r} ended before its driver admitted this process")
+            if (seen := queue.get(_RUNNING, queue.timeout)) != beat:
+                beat, moved = seen, now
+            elif now - moved > silence:
+                raise ChannelClosed(
+                    f"job {job!r}: its driver stopped marking the job running {now - moved:.0f}s ago (longer than "
+                    f"the liveness timeout, {queue.liveness_timeout:g}s): it is gone; nothing admits this process"
+                )
+            time.sleep(min(0.5, queue.heartbeat_interval / 2))
+        if queue.compare_set(f"answer/{number}", b"", b"accept") == b"accept":
+            break  # else withdrawn (taken too late): queue again
+    seat = json.loads(queue.get(f"seat/{number}", queue.timeout))
+    return Admission(job, seat["generation"], seat["rank"], seat["world_size"], seat["after"])
+
+
+class JoinQueue:
+    """The driver's side of the join queue: marks the job running, and seats newcomers."""
+
+    def __init__(self, channel: ControlChannel, timeout: float) -> None:
+        self.queue = open_queue(channel, timeout)
+        self.queue.add(_RUNNING, 1)
+        self._next = self.queue.add(_COUNT, 0)  # numbers taken before this run are not its
+        self._done = threading.Event()
+        self._beat = threading.Thread(target=self._mark, name="dp-join-queue", daemon=True)
+        self._beat.start()
+
+    def _mark(self) -> None:
+        """Move the ``running`` mark every heartbeat: the newcomers' sign that the driver lives."""
+        while not self._done.wait(self.queue.heartbeat_interval):
+            try:
+                self.queue.add(_RUNNING, 1)
+            except ControlError:
+                return  # the coordinator is gone with the job: the newcomers notice
+
+    def waiting(self) -> list[int]:
+        """The numbers of the newcomers queued since the last look, in order."""
+        numbers = []
+        for number in range(self._next, self.queue.add(_COUNT, 0)):
+            if not self.queue.check([f"request/{number}"]):
+                break  # taken, not yet written: next time
+            numbers.append(number)
+        return numbers
+
+    def seat(self, numbers: list[int], generation: int, world_size: int, settle: float) -> list[int]:
+        """Offer ``generation`` to the newcomers ``numbers``; seat those who take it within
+        ``settle`` seconds as ranks ``world_size``, ``world_size + 1``... Returns them, in
+        rank order. Every number passed is done with (a withdrawn newcomer queues again)."""
+        for number in numbers:
+            self.queue.set(f"offer/{number}", str(generation).encode())
+        self._next = max(numbers, default=self._next - 1) + 1
+        deadline = time.monotonic() + settle
+        pending = set(numbers)
+        while pending and time.monotonic() < deadline:
+            pending -= {n for n in pending if self.queue.check([f"answer/{n}"])}
+            time.sleep(_POLL)
+        seated = [n for n in numbers if self.queue.compare_set(f"answer/{n}", b"", b"withdrawn") == b"accept"]
+        size = world_size + len(seated)
+        for rank, number in enumerate(seated, start=world_size):
+            seat = {"generation": generation, "rank": rank, "world_size": size, "after": world_size}
+            self.queue.set(f"seat/{number}", json.dumps(seat).encode())
+        return seated
+
+    def close(self) -> None:
+        self._done.set()
+        self._beat.join(timeout=self.queue.timeout)
+        try:
+            self.queue.delete(_RUNNING)
+        except ControlError:
+            pass  # the coordinator may be gone with the job
+        self.queue.close()

@@ -197,33 +197,52 @@ def launch(
         flush=True,
     )
     restarts = config.max_restarts
-    for attempt in range(restarts + 1):
+    left, attempt = restarts, 0  # restarts of a group and, elastic, of single followers, together
+    stdin = subprocess.DEVNULL if lifeline is not None else None  # the lifeline is the launcher's
+
+    def start(supervisor: _Supervisor, rank: int, local: int) -> None:
+        worker_env = {
+            **env,
+            "DP_RANK": str(rank),
+            "DP_LOCAL_RANK": str(local),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local),
+        }
+        supervisor.start(rank, local, list(command), worker_env, prefix, stdin=stdin)
+
+    def replace(supervisor: _Supervisor, lost: Worker) -> bool:
+        """Elastic: start a lost follower again; it joins the running job at an epoch boundary."""
+        nonlocal left
+        if left <= 0:
+            return False
+        left -= 1
+        print(
+            f"[launch] starting {lost.label} again (restart {restarts - left} of {restarts}): it joins the job "
+            "at its next epoch boundary (elastic)",
+            file=log,
+            flush=True,
+        )
+        start(supervisor, lost.rank, lost.local_rank)
+        return True
+
+    while True:
         if attempt:
             # A new job name: the restarted group never meets the failed group's keys.
             env["DP_JOB"] = f"{config.job}.attempt{attempt}"
             env["DP_RESTART_COUNT"] = str(attempt)
-        supervisor = _Supervisor(grace, log, tolerate=config.elastic, as_json=as_json)
+        supervisor = _Supervisor(grace, log, tolerate=config.elastic, as_json=as_json, replace=replace)
         with supervisor.forwarding_signals():
             for local in range(nprocs):
-                rank = base + local
-                worker_env = {
-                    **env,
-                    "DP_RANK": str(rank),
-                    "DP_LOCAL_RANK": str(local),
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(local),
-                }
-                stdin = subprocess.DEVNULL if lifeline is not None else None  # the lifeline is the launcher's
-                supervisor.start(rank, local, list(command), worker_env, prefix, stdin=stdin)
+                start(supervisor, base + local, local)
             code = supervisor.wait()
-        if code == 0 or supervisor.signalled is not None or attempt == restarts:
+        if code == 0 or supervisor.signalled is not None or left <= 0:
             return code
+        left, attempt = left - 1, attempt + 1
         print(
-            f"[launch] worker group failed (exit code {code}); restarting it, attempt {attempt + 1} of {restarts}",
+            f"[launch] worker group failed (exit code {code}); restarting it, restart {restarts - left} of {restarts}",
             file=log,
             flush=True,
         )
-    return code
 
 
 def _node_of_cluster(config: JobConfig) -> JobConfig:
@@ -298,12 +317,26 @@ def _omp_threads(env: dict[str, str], nprocs: int) -> int | None:
     return max(1, _cores() // max(1, nprocs))
 
 
+#: Seconds a follower started again (elastic) may run on once the job's other workers are done.
+LATE_GRACE = 10.0
+
+
 class _Supervisor:
-    def __init__(self, grace: float, log: Log, tolerate: bool = False, as_json: bool = False) -> None:
+    def __init__(
+        self,
+        grace: float,
+        log: Log,
+        tolerate: bool = False,
+        as_json: bool = False,
+        replace: Callable[[_Supervisor, Worker], bool] | None = None,
+    ) -> None:
         self.grace = grace
         self.as_json = as_json
         self.log = log
         self.tolerate = tolerate  # elastic: a failed follower stops nothing
+        #: Elastic: start a failed follower again (False where no restart is left).
+        self.replace = replace
+        self.replacements: list[Worker] = []
         self.tolerated: list[Worker] = []
         self.workers: list[Worker] = []
         self.pumps: list[threading.Thread] = []
@@ -396,6 +429,7 @@ class _Supervisor:
 
     def wait(self) -> int:
         failed: Worker | None = None
+        ended = 0.0  # when only followers started again were left running
         while True:
             running = [w for w in self.workers if w.proc.poll() is None]
             if self.signalled is not None:
@@ -403,18 +437,32 @@ class _Supervisor:
             failed = next(
                 (w for w in self.workers if w.proc.returncode not in (None, 0) and w not in self.tolerated), None
             )
-            if failed is not None and self.tolerate and failed.rank != 0 and running:
+            # A follower started again that the job ended without admitting is not a failure.
+            late = failed is not None and failed in self.replacements and not running
+            if failed is not None and self.tolerate and ((failed.rank != 0 and running) or late):
                 self.tolerated.append(failed)
+                why = "the job ended before admitting it" if late else "the others carry on without it"
                 print(
-                    f"[launch] {failed.label} exited with {_describe(failed.proc.returncode)}; "
-                    "the others carry on without it (elastic)",
+                    f"[launch] {failed.label} exited with {_describe(failed.proc.returncode)}; {why} (elastic)",
                     file=self.log,
                     flush=True,
                 )
+                if self.replace is not None and running and self.signalled is None:
+                    workers = len(self.workers)
+                    if self.replace(self, failed):
+                        self.replacements.extend(self.workers[workers:])
                 failed = None
                 continue
             if failed is not None or not running:
                 break
+            if self.replacements and all(w in self.replacements for w in running):
+                # The job's own workers are done (with 0): a follower started again that is still
+                # waiting to be admitted will not be, and may wait for a coordinator that is gone.
+                ended = ended or time.monotonic()
+                if time.monotonic() - ended > LATE_GRACE:
+                    print(f"[launch] the job ended; stopping {_names(running)}", file=self.log, flush=True)
+                    self.tolerated.extend(running)
+                    break
             time.sleep(0.05)
         if failed is not None:
             others = [w for w in self.workers if w.proc.poll() is None]

@@ -103,9 +103,14 @@ class TrainOptions:
     #: regroup as a new generation of the job and redo the current epoch from its start (kept
     #: in memory on every rank). The driver's loss still ends the job. ``fit`` must own the
     #: process group (no ``process_group=``). None: the ``elastic`` setting (``DP_ELASTIC``,
-    #: as ``dataparallel launch --elastic`` sets it), else False.
+    #: as ``dataparallel launch --elastic`` sets it), else False. Newcomers (processes
+    #: started later with the same settings, or a lost one started again) are admitted at
+    #: epoch boundaries, up to ``max_world_size``.
     elastic: bool | None = None
     min_world_size: int = 1
+    #: The most ranks an elastic job grows to by admitting newcomers. None: the world size
+    #: it started with (lost ranks may be replaced, no more).
+    max_world_size: int | None = None
     #: How the replicas agree. ``"ddp"``: gradients are averaged every optimizer step
     #: (DistributedDataParallel). ``"local_sgd"``: every rank steps its own optimizer on its
     #: own gradients, no collective per step; the parameters (and floating-point buffers) are
@@ -148,6 +153,10 @@ class TrainOptions:
             self.elastic = bool(env_setting("elastic"))
         if self.min_world_size < 1:
             raise ValueError(f"min_world_size must be >= 1, got {self.min_world_size!r}")
+        if self.max_world_size is not None and self.max_world_size < self.min_world_size:
+            raise ValueError(
+                f"max_world_size ({self.max_world_size!r}) must be >= min_world_size ({self.min_world_size!r})"
+            )
         if self.strategy not in ("ddp", "local_sgd"):
             raise ValueError(f"strategy must be 'ddp' or 'local_sgd', got {self.strategy!r}")
         for name in self.stop_signals:
@@ -187,13 +196,15 @@ class EpochMetrics:
 
 @dataclass(frozen=True)
 class Regroup:
-    """An elastic job carried on after losing ranks (see ``TrainOptions.elastic``)."""
+    """An elastic job moved to a new generation: it lost ranks, or admitted newcomers (see
+    ``TrainOptions.elastic``)."""
 
-    epoch: int  # the epoch redone by the survivors
+    epoch: int  # the epoch redone by the survivors, or the first the newcomers train
     lost: list[int]  # ranks of the previous generation left behind
     world_size: int  # ranks in the new generation
     generation: int
-    seconds: float  # from the failure to the new group's being ready
+    seconds: float  # from the failure (or the admission) to the new group's being ready
+    joined: list[int] = field(default_factory=list)  # the newcomers' ranks in the new generation
 
 
 @dataclass(frozen=True)
@@ -328,8 +339,12 @@ class _Trainer:
         self._lines: str | None = "json" if env_setting("log_format") == "json" else None
         if self._lines is None and not sys.stderr.isatty():
             self._lines = "text"
-        self.generation = 0
-        self._first = channel  # generation 0's channel: the caller's
+        #: A newcomer's seat, where ``dp.connect`` admitted this process to a running elastic job.
+        self._admission = channel._admission
+        self.generation = self._admission.generation if self._admission is not None else 0
+        self._job = self._admission.job if self._admission is not None else channel.job  # generation 0's name
+        self._queue: elastic.JoinQueue | None = None  # the driver's, for newcomers (elastic)
+        self._max_world = options.max_world_size or channel.world_size
         self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
         self._snapshot: dict[str, Any] | None = None  # the current epoch's start (elastic)
         self._epoch = -1  # the epoch being trained (for messages)
@@ -348,7 +363,8 @@ class _Trainer:
             )
         if self.opts.elastic and self.ch.url.port == 0:
             raise ValueError(f"elastic training needs the coordinator at a fixed port: {self.ch.url.shown}")
-        self.ch.rendezvous()
+        # A newcomer's members wait for it as long as this (then carry on without it).
+        self.ch.rendezvous(timeout=self._grow_timeout() if self._admission is not None else None)
         # After the rendezvous: a rank whose first batch fails ends (with its coordinator, on
         # rank 0) only once every rank has joined, so where every rank's fails (the same model
         # and loss), each reports that cause itself rather than a coordinator gone.
@@ -368,6 +384,8 @@ class _Trainer:
         self.start_epoch = 0
         self.best = (float("inf"), -1)  # (val loss, epoch)
         self._start_watchdog()
+        if self.opts.elastic and self.rank == 0:  # after the rendezvous: no first rank finds it marked
+            self._queue = elastic.JoinQueue(self.ch, self.ch.timeout)
 
     def _wrap(self) -> None:
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -443,6 +461,8 @@ class _Trainer:
             epoch = None
             while True:
                 try:
+                    if epoch is None and self._admission is not None:
+                        epoch = self._share_state(self._admission.after)
                     if epoch is None:
                         self._maybe_resume()
                         epoch = self.start_epoch
@@ -462,6 +482,8 @@ class _Trainer:
             if self._signalled is not None and not stopped:
                 os.kill(os.getpid(), self._signalled)  # caught but not acted on: it acts now, as it would have
             self._stop_watchdog()
+            if self._queue is not None:
+                self._queue.close()
             if self._own_pg and self._lost is None:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
@@ -477,6 +499,9 @@ class _Trainer:
             if command["cmd"] == "stop":
                 self.history.stopped_early = command.get("early", False)
                 break
+            if command["cmd"] == "grow":
+                self._grow(command)
+                continue
             epoch = self._epoch = command["epoch"]
             if self.opts.elastic:
                 self._snapshot = self._state_now(epoch)
@@ -557,9 +582,17 @@ class _Trainer:
                 f"{failure.reason}; {len(members)} rank(s) left, fewer than min_world_size={self.opts.min_world_size}"
             )
             raise PeerLost(failure.rank, failure.last_seen, reason, during=failure.during)
-        job = elastic.generation_job(self._first.job, generation)
+        job = elastic.generation_job(self._job, generation)
         rank = members.index(self.rank)
-        new = connect(old.url.raw, rank=rank, world_size=len(members), job=job, token=old.token, timeout=old.timeout)
+        new = connect(
+            old.url.raw,
+            rank=rank,
+            world_size=len(members),
+            job=job,
+            token=old.token,
+            timeout=old.timeout,
+            elastic=False,
+        )
         self._opened.append(new)
         self.ch, self.rank, self.world, self.generation = new, rank, new.world_size, generation
         snapshot = self._snapshot
@@ -580,11 +613,100 @@ class _Trainer:
         )  # fmt: skip
         return epoch
 
+    def _grow(self, command: dict[str, Any]) -> None:
+        """Move to the generation the driver seated newcomers in (``command``): every member
+        keeps its rank, the newcomers take the ranks after them; a new channel and process
+        group, and the driver's state to the newcomers. Where a newcomer does not come, the
+        members regroup without it (as after a loss, from this epoch boundary)."""
+        from .connect import connect
+
+        started, epoch = time.monotonic(), command["epoch"]
+        self._snapshot = self._state_now(epoch)  # what a failed admission goes back to
+        self._stop_watchdog()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        old, generation, size = self.ch, command["generation"], command["world_size"]
+        job = elastic.generation_job(self._job, generation)
+        new = connect(
+            old.url.raw, rank=self.rank, world_size=size, job=job, token=old.token, timeout=old.timeout, elastic=False
+        )
+        self._opened.append(new)
+        self.ch, self.world, self.generation = new, size, generation
+        try:
+            new.rendezvous(timeout=self._grow_timeout())
+        except ControlError as err:
+            missing = [r for r in range(old.world_size, size) if new.peer_info(r) is None] or [size - 1]
+            why = f"newcomer rank(s) {missing} did not join generation {generation}: {err}"
+            raise PeerLost(missing[0], None, why) from err
+        init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
+        self.pg = dist.group.WORLD
+        self._wrap()
+        self._share_state(old.world_size, epoch)
+        self._start_watchdog()
+        seconds = time.monotonic() - started
+        joined = list(range(old.world_size, size))
+        self.history.regroups.append(Regroup(epoch, [], size, generation, seconds, joined))
+        if self.rank == 0:
+            log.warning(
+                "generation %d: newcomer(s) %s joined; %d ranks from epoch %d (in %.2fs)",
+                generation, joined, size, epoch, seconds,
+            )  # fmt: skip
+
+    def _grow_timeout(self) -> float:
+        """How long a grown generation's rendezvous waits for its newcomers."""
+        return min(self.ch.timeout, max(30.0, 3 * self.ch.liveness_timeout))
+
+    def _share_state(self, after: int, epoch: int = 0) -> int:
+        """The driver's state to the newcomers (the ranks from ``after`` on) of a grown group,
+        on every rank of it (collectives); returns the epoch to train. A newcomer takes the RNG
+        state of rank ``rank % after``, as a job resumed on more ranks does."""
+        state: dict[str, Any] = {}
+        if self.rank == 0:
+            state = self._state_now(epoch)
+            state["history"] = self.history
+            state["extra"] = self.extra_state[0]() if self.extra_state is not None else None
+        box: list[Any] = [state]
+        device = self.device if self.device.type == "cuda" else None
+        dist.broadcast_object_list(box, src=0, group=self.pg, device=device)
+        rngs: list[Any] = [None] * self.world
+        dist.all_gather_object(rngs, _rng_state(), group=self.pg)
+        state = box[0]
+        if self.rank < after:
+            return int(state["epoch"])
+        self.history = state["history"]
+        self._restore(state)
+        _set_rng_state(rngs[self.rank % after])
+        if self.extra_state is not None and state["extra"] is not None:
+            self.extra_state[1](state["extra"])
+        return int(state["epoch"])
+
+    def _admit(self, next_epoch: int) -> dict[str, Any] | None:
+        """On the driver, at an epoch boundary: seat the newcomers waiting in the join queue
+        (up to ``max_world_size``) in the next generation; the command that moves there."""
+        if self._queue is None:
+            return None
+        try:
+            waiting = self._queue.waiting()
+            room = self._max_world - self.world
+            if not waiting or room <= 0:
+                return None
+            generation = self.generation + 1
+            seated = self._queue.seat(waiting[:room], generation, self.world, settle=self.ch.liveness_timeout)
+        except ControlError as err:  # the queue is a convenience: training goes on without it
+            log.warning("driver: the join queue failed (%s); no more newcomers are admitted", err)
+            self._queue = None
+            return None
+        if not seated:
+            return None
+        return {"cmd": "grow", "epoch": next_epoch, "generation": generation, "world_size": self.world + len(seated)}
+
     def _command(self, next_epoch: int) -> dict[str, Any]:
         payload = None
         if self.rank == 0:
             stop = next_epoch >= self.opts.epochs or self._should_stop_early()
             mine = {"cmd": "train", "epoch": next_epoch, "poll_every": self._poll_every()}
+            if not stop:
+                mine = self._admit(next_epoch) or mine
             payload = json.dumps({"cmd": "stop", "early": self._should_stop_early()} if stop else mine).encode()
         command: dict[str, Any] = json.loads(
             self.ch.broadcast("dp-command", payload, timeout=self.opts.collective_timeout)

@@ -90,7 +90,20 @@ class TupleOutput(torch.nn.Module):
 
 
 def main(cfg: dict) -> None:
-    ch = dp.connect(cfg["url"], rank=cfg["rank"], world_size=cfg["world"], job=cfg.get("job", "loop"), timeout=60)
+    if cfg.get("connecting"):  # a file made just before connecting (a newcomer is on its way)
+        Path(cfg["connecting"]).touch()
+    if cfg.get("launched"):  # by `dataparallel launch`: everything from its variables
+        ch = dp.connect(timeout=60)
+        cfg["rank"] = ch.rank
+    else:
+        ch = dp.connect(
+            cfg["url"],
+            rank=cfg["rank"],
+            world_size=cfg["world"],
+            job=cfg.get("job", "loop"),
+            timeout=cfg.get("timeout", 60),
+            elastic=cfg.get("elastic", False),
+        )
     train = batch_source(cfg) or data()
     options = dp.TrainOptions(
         epochs=cfg.get("epochs", 3),
@@ -109,8 +122,9 @@ def main(cfg: dict) -> None:
         log_every=cfg.get("log_every"),
         loader_options={"collate_fn": counted_collate} if cfg.get("features") else {},
         sampler={"half": FirstHalf, "uneven": UnevenHalf}.get(cfg.get("sampler")),
-        elastic=cfg.get("elastic", False),
+        elastic=cfg.get("elastic"),
         min_world_size=cfg.get("min_world", 1),
+        max_world_size=cfg.get("max_world"),
         strategy=cfg.get("strategy", "ddp"),
         sync_every=cfg.get("sync_every", 8),
     )
@@ -141,6 +155,15 @@ def main(cfg: dict) -> None:
     if cfg.get("started"):  # a file per rank, made at its first step: the job is training
         marker = Path(f"{cfg['started']}.{cfg['rank']}")
         hooks.setdefault("step_callbacks", []).append(lambda info: marker.exists() or marker.touch())
+    if cfg.get("hold"):  # [epoch, path]: every rank waits at that epoch's first step until the file exists
+        epoch, release = cfg["hold"]
+
+        def hold(info: dp.StepInfo) -> None:
+            deadline = time.monotonic() + 60
+            while info.epoch == epoch and not Path(release).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        hooks.setdefault("step_callbacks", []).append(hold)
     if cfg.get("step_sleep"):  # slow steps (seconds each, every rank)
         hooks.setdefault("step_callbacks", []).append(lambda info: time.sleep(cfg["step_sleep"]))
     if cfg.get("die") or cfg.get("freeze") or cfg.get("term"):

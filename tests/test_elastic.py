@@ -1,7 +1,11 @@
 """Elastic training: a follower killed mid-epoch does not end the job. The survivors regroup
 as a new generation (new channel, new gloo group), go back to the epoch's start kept in
 memory, and finish on fewer ranks: no process restarts, no checkpoint file is read. The
-result equals a job resumed on the survivors from a checkpoint of that epoch's start."""
+result equals a job resumed on the survivors from a checkpoint of that epoch's start.
+
+A process started while the job trains joins it at the next epoch boundary (the driver
+seats it; the members move to a larger generation and the driver's state reaches it by
+broadcast): the result equals the job resumed on the larger group from a checkpoint there."""
 
 from __future__ import annotations
 
@@ -10,13 +14,16 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from etcdserver import EtcdServer, require_etcd
-from test_loop import assert_same_params, run_ranks, spawn
+from test_loop import WORKER, assert_same_params, run_ranks, spawn
 
+from dataparallel.errors import ControlError
+from dataparallel.registry import resolve
 from dataparallel.testing import free_port, with_options
 
 FAST = {"heartbeat": 0.2, "liveness_timeout": 2}
@@ -136,3 +143,103 @@ def test_a_frozen_follower_is_left_behind_without_waiting_for_a_collective_timeo
     assert [e["world_size"] for e in elastic["epochs"]] == [3, 2, 2]
     assert elastic["regroups"][0]["lost"] == [2]
     assert_same_params(elastic, resumed, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def resumed_on_four(tmp_path_factory) -> dict:
+    """The job stopped after epoch 1 and resumed on four ranks from its checkpoint."""
+    tmp = tmp_path_factory.mktemp("reference4")
+    url = lambda: f"zmq://127.0.0.1:{free_port()}"  # noqa: E731
+    ckpt = str(tmp / "epoch1.ckpt")
+    run_job(url(), 3, "first", str(tmp / "first.pt"), epochs=2, checkpoint=ckpt, dropout=COMMON["dropout"])
+    return run_job(url(), 4, "resumed", str(tmp / "resumed.pt"), checkpoint=ckpt, resume=True, **GROW)
+
+
+GROW = {"epochs": 4, "dropout": 0.2}
+
+
+def queued(url: str, job: str) -> bool:
+    """Whether a newcomer waits in ``job``'s join queue (looked at as the driver does)."""
+    parsed, cls = resolve(url, None)
+    try:
+        queue = cls(parsed, rank=None, world_size=1, job=f"{job}~join", timeout=2, serve=False)
+    except ControlError:  # no coordinator yet
+        return False
+    try:
+        count = queue.add("count", 0)
+        return count > 0 and queue.check([f"request/{count - 1}"])
+    finally:
+        queue.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_process_started_later_joins_at_the_next_epoch_and_trains_as_a_resumed_larger_job(
+    tmp_path, new_url, resumed_on_four
+):
+    """Three ranks train; a fourth process, started with the same settings while epoch 1
+    runs, waits in the join queue, is seated at the boundary and trains epochs 2 and 3 with
+    them: the same parameters, bit for bit, as the job checkpointed after epoch 1 and
+    resumed on four ranks (the newcomer takes the driver's state and rank 0's RNG stream)."""
+    url, out, release = new_url(), str(tmp_path / "grown.pt"), tmp_path / "release"
+    cfg = {"url": url, "world": 3, "out": out, "elastic": True, "max_world": 4, **GROW}
+    cfg |= {"started": str(tmp_path / "started"), "hold": [1, str(release)]}
+    procs = [spawn({**cfg, "rank": r}) for r in range(3)]
+    newcomer = None
+    try:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{cfg['started']}.{r}").exists() for r in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
+            time.sleep(0.1)
+        newcomer = spawn({**cfg, "rank": None, "started": None})
+        while not queued(url, "loop"):  # epoch 1 is held until the newcomer waits to be admitted
+            assert time.monotonic() < deadline + 60 and newcomer.poll() is None, newcomer.communicate()
+            time.sleep(0.1)
+        release.touch()
+        runs = [p.communicate(timeout=120) for p in [*procs, newcomer]]
+    finally:
+        for p in [*procs, *([newcomer] if newcomer else [])]:
+            p.kill()
+    for p, (stdout, stderr) in zip([*procs, newcomer], runs, strict=True):
+        assert p.returncode == 0, (stdout + stderr)[-3000:]
+    assert "admitted to job 'loop' as rank 3 of 4 (generation 1)" in runs[3][1]
+    grown = torch.load(out, weights_only=False)
+    assert [e["world_size"] for e in grown["epochs"]] == [3, 3, 4, 4]
+    (regroup,) = grown["regroups"]
+    assert (regroup["epoch"], regroup["lost"], regroup["joined"], regroup["world_size"]) == (2, [], [3], 4)
+    assert_same_params(grown, resumed_on_four, rtol=0, atol=0)
+    assert [e["val_loss"] for e in grown["epochs"]] == [e["val_loss"] for e in resumed_on_four["epochs"]]
+
+
+@pytest.mark.timeout(240)
+def test_launch_starts_a_killed_follower_again_and_it_rejoins_the_running_job(tmp_path):
+    """``launch --elastic --max-restarts 1``: rank 2 is killed in epoch 1, the survivors redo
+    it on two ranks, the launcher starts rank 2 again (the group keeps running), and the new
+    process joins at the boundary after epoch 2 (held until it waits in the queue): the
+    job ends on three ranks, exit code 0, one launch attempt."""
+    port, out, release = free_port(), str(tmp_path / "relaunched.pt"), tmp_path / "release"
+    url = with_options(f"zmq://127.0.0.1:{port}", **FAST)
+    cfg = {"launched": True, "out": out, "epochs": 4, "die": [2, 1, 2], "hold": [2, str(release)]}
+    launch = [sys.executable, "-m", "dataparallel", "launch", "--elastic", "--max-restarts", "1", "--nprocs", "3"]
+    proc = subprocess.Popen(
+        [*launch, "--url", url, "--job", "relaunch", str(WORKER), json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not queued(url, "relaunch"):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        release.touch()
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert "[launch] starting rank 2 again (restart 1 of 1)" in output, output[-3000:]
+    assert "restarting it" not in output  # the group was not restarted
+    result = torch.load(out, weights_only=False)
+    assert [e["world_size"] for e in result["epochs"]] == [3, 2, 2, 3]
+    lost, joined = result["regroups"]
+    assert (lost["epoch"], lost["lost"], lost["world_size"]) == (1, [2], 2)
+    assert (joined["epoch"], joined["joined"], joined["world_size"], joined["generation"]) == (3, [2], 3, 2)

@@ -111,6 +111,14 @@ class TrainOptions:
     #: The most ranks an elastic job grows to by admitting newcomers. None: the world size
     #: it started with (lost ranks may be replaced, no more).
     max_world_size: int | None = None
+    #: When an elastic job's world size changes: False keeps the per-rank batch (the global
+    #: batch, and so the gradient noise, follows the world size; the learning rate is not
+    #: rescaled). True keeps the global batch of the job's start (``batch_size`` x
+    #: ``grad_accum`` x its world size): each rank's share is split into the fewest
+    #: accumulation steps whose batches are at most ``batch_size`` (a batch source's batches
+    #: are its own: only the accumulation changes there); a share that does not divide
+    #: evenly is rounded down, said in the log.
+    keep_global_batch: bool = False
     #: How the replicas agree. ``"ddp"``: gradients are averaged every optimizer step
     #: (DistributedDataParallel). ``"local_sgd"``: every rank steps its own optimizer on its
     #: own gradients, no collective per step; the parameters (and floating-point buffers) are
@@ -345,6 +353,9 @@ class _Trainer:
         self._job = self._admission.job if self._admission is not None else channel.job  # generation 0's name
         self._queue: elastic.JoinQueue | None = None  # the driver's, for newcomers (elastic)
         self._max_world = options.max_world_size or channel.world_size
+        #: The per-rank batch and accumulation in use (``keep_global_batch`` changes them with the world).
+        self.batch_size, self.grad_accum = options.batch_size, options.grad_accum
+        self._base_world = channel.world_size  # the job's first (a newcomer gets the driver's)
         self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
         self._snapshot: dict[str, Any] | None = None  # the current epoch's start (elastic)
         self._epoch = -1  # the epoch being trained (for messages)
@@ -599,6 +610,7 @@ class _Trainer:
         if snapshot is None:  # _can_regroup saw one
             raise failure
         self._restore(snapshot)
+        self._resize()
         init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
         self.pg = dist.group.WORLD
         self._wrap()
@@ -632,6 +644,7 @@ class _Trainer:
         )
         self._opened.append(new)
         self.ch, self.world, self.generation = new, size, generation
+        self._resize()
         try:
             new.rendezvous(timeout=self._grow_timeout())
         except ControlError as err:
@@ -652,6 +665,29 @@ class _Trainer:
                 generation, joined, size, epoch, seconds,
             )  # fmt: skip
 
+    def _resize(self) -> None:
+        """With ``keep_global_batch``: the per-rank batch and accumulation that keep the job's
+        first global batch on this generation's world size."""
+        if not self.opts.keep_global_batch:
+            return
+        first = self.opts.batch_size * self.opts.grad_accum * self._base_world
+        share = first // self.world
+        if callable(self.train_data) and not isinstance(self.train_data, Dataset):
+            # The batches are the source's: only the number accumulated per step can change.
+            self.grad_accum = max(1, round(first / (self.opts.batch_size * self.world)))
+            kept = self.opts.batch_size * self.grad_accum * self.world
+        else:
+            k = -(-share // self.opts.batch_size)  # the fewest steps of at most batch_size
+            while share % k:
+                k += 1
+            self.batch_size, self.grad_accum = share // k, k
+            kept = share * self.world
+        how = "kept" if kept == first else f"not divisible: {kept} instead of"
+        log.warning(
+            "rank %d: %d ranks: batch %d x %d accumulated per rank, global batch %s %d",
+            self.rank, self.world, self.batch_size, self.grad_accum, how, first,
+        )  # fmt: skip
+
     def _grow_timeout(self) -> float:
         """How long a grown generation's rendezvous waits for its newcomers."""
         return min(self.ch.timeout, max(30.0, 3 * self.ch.liveness_timeout))
@@ -664,6 +700,7 @@ class _Trainer:
         if self.rank == 0:
             state = self._state_now(epoch)
             state["history"] = self.history
+            state["base_world"] = self._base_world
             state["extra"] = self.extra_state[0]() if self.extra_state is not None else None
         box: list[Any] = [state]
         device = self.device if self.device.type == "cuda" else None
@@ -674,6 +711,8 @@ class _Trainer:
         if self.rank < after:
             return int(state["epoch"])
         self.history = state["history"]
+        self._base_world = state["base_world"]
+        self._resize()
         self._restore(state)
         _set_rng_state(rngs[self.rank % after])
         if self.extra_state is not None and state["extra"] is not None:
@@ -721,7 +760,7 @@ class _Trainer:
         if not self.history.epochs:
             return 1
         last = self.history.last
-        steps = max(1, last.train_batches_per_rank[0] // self.opts.grad_accum)
+        steps = max(1, last.train_batches_per_rank[0] // self.grad_accum)
         return max(1, min(MAX_POLL_STRIDE, int(STOP_POLL_SECONDS / max(last.train_seconds / steps, 1e-9))))
 
     def _should_stop_early(self) -> bool:
@@ -771,7 +810,7 @@ class _Trainer:
             if not isinstance(data, Sized):
                 raise TypeError(f"the validation Dataset has no length (len()): {type(data).__name__}")
             sampler = range(self.rank, len(data), self.world)
-        return DataLoader(data, batch_size=self.opts.batch_size, sampler=sampler, **self.opts.loader_options)
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler, **self.opts.loader_options)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.opts.amp is None:
@@ -782,7 +821,7 @@ class _Trainer:
     def _train_epoch(self, epoch: int) -> tuple[float, int, int]:
         self.ddp.train()
         batches = self._batches(self.train_data, epoch, train=True)
-        k = self.opts.grad_accum
+        k = self.grad_accum
         loss_sum, samples, count = 0.0, 0, 0
         uneven = self._uneven(epoch, batches)
         local = self.opts.strategy == "local_sgd"

@@ -243,3 +243,26 @@ def test_launch_starts_a_killed_follower_again_and_it_rejoins_the_running_job(tm
     lost, joined = result["regroups"]
     assert (lost["epoch"], lost["lost"], lost["world_size"]) == (1, [2], 2)
     assert (joined["epoch"], joined["joined"], joined["world_size"], joined["generation"]) == (3, [2], 3, 2)
+
+
+@pytest.mark.timeout(240)
+def test_keep_global_batch_splits_the_lost_ranks_share_over_the_survivors(tmp_path, resumed):
+    """``keep_global_batch``: three ranks of batch 8 (global 24) lose rank 2; the two survivors
+    train with batch 6 accumulated twice (global 24 again): the same parameters, bit for bit,
+    as the job checkpointed after epoch 0 and resumed on two ranks with batch 6 x 2."""
+    url = with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)
+    out, ckpt = str(tmp_path / "kept.pt"), str(tmp_path / "epoch0.ckpt")
+    runs = run_ranks(url, 3, "kept", out=out, elastic=True, keep_global=True, die=[2, 1, 2], **COMMON)
+    for code, log in runs[:2]:
+        assert code == 0, log[-3000:]
+    assert "2 ranks: batch 6 x 2 accumulated per rank, global batch kept 24" in runs[0][1]
+    kept = torch.load(out, weights_only=False)
+    assert [e["train_batches_per_rank"] for e in kept["epochs"]] == [[4, 4, 4], [8, 8], [8, 8]]
+    zmq = lambda: f"zmq://127.0.0.1:{free_port()}"  # noqa: E731
+    run_job(zmq(), 3, "first", str(tmp_path / "first.pt"), epochs=1, checkpoint=ckpt, dropout=COMMON["dropout"])
+    again = run_job(
+        zmq(), 2, "again", str(tmp_path / "again.pt"), checkpoint=ckpt, resume=True, batch=6, accum=2, **COMMON
+    )
+    assert_same_params(kept, again, rtol=0, atol=0)
+    with pytest.raises(AssertionError):  # and not the run that kept the per-rank batch
+        assert_same_params(kept, resumed, rtol=0, atol=0)

@@ -119,6 +119,13 @@ class TrainOptions:
     #: are its own: only the accumulation changes there); a share that does not divide
     #: evenly is rounded down, said in the log.
     keep_global_batch: bool = False
+    #: Elastic: besides each epoch's start, keep the state every this many optimizer steps
+    #: (in memory, every rank: a copy of model and optimizer state, and one all-reduce of the
+    #: epoch's loss sums), so that a loss redoes only the steps since then: the samples of
+    #: the epoch not yet trained are resharded over the survivors. Needs a ``Dataset`` with
+    #: the default sampler and ``strategy="ddp"``; elsewhere the epoch's start is kept. None:
+    #: at epoch starts only.
+    snapshot_every: int | None = None
     #: How the replicas agree. ``"ddp"``: gradients are averaged every optimizer step
     #: (DistributedDataParallel). ``"local_sgd"``: every rank steps its own optimizer on its
     #: own gradients, no collective per step; the parameters (and floating-point buffers) are
@@ -139,9 +146,10 @@ class TrainOptions:
     #: checkpoint there (the position in the epoch, every rank's RNG state and partial loss
     #: sums with it) and every rank raises :class:`Preempted` (exit code 128 + the signal).
     #: Started again with ``resume=True`` on as many ranks, the job continues from that step
-    #: and ends exactly as an uninterrupted run would (on another number of ranks, from the
-    #: start of that epoch). The same signal again within 5 s is the same stop; later, it acts
-    #: at once. Empty: signals act as they would.
+    #: and ends exactly as an uninterrupted run would; on another number of ranks it goes on
+    #: from that step with the epoch's samples left resharded (a ``Dataset``, the default
+    #: sampler, ``"ddp"``; otherwise from the start of that epoch). The same signal again
+    #: within 5 s is the same stop; later, it acts at once. Empty: signals act as they would.
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
 
     def __post_init__(self) -> None:
@@ -170,6 +178,8 @@ class TrainOptions:
         for name in self.stop_signals:
             if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
                 raise ValueError(f"stop_signals: {name!r} is not a signal that can be caught (e.g. 'SIGTERM')")
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1 or None, got {self.snapshot_every!r}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every!r}")
         reserved = {"batch_size", "shuffle", "sampler", "batch_sampler"} & set(self.loader_options)
@@ -363,7 +373,12 @@ class _Trainer:
         self._agreed_signal = 0  # the signal the ranks agreed to stop for
         self._stop_poll: tuple[torch.Tensor, Any] | None = None  # the all-reduce of the ranks' stop flags
         self._stopped_at: int | None = None  # batches of the epoch done when the ranks agreed to stop
-        self._partial: dict[str, Any] | None = None  # where a resumed epoch starts (a stop's checkpoint)
+        #: Where a resumed epoch starts: this rank's sums so far (train), the batches of its
+        #: shard to skip, the RNG state to take once the loader has started.
+        self._partial: dict[str, Any] | None = None
+        #: The samples left of the current epoch, where it goes on mid-way on another number of
+        #: ranks (a regroup, a resume): every rank takes its share of them. None: the sampler's.
+        self._base: list[int] | None = None
         self._poll_stride = 1  # optimizer steps between stop polls (the driver's choice, per epoch)
 
     # ------------------------------------------------------------------ setup
@@ -516,9 +531,13 @@ class _Trainer:
             epoch = self._epoch = command["epoch"]
             if self.opts.elastic:
                 self._snapshot = self._state_now(epoch)
+                if self._base is not None:  # this epoch goes on mid-way: that is its start
+                    carried = self._partial["train"] if self._partial is not None and self.rank == 0 else None
+                    self._snapshot["position"] = self._position(0, carried, totals=False)
             stamps = [started, time.perf_counter()]
             lr = self.optimizer.param_groups[0]["lr"]  # at the epoch's first step
             train = self._train_epoch(epoch)
+            self._base = None
             if self._stopped_at is not None:
                 self._stop_here(epoch, self._stopped_at, train)
             stamps.append(time.perf_counter())
@@ -540,6 +559,52 @@ class _Trainer:
             and failure.rank != 0
             and self._snapshot is not None
         )
+
+    def _reshards(self) -> bool:
+        """Whether an epoch can go on mid-way on another number of ranks (every rank's shard of
+        one order the loop knows: a ``Dataset``, the default sampler, DDP)."""
+        return isinstance(self.train_data, Dataset) and self.opts.sampler is None and self.opts.strategy == "ddp"
+
+    def _position(self, batches: int, sums: Any, totals: bool = True) -> dict[str, Any]:
+        """Where the current epoch is, after ``batches`` batches of every rank's shard (since
+        it last went on mid-way): what goes on from there needs. ``sums``: this rank's
+        (loss sum, samples, batches), summed over the ranks (an all-reduce) where ``totals``."""
+        if totals:
+            summed = torch.tensor(list(sums), dtype=torch.float64, device=self.device)
+            dist.all_reduce(summed, group=self.pg)
+            sums = summed.tolist()
+        return {
+            "batches": batches,
+            "world": self.world,
+            "batch": self.batch_size,
+            "base": self._base,
+            "train": [float(sums[0]), int(sums[1]), int(sums[2])] if sums is not None else None,
+            "rng": _rng_state(),
+        }
+
+    def _go_on_from(self, epoch: int, position: dict[str, Any], rng: str) -> None:
+        """Make the next training of ``epoch`` go on from ``position`` on this generation's
+        ranks: the samples not yet trained, resharded; the epoch's sums so far on rank 0."""
+        done = position["batches"] * position["batch"] * position["world"]
+        self._base = self._order(epoch, position["world"], position["base"])[done:]
+        train = position["train"] if self.rank == 0 and position["train"] is not None else [0.0, 0, 0]
+        self._partial = {"train": tuple(train), "skip": 0, "rng": rng}
+
+    def _order(self, epoch: int, world: int, base: list[int] | None) -> list[int]:
+        """The order in which ``world`` ranks train ``epoch``'s samples: rank r takes every
+        world-th from r (the default sampler's shards, interleaved, or ``base`` padded)."""
+        if base is not None:
+            return _padded(base, world)
+        if not isinstance(self.train_data, Dataset):
+            raise TypeError("only a Dataset's epoch can go on mid-way")
+        shards = []
+        for rank in range(world):
+            sampler: DistributedSampler[Any] = DistributedSampler(
+                self.train_data, num_replicas=world, rank=rank, shuffle=self.opts.shuffle, seed=self.opts.seed
+            )
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        return [shard[j] for j in range(len(shards[0])) for shard in shards]
 
     def _state_now(self, epoch: int) -> dict[str, Any]:
         """What an epoch redone from its start needs, copied (it stays in memory, every rank)."""
@@ -611,6 +676,10 @@ class _Trainer:
             raise failure
         self._restore(snapshot)
         self._resize()
+        self._base, self._partial = None, None
+        position = snapshot.get("position")
+        if position is not None:  # kept mid-epoch: only the samples not yet trained are left
+            self._go_on_from(int(snapshot["epoch"]), position, position["rng"])
         init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
         self.pg = dist.group.WORLD
         self._wrap()
@@ -618,10 +687,14 @@ class _Trainer:
         epoch = int(snapshot["epoch"])
         seconds = time.monotonic() - started
         self.history.regroups.append(Regroup(epoch, lost, len(members), generation, seconds))
+        where = f"the start of epoch {epoch}"
+        if self._base is not None:
+            where = (
+                f"epoch {epoch} after {position['batches'] if position else 0} batches ({len(self._base)} samples left)"
+            )
         log.warning(
-            "rank %d (was %d): generation %d carries on with %d ranks without rank(s) %s, from the start of epoch %d "
-            "(regrouped in %.2fs)",
-            self.rank, old.rank, generation, len(members), lost, epoch, seconds,
+            "rank %d (was %d): generation %d carries on with %d ranks without rank(s) %s, from %s (regrouped in %.2fs)",
+            self.rank, old.rank, generation, len(members), lost, where, seconds,
         )  # fmt: skip
         return epoch
 
@@ -798,9 +871,12 @@ class _Trainer:
     def _batches(self, data: Dataset[Any] | BatchSource, epoch: int, train: bool) -> Iterable[Batch]:
         if callable(data) and not isinstance(data, Dataset):
             return data(epoch, self.rank, self.world)
-        if train:
+        sampler: Iterable[int]
+        if train and self._base is not None:  # the epoch goes on mid-way: the samples left
+            sampler = _padded(self._base, self.world)[self.rank :: self.world]
+        elif train:
             make = self.opts.sampler or DistributedSampler
-            sampler: Iterable[int] = make(
+            sampler = make(
                 data, num_replicas=self.world, rank=self.rank, shuffle=self.opts.shuffle, seed=self.opts.seed
             )
             if hasattr(sampler, "set_epoch"):
@@ -841,15 +917,16 @@ class _Trainer:
         # Local SGD runs the bare module: no DDP forward, so no gradient all-reduce.
         forward = self.ddp.module if local else self.ddp
         batches, skip = iter(batches), 0
-        if self._partial is not None:  # resumed where a stop signal ended the last run
+        if self._partial is not None:  # resumed mid-epoch (a stop signal's checkpoint, a regroup)
             loss_sum, samples, count = self._partial["train"]
-            skip = count  # this rank's batches before the stop
+            skip = self._partial["skip"]  # this rank's batches before the stop
             for _ in itertools.islice(batches, skip):
                 pass
             _set_rng_state(self._partial["rng"])  # after the loader's start, which draws from it
             self._partial = None
             if bar is not None:
                 bar.update(skip)
+        every = self.opts.snapshot_every if self.opts.elastic and self._reshards() else None
         polling = self._polls_stop() and not uneven  # under Join the ranks' collectives differ: at its end
         self._stop_poll, self._stopped_at = None, None
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
@@ -874,6 +951,9 @@ class _Trainer:
                 samples += n
                 if bar is not None:
                     bar.update()
+                if every and boundary and not last and self.global_step % every == 0:
+                    self._snapshot = self._state_now(epoch)
+                    self._snapshot["position"] = self._position(i + 1, (loss_sum, samples, count))
                 due = averaged if local else self.global_step % self._poll_stride == 0
                 if polling and boundary and due and self._agreed_to_stop():
                     self._stopped_at = i + 1
@@ -952,7 +1032,13 @@ class _Trainer:
         # An epoch of uneven batch counts stopped at its end: its optimizer state as _report syncs it.
         self._sync_after_join([p["train"][2] for p in parsed])
         if self.rank == 0:
-            partial = {"epoch": epoch, "batches": batches, "train": [p["train"] for p in parsed]}
+            partial = {
+                "epoch": epoch,
+                "batches": batches,
+                "train": [p["train"] for p in parsed],
+                "base": self._base,  # the epoch went on mid-way: its samples left then
+                "batch": self.batch_size,
+            }
             self._save(epoch - 1, [p["rng"] for p in parsed], partial=partial)
         self.ch.barrier(f"dp-stopped-{epoch}", timeout=timeout)  # no rank ends before the file is there
         stopped = Preempted(self._agreed_signal or signal.SIGTERM, epoch, batches, str(self.opts.checkpoint))
@@ -1208,7 +1294,7 @@ class _Trainer:
             state = checkpoint.load(self._target())
         if state is not None and state["world_size"] != self.world:
             log.warning(
-                "resuming from %s, written by %d ranks, with %d: the data is resharded from the next epoch "
+                "resuming from %s, written by %d ranks, with %d: the data is resharded "
                 "(model, optimizer, scheduler and scaler are the same on every rank); rank r takes the RNG "
                 "state of saved rank r mod %d",
                 self.opts.checkpoint,
@@ -1239,17 +1325,31 @@ class _Trainer:
         partial = state.get("partial")
         if partial is not None and state["world_size"] == self.world:
             train = partial["train"][self.rank]
-            self._partial = {"train": tuple(train), "rng": state["rng"][self.rank]}  # skips train's batch count
+            self._base = partial.get("base")
+            self._partial = {"train": tuple(train), "skip": train[2], "rng": state["rng"][self.rank]}
+        elif partial is not None and self._reshards() and "batch" in partial:
+            sums = [sum(t[i] for t in partial["train"]) for i in range(3)]
+            position = {**partial, "world": state["world_size"], "train": sums}
+            self._go_on_from(partial["epoch"], position, state["rng"][self.rank % state["world_size"]])
         if self.rank != 0:
             return
         if partial is None:
             log.warning("resuming from %s after epoch %d", self.opts.checkpoint, state["epoch"])
-        elif self._partial is not None:
+        elif self._partial is not None and state["world_size"] == self.world:
             log.warning(
                 "resuming from %s in epoch %d after %d batches",
                 self.opts.checkpoint,
                 partial["epoch"],
                 partial["batches"],
+            )
+        elif self._base is not None:
+            log.warning(
+                "resuming from %s in epoch %d after %d batches of %d ranks: the %d samples left are resharded",
+                self.opts.checkpoint,
+                partial["epoch"],
+                partial["batches"],
+                state["world_size"],
+                len(self._base),
             )
         else:
             log.warning(
@@ -1314,6 +1414,13 @@ def _with_last(items: Iterable[Any]) -> Iterable[tuple[Any, bool]]:
         yield current, False
         current = following
     yield current, True
+
+
+def _padded(order: list[int], world: int) -> list[int]:
+    """``order`` repeated from its start to a multiple of ``world`` in length (as the default
+    sampler pads its shards: every rank gets as many samples)."""
+    total = -(-len(order) // world) * world
+    return (order * (-(-total // max(len(order), 1))))[:total]
 
 
 def _rng_state() -> str:

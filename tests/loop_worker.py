@@ -126,6 +126,7 @@ def main(cfg: dict) -> None:
         min_world_size=cfg.get("min_world", 1),
         max_world_size=cfg.get("max_world"),
         keep_global_batch=cfg.get("keep_global", False),
+        snapshot_every=cfg.get("snapshot_every"),
         strategy=cfg.get("strategy", "ddp"),
         sync_every=cfg.get("sync_every", 8),
     )

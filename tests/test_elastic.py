@@ -266,3 +266,42 @@ def test_keep_global_batch_splits_the_lost_ranks_share_over_the_survivors(tmp_pa
     assert_same_params(kept, again, rtol=0, atol=0)
     with pytest.raises(AssertionError):  # and not the run that kept the per-rank batch
         assert_same_params(kept, resumed, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def resumed_after_step_2(tmp_path_factory) -> dict:
+    """The job stopped by SIGTERM after step 2 of epoch 0 and resumed on two ranks: the 48
+    samples of epoch 0 not yet trained resharded over them."""
+    tmp = tmp_path_factory.mktemp("step2")
+    ckpt, zmq = str(tmp / "step2.ckpt"), lambda: f"zmq://127.0.0.1:{free_port()}"
+    stopped = run_ranks(zmq(), 3, "stopped", out=str(tmp / "s.pt"), checkpoint=ckpt, term=[0, 0, 0], **STEPS)
+    assert [code for code, _ in stopped] == [128 + 15] * 3, stopped[0][1][-3000:]
+    assert "stopped by SIGTERM in epoch 0 after 2 batches" in stopped[0][1]
+    resumed = run_ranks(zmq(), 2, "resumed", out=str(tmp / "r.pt"), checkpoint=ckpt, resume=True, **STEPS)
+    assert all(code == 0 for code, _ in resumed), resumed[0][1][-3000:]
+    assert "in epoch 0 after 2 batches of 3 ranks: the 48 samples left are resharded" in resumed[0][1]
+    return torch.load(str(tmp / "r.pt"), weights_only=False)
+
+
+STEPS = {"epochs": 3, "dropout": 0.2}
+
+
+@pytest.mark.timeout(240)
+def test_a_snapshot_mid_epoch_leaves_only_the_steps_since_it_to_redo_on_the_samples_left(
+    tmp_path, new_url, resumed_after_step_2
+):
+    """``snapshot_every=2``: rank 2 is killed after the last step of epoch 0; the survivors go
+    back to the snapshot after step 2 (not to the epoch's start) and train the 48 samples of
+    the epoch not yet trained, resharded over two ranks. The same parameters, bit for bit,
+    as the job stopped by SIGTERM after step 2 and resumed on two ranks from that checkpoint."""
+    resumed, out = resumed_after_step_2, str(tmp_path / "kept.pt")
+    runs = run_ranks(new_url(), 3, "kept", out=out, elastic=True, snapshot_every=2, die=[2, 0, 3], **STEPS)
+    assert runs[2][0] == -9
+    for code, log in runs[:2]:
+        assert code == 0, log[-3000:]
+    assert "from epoch 0 after 2 batches (48 samples left)" in runs[0][1]
+    kept = torch.load(out, weights_only=False)
+    assert [e["world_size"] for e in kept["epochs"]] == [2, 2, 2]
+    assert kept["epochs"][0]["train_samples"] == 96  # 48 before the snapshot, 48 after: none twice, none lost
+    assert kept["epochs"][0]["train_batches"] == resumed["epochs"][0]["train_batches"] == 12
+    assert_same_params(kept, resumed, rtol=0, atol=0)

@@ -42,8 +42,9 @@ def connect(
     job's, and :class:`ControlError` when the rank is taken or the job is full.
 
     ``elastic`` (None: the ``elastic`` setting, ``DP_ELASTIC``): where the job is already
-    training elastically, this process is a newcomer: it waits, as long as that job's driver
-    lives, until the driver admits it at an epoch boundary, and returns a channel to the job's next
+    training elastically (its driver's mark in the job's join queue moves), this process is
+    a newcomer, unless it asks for rank 0: it waits, as long as that job's driver lives,
+    until the driver admits it at an epoch boundary, and returns a channel to the job's next
     generation with the rank it was given (``rank`` and ``world_size`` are then not used);
     :func:`dataparallel.fit` takes it from there.
     """
@@ -66,36 +67,52 @@ def connect(
         elastic = bool(env_setting("elastic"))
     job, timeout = job if job is not None else "default", timeout if timeout is not None else 300.0
     with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
-        channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
+        channel: ControlChannel | None = None
         try:
-            admission = _admission(channel) if elastic else None
+            admission = None
+            # A follower never hosts the coordinator: it may ask the queue before it makes a
+            # channel of the job's first generation (whose rank and size a newcomer's need not fit).
+            if elastic and rank not in (0, None):
+                admission = _admission(parsed, cls, job, token, timeout)
+            if admission is None:
+                channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
+                if elastic and rank is None:  # it may host the coordinator: asked once there is one
+                    admission = _admission(parsed, cls, job, token, timeout)
             if admission is not None:
-                channel.close()
-                generation = elastic_job(job, admission.generation)
-                size = admission.world_size
+                if channel is not None:
+                    channel.close()
                 channel = cls(
-                    parsed, rank=admission.rank, world_size=size, job=generation, token=token, timeout=timeout
+                    parsed,
+                    rank=admission.rank,
+                    world_size=admission.world_size,
+                    job=elastic_job(job, admission.generation),
+                    token=token,
+                    timeout=timeout,
                 )
                 channel._admission = admission
+            assert channel is not None
             channel._join()
         except BaseException:
-            channel.close()
+            if channel is not None:
+                channel.close()
             raise
     return channel
 
 
-def _admission(channel: ControlChannel) -> Admission | None:
-    """Where ``channel``'s job is training elastically: this process's seat in it, once its
-    driver gives one (see :mod:`dataparallel.elastic`). None: the job is not (yet) running."""
-    queue = open_queue(channel, channel.timeout)
+def _admission(
+    url: ChannelURL, cls: type[ControlChannel], job: str, token: str | None, timeout: float
+) -> Admission | None:
+    """Where ``job`` is training elastically: this process's seat in it, once its driver
+    gives one (see :mod:`dataparallel.elastic`). None: the job is not (yet) running."""
+    queue = open_queue(url, cls, job, token, timeout)
     try:
         if not running(queue):
             return None
-        log.warning("job %r is running: waiting to be admitted at an epoch boundary", channel.job)
-        admission = await_admission(queue, channel.job)
+        log.warning("job %r is running: waiting to be admitted at an epoch boundary", job)
+        admission = await_admission(queue, job)
         log.warning(
             "admitted to job %r as rank %d of %d (generation %d)",
-            channel.job, admission.rank, admission.world_size, admission.generation,
+            job, admission.rank, admission.world_size, admission.generation,
         )  # fmt: skip
         return admission
     finally:

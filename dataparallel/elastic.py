@@ -9,12 +9,14 @@ transport: the decision travels through the old channel's own keys, with the cal
 loss does not end (writes and non-blocking reads), so every transport, a user's own
 included, supports it.
 
-The decision, for generation ``G``: every survivor writes ``__dp/elastic/G/ready/RANK``;
-the driver waits until each rank of the old generation is ready or known lost (at most
-``settle`` seconds; a rank still silent then is left out), then writes the members under
-``__dp/elastic/G/members``, which the others wait for, and waits (as long again at most)
-until each member has written ``__dp/elastic/G/seen/RANK``: the decision reaches them even
-when the driver ends right after it (too few survivors) and takes the coordinator with it.
+The decision, on the channel of the generation that lost a rank (each channel decides once):
+every survivor writes ``__dp/elastic/ready/RANK``; the driver waits until each rank of that
+generation is ready or known lost (at most ``settle`` seconds; a rank still silent then is
+left out), then writes the members and the next generation's number (above any it promised
+newcomers) under ``__dp/elastic/members``, which the others wait for, and waits (as long
+again at most) until each member has written ``__dp/elastic/seen/RANK``: the decision
+reaches them even when the driver ends right after it (too few survivors) and takes the
+coordinator with it.
 
 Newcomers (a process started while the job runs, or a lost one started again) join at an
 epoch boundary through the job's *join queue*, the job ``JOB~join`` on the same coordinator
@@ -34,6 +36,7 @@ members then move to that generation with them, the newcomers taking the ranks a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -43,6 +46,9 @@ from dataclasses import dataclass
 
 from .channel import RESERVED_PREFIX, ControlChannel
 from .errors import ChannelClosed, ControlError
+from .registry import ChannelURL
+
+log = logging.getLogger(__name__)
 
 _POLL = 0.05
 
@@ -52,18 +58,20 @@ def generation_job(job: str, generation: int) -> str:
     return job if generation == 0 else f"{job}~{generation}"
 
 
-def survivors(ch: ControlChannel, generation: int, settle: float) -> list[int]:
-    """The ranks of ``ch`` that carry on into ``generation``, as its rank 0 decides; called
-    on every surviving rank after a loss. Rank 0 waits up to ``settle`` seconds for the
-    others; the others wait up to ``settle`` plus ``ch.timeout``."""
-    base = f"{RESERVED_PREFIX}elastic/{generation}"
+def survivors(ch: ControlChannel, generation: int, settle: float) -> tuple[list[int], int]:
+    """The ranks of ``ch`` that carry on, and the number of the generation they carry on
+    as, as its rank 0 decides (``generation`` on rank 0, which may have promised lower
+    numbers to newcomers already; ignored elsewhere); called on every surviving rank after a
+    loss. Rank 0 waits up to ``settle`` seconds for the others; the others wait up to
+    ``settle`` plus ``ch.timeout``."""
+    base = f"{RESERVED_PREFIX}elastic"
     ready, seen, decided = f"{base}/ready/", f"{base}/seen/", ch._scoped(f"{base}/members")
     ch._set(ch._scoped(f"{ready}{ch.rank}"), b"1")
     if ch.rank == 0:
         members = sorted(_wait_for(ch, ready, range(ch.world_size), settle))
-        ch._set(decided, json.dumps(members).encode())
+        ch._set(decided, json.dumps({"members": members, "generation": generation}).encode())
         _wait_for(ch, seen, members[1:], settle)
-        return members
+        return members, generation
     deadline = time.monotonic() + settle + ch.timeout
     while not ch._check([decided]):
         if ch.failure is not None:
@@ -74,14 +82,15 @@ def survivors(ch: ControlChannel, generation: int, settle: float) -> list[int]:
                 f"within {settle + ch.timeout:g}s (is the driver alive?)"
             )
         time.sleep(_POLL)
-    members = json.loads(ch._get(decided, ch.timeout) or b"[]")
+    decision = json.loads(ch._get(decided, ch.timeout) or b"{}")
+    members, generation = decision.get("members", []), decision.get("generation", generation)
     ch._set(ch._scoped(f"{seen}{ch.rank}"), b"1")
     if ch.rank not in members:
         raise ChannelClosed(
             f"job {ch.job!r}: rank {ch.rank} was left out of generation {generation} (members {members}): "
             f"it was not ready within {settle:g}s of the loss"
         )
-    return members
+    return members, generation
 
 
 def _wait_for(ch: ControlChannel, prefix: str, ranks: Iterable[int], seconds: float) -> set[int]:
@@ -118,13 +127,12 @@ class Admission:
     after: int  # the world size of the generation before, whose ranks come first
 
 
-def open_queue(channel: ControlChannel, timeout: float) -> ControlChannel:
-    """A channel to ``channel``'s join queue: same coordinator or store and token, no rank
-    (it never joins, so it is not watched and never watches), never hosting."""
-    queue = type(channel)(
-        channel.url, rank=None, world_size=1, job=join_job(channel.job), token=channel.token, timeout=timeout,
-        serve=False,
-    )  # fmt: skip
+def open_queue(
+    url: ChannelURL, cls: type[ControlChannel], job: str, token: str | None, timeout: float
+) -> ControlChannel:
+    """A channel to ``job``'s join queue at ``url``: no rank (it never joins, so it is not
+    watched and never watches), never hosting the coordinator."""
+    queue = cls(url, rank=None, world_size=1, job=join_job(job), token=token, timeout=timeout, serve=False)
     try:
         if not queue.native_auth:
             queue._agree_on_token()  # as dp.connect does; the coordinators check it themselves
@@ -134,74 +142,130 @@ def open_queue(channel: ControlChannel, timeout: float) -> ControlChannel:
     return queue
 
 
+def _silence(queue: ControlChannel) -> float:
+    """How long the driver's mark may stand still before its driver counts as gone."""
+    return queue.liveness_timeout + 2 * queue.heartbeat_interval
+
+
+def _mark(queue: ControlChannel) -> bytes | None:
+    """The driver's mark as it is now (None: there is none)."""
+    if not queue.check([_RUNNING]):
+        return None
+    try:
+        return queue.get(_RUNNING, min(1.0, queue.timeout))
+    except ControlError:
+        return None  # deleted in between: the job ended
+
+
 def running(queue: ControlChannel) -> bool:
-    """Whether the queue's job is training (its driver marked it so)."""
-    return queue.check([_RUNNING])
+    """Whether the queue's job is training: its driver's mark is there and moves (it moves
+    every heartbeat; one left by a driver that died stands still, and counts for nothing).
+    Waits up to one heartbeat for a live mark to move, up to the liveness timeout for a stale one."""
+    first = _mark(queue)
+    if first is None:
+        return False
+    deadline = time.monotonic() + _silence(queue)
+    while time.monotonic() < deadline:
+        time.sleep(min(0.2, queue.heartbeat_interval / 4))
+        now = _mark(queue)
+        if now != first:
+            return now is not None
+    return False
 
 
 def await_admission(queue: ControlChannel, job: str) -> Admission:
     """Queue this process and wait for the driver to seat it at an epoch boundary, as long
     as the driver lives (its ``running`` mark moves). Raises :class:`ChannelClosed` when the
-    job ends first, or its driver stops moving the mark for the liveness timeout."""
+    job ends first, or its driver's mark stands still for the liveness timeout (a frozen
+    coordinator included: a watcher fails the queue's channel, which ends a call blocked in it)."""
     me = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
-    silence = queue.liveness_timeout + 2 * queue.heartbeat_interval
-    beat, moved = b"", time.monotonic()
-    while True:
-        number = queue.add(_COUNT, 1) - 1
-        queue.set(f"request/{number}", me)
-        while not queue.check([f"offer/{number}"]):
-            now = time.monotonic()
-            if not queue.check([_RUNNING]):
-                raise ChannelClosed(f"job {job!r} ended before its driver admitted this process")
-            if (seen := queue.get(_RUNNING, queue.timeout)) != beat:
-                beat, moved = seen, now
-            elif now - moved > silence:
-                raise ChannelClosed(
-                    f"job {job!r}: its driver stopped marking the job running {now - moved:.0f}s ago (longer than "
-                    f"the liveness timeout, {queue.liveness_timeout:g}s): it is gone; nothing admits this process"
-                )
-            time.sleep(min(0.5, queue.heartbeat_interval / 2))
-        if queue.compare_set(f"answer/{number}", b"", b"accept") == b"accept":
-            break  # else withdrawn (taken too late): queue again
-    seat = json.loads(queue.get(f"seat/{number}", queue.timeout))
-    return Admission(job, seat["generation"], seat["rank"], seat["world_size"], seat["after"])
+    silence = _silence(queue)
+    moved = [time.monotonic()]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            if time.monotonic() - moved[0] > silence + 1.0:
+                queue._fail(ChannelClosed(f"job {job!r}: its driver's coordinator stopped answering"))
+                return
+
+    watcher = threading.Thread(target=watch, name="dp-join-watch", daemon=True)
+    watcher.start()
+    try:
+        beat = b""
+        while True:
+            number = queue.add(_COUNT, 1) - 1
+            queue.set(f"request/{number}", me)
+            while not queue.check([f"offer/{number}"]):
+                now, seen = time.monotonic(), _mark(queue)
+                if seen is None:
+                    raise ChannelClosed(f"job {job!r} ended before its driver admitted this process")
+                if seen != beat:
+                    beat, moved[0] = seen, now
+                elif now - moved[0] > silence:
+                    raise ChannelClosed(
+                        f"job {job!r}: its driver stopped marking the job running {now - moved[0]:.0f}s ago "
+                        f"(longer than the liveness timeout, {queue.liveness_timeout:g}s): it is gone; nothing "
+                        "admits this process"
+                    )
+                time.sleep(min(0.5, queue.heartbeat_interval / 2))
+            if queue.compare_set(f"answer/{number}", b"", b"accept") == b"accept":
+                break  # else withdrawn (taken too late): queue again
+        seat = json.loads(queue.get(f"seat/{number}", queue.timeout))
+        return Admission(job, seat["generation"], seat["rank"], seat["world_size"], seat["after"])
+    finally:
+        done.set()
 
 
 class JoinQueue:
     """The driver's side of the join queue: marks the job running, and seats newcomers."""
 
-    def __init__(self, channel: ControlChannel, timeout: float) -> None:
-        self.queue = open_queue(channel, timeout)
-        self.queue.add(_RUNNING, 1)
+    def __init__(self, channel: ControlChannel) -> None:
+        self.queue = open_queue(channel.url, type(channel), channel.job, channel.token, channel.timeout)
         self._next = self.queue.add(_COUNT, 0)  # numbers taken before this run are not its
+        self._missing: dict[int, float] = {}  # numbers taken whose request is not there: since when
+        self.queue.add(_RUNNING, 1)
         self._done = threading.Event()
-        self._beat = threading.Thread(target=self._mark, name="dp-join-queue", daemon=True)
+        self._beat = threading.Thread(target=self._move_mark, name="dp-join-queue", daemon=True)
         self._beat.start()
 
-    def _mark(self) -> None:
+    @property
+    def alive(self) -> bool:
+        """Whether the mark still moves (newcomers wait only as long as it does)."""
+        return self._beat.is_alive()
+
+    def _move_mark(self) -> None:
         """Move the ``running`` mark every heartbeat: the newcomers' sign that the driver lives."""
         while not self._done.wait(self.queue.heartbeat_interval):
             try:
                 self.queue.add(_RUNNING, 1)
-            except ControlError:
-                return  # the coordinator is gone with the job: the newcomers notice
+            except ControlError as err:
+                if self.queue.failure is not None:
+                    log.warning("join queue of job %r: %s; no more newcomers are admitted", self.queue.job, err)
+                    return  # the coordinator is gone with the job: the newcomers notice
+                # else one call failed (a reset connection): the next heartbeat tries again
 
     def waiting(self) -> list[int]:
-        """The numbers of the newcomers queued since the last look, in order."""
-        numbers = []
+        """The numbers of the newcomers queued since the last look, in order. A number taken
+        whose request does not appear within the liveness timeout (its taker died in between)
+        is passed over."""
+        numbers, now = [], time.monotonic()
         for number in range(self._next, self.queue.add(_COUNT, 0)):
-            if not self.queue.check([f"request/{number}"]):
+            if self.queue.check([f"request/{number}"]):
+                numbers.append(number)
+            elif now - self._missing.setdefault(number, now) < _silence(self.queue):
                 break  # taken, not yet written: next time
-            numbers.append(number)
         return numbers
 
     def seat(self, numbers: list[int], generation: int, world_size: int, settle: float) -> list[int]:
         """Offer ``generation`` to the newcomers ``numbers``; seat those who take it within
         ``settle`` seconds as ranks ``world_size``, ``world_size + 1``... Returns them, in
-        rank order. Every number passed is done with (a withdrawn newcomer queues again)."""
+        rank order. Every number up to the last passed is done with (a withdrawn newcomer
+        queues again)."""
         for number in numbers:
             self.queue.set(f"offer/{number}", str(generation).encode())
-        self._next = max(numbers, default=self._next - 1) + 1
+        if numbers:
+            self._next = numbers[-1] + 1
         deadline = time.monotonic() + settle
         pending = set(numbers)
         while pending and time.monotonic() < deadline:

@@ -197,7 +197,9 @@ def launch(
         flush=True,
     )
     restarts = config.max_restarts
-    left, attempt = restarts, 0  # restarts of a group and, elastic, of single followers, together
+    # Restarts of the group (the same count on every node, so the nodes' attempts stay in
+    # step) and, elastic, of lost followers (this node's own), each up to max_restarts.
+    left, attempt, replaced = restarts, 0, 0
     stdin = subprocess.DEVNULL if lifeline is not None else None  # the lifeline is the launcher's
 
     def start(supervisor: _Supervisor, rank: int, local: int) -> None:
@@ -212,12 +214,12 @@ def launch(
 
     def replace(supervisor: _Supervisor, lost: Worker) -> bool:
         """Elastic: start a lost follower again; it joins the running job at an epoch boundary."""
-        nonlocal left
-        if left <= 0:
+        nonlocal replaced
+        if replaced >= restarts:
             return False
-        left -= 1
+        replaced += 1
         print(
-            f"[launch] starting {lost.label} again (restart {restarts - left} of {restarts}): it joins the job "
+            f"[launch] starting {lost.label} again (restart {replaced} of {restarts}): it joins the job "
             "at its next epoch boundary (elastic)",
             file=log,
             flush=True,
@@ -429,7 +431,7 @@ class _Supervisor:
 
     def wait(self) -> int:
         failed: Worker | None = None
-        ended = 0.0  # when only followers started again were left running
+        since = 0.0  # when only followers started again were left running, the job ended
         while True:
             running = [w for w in self.workers if w.proc.poll() is None]
             if self.signalled is not None:
@@ -437,17 +439,19 @@ class _Supervisor:
             failed = next(
                 (w for w in self.workers if w.proc.returncode not in (None, 0) and w not in self.tolerated), None
             )
-            # A follower started again that the job ended without admitting is not a failure.
-            late = failed is not None and failed in self.replacements and not running
+            # The job's own workers done with 0: it has ended (on every node).
+            ended = any(w.proc.returncode == 0 and w not in self.replacements for w in self.workers)
+            # A follower started again that exits once the job has ended is not a failure.
+            late = failed is not None and failed in self.replacements and (ended or not running)
             if failed is not None and self.tolerate and ((failed.rank != 0 and running) or late):
                 self.tolerated.append(failed)
-                why = "the job ended before admitting it" if late else "the others carry on without it"
+                why = "the job had ended" if late else "the others carry on without it"
                 print(
                     f"[launch] {failed.label} exited with {_describe(failed.proc.returncode)}; {why} (elastic)",
                     file=self.log,
                     flush=True,
                 )
-                if self.replace is not None and running and self.signalled is None:
+                if self.replace is not None and running and not ended and self.signalled is None:
                     workers = len(self.workers)
                     if self.replace(self, failed):
                         self.replacements.extend(self.workers[workers:])
@@ -455,11 +459,11 @@ class _Supervisor:
                 continue
             if failed is not None or not running:
                 break
-            if self.replacements and all(w in self.replacements for w in running):
+            if ended and all(w in self.replacements for w in running):
                 # The job's own workers are done (with 0): a follower started again that is still
                 # waiting to be admitted will not be, and may wait for a coordinator that is gone.
-                ended = ended or time.monotonic()
-                if time.monotonic() - ended > LATE_GRACE:
+                since = since or time.monotonic()
+                if time.monotonic() - since > LATE_GRACE:
                     print(f"[launch] the job ended; stopping {_names(running)}", file=self.log, flush=True)
                     self.tolerated.extend(running)
                     break

@@ -362,6 +362,8 @@ class _Trainer:
         self.generation = self._admission.generation if self._admission is not None else 0
         self._job = self._admission.job if self._admission is not None else channel.job  # generation 0's name
         self._queue: elastic.JoinQueue | None = None  # the driver's, for newcomers (elastic)
+        self._promised = 0  # the highest generation the driver offered newcomers
+        self._first_world = channel.world_size if self._admission is None else self._admission.after
         self._max_world = options.max_world_size or channel.world_size
         #: The per-rank batch and accumulation in use (``keep_global_batch`` changes them with the world).
         self.batch_size, self.grad_accum = options.batch_size, options.grad_accum
@@ -387,6 +389,8 @@ class _Trainer:
             raise ValueError(
                 "elastic training makes its own process groups: pass no process_group= and initialise none"
             )
+        if self.opts.max_world_size is not None and self.opts.max_world_size < self._first_world:
+            raise ValueError(f"max_world_size={self.opts.max_world_size} is below the job's {self._first_world} ranks")
         if self.opts.elastic and self.ch.url.port == 0:
             raise ValueError(f"elastic training needs the coordinator at a fixed port: {self.ch.url.shown}")
         # A newcomer's members wait for it as long as this (then carry on without it).
@@ -410,8 +414,6 @@ class _Trainer:
         self.start_epoch = 0
         self.best = (float("inf"), -1)  # (val loss, epoch)
         self._start_watchdog()
-        if self.opts.elastic and self.rank == 0:  # after the rendezvous: no first rank finds it marked
-            self._queue = elastic.JoinQueue(self.ch, self.ch.timeout)
 
     def _wrap(self) -> None:
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -480,15 +482,26 @@ class _Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> FitResult:
+        self._started = time.monotonic()
         self._setup()
         caught = self._catch_stop_signals()
         stopped = False
         try:
-            epoch = None
+            if self.opts.elastic and self.rank == 0:  # after the rendezvous: no first rank finds it marked
+                self._queue = elastic.JoinQueue(self.ch)
+            epoch: int | None = None
+            failure: PeerLost | None = None
+            regrouped_from: ControlChannel | None = None  # the channel the last regroup left
             while True:
                 try:
+                    if failure is not None:  # (a loss during a regroup is regrouped from too)
+                        lost, failure = failure, None
+                        epoch = self._regroup(lost)
                     if epoch is None and self._admission is not None:
                         epoch = self._share_state(self._admission.after)
+                        joined = list(range(self._admission.after, self.world))
+                        seconds = time.monotonic() - self._started
+                        self.history.regroups.append(Regroup(epoch, [], self.world, self.generation, seconds, joined))
                     if epoch is None:
                         self._maybe_resume()
                         epoch = self.start_epoch
@@ -498,18 +511,19 @@ class _Trainer:
                     stopped = True
                     raise
                 except (RuntimeError, ControlError) as err:
-                    failure = self._explain(err, self._epoch)
-                    if not isinstance(failure, PeerLost) or not self._can_regroup(failure):
-                        raise failure from err
-                    epoch = self._regroup(failure)
+                    explained = self._explain(err, self._epoch)
+                    if not isinstance(explained, PeerLost) or not self._can_regroup(explained):
+                        raise explained from err
+                    if self.ch is regrouped_from:  # the regroup itself gave up (too few left)
+                        raise explained from err
+                    failure, regrouped_from = explained, self.ch
         finally:
             for signum, handler in caught.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set from C
             if self._signalled is not None and not stopped:
                 os.kill(os.getpid(), self._signalled)  # caught but not acted on: it acts now, as it would have
             self._stop_watchdog()
-            if self._queue is not None:
-                self._queue.close()
+            self._close_queue()
             if self._own_pg and self._lost is None:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
@@ -650,8 +664,8 @@ class _Trainer:
             self._bar = None
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        old, generation = self.ch, self.generation + 1
-        members = elastic.survivors(old, generation, settle=old.liveness_timeout + 2 * old.heartbeat_interval)
+        old, settle = self.ch, self.ch.liveness_timeout + 2 * self.ch.heartbeat_interval
+        members, generation = elastic.survivors(old, max(self.generation, self._promised) + 1, settle)
         lost = sorted(set(range(old.world_size)) - set(members))
         if len(members) < self.opts.min_world_size:
             reason = (
@@ -682,8 +696,8 @@ class _Trainer:
             self._go_on_from(int(snapshot["epoch"]), position, position["rng"])
         init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
         self.pg = dist.group.WORLD
-        self._wrap()
         self._start_watchdog()
+        self._wrap()
         epoch = int(snapshot["epoch"])
         seconds = time.monotonic() - started
         self.history.regroups.append(Regroup(epoch, lost, len(members), generation, seconds))
@@ -721,14 +735,14 @@ class _Trainer:
         try:
             new.rendezvous(timeout=self._grow_timeout())
         except ControlError as err:
-            missing = [r for r in range(old.world_size, size) if new.peer_info(r) is None] or [size - 1]
-            why = f"newcomer rank(s) {missing} did not join generation {generation}: {err}"
+            missing = [r for r in range(size) if new.peer_info(r) is None] or [size - 1]
+            why = f"rank(s) {missing} did not join generation {generation}: {err}"
             raise PeerLost(missing[0], None, why) from err
         init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
         self.pg = dist.group.WORLD
+        self._start_watchdog()  # a newcomer lost from here on is noticed, not waited for
         self._wrap()
         self._share_state(old.world_size, epoch)
-        self._start_watchdog()
         seconds = time.monotonic() - started
         joined = list(range(old.world_size, size))
         self.history.regroups.append(Regroup(epoch, [], size, generation, seconds, joined))
@@ -761,6 +775,11 @@ class _Trainer:
             self.rank, self.world, self.batch_size, self.grad_accum, how, first,
         )  # fmt: skip
 
+    def _close_queue(self) -> None:
+        if self._queue is not None:
+            queue, self._queue = self._queue, None
+            queue.close()
+
     def _grow_timeout(self) -> float:
         """How long a grown generation's rendezvous waits for its newcomers."""
         return min(self.ch.timeout, max(30.0, 3 * self.ch.liveness_timeout))
@@ -770,8 +789,8 @@ class _Trainer:
         on every rank of it (collectives); returns the epoch to train. A newcomer takes the RNG
         state of rank ``rank % after``, as a job resumed on more ranks does."""
         state: dict[str, Any] = {}
-        if self.rank == 0:
-            state = self._state_now(epoch)
+        if self.rank == 0:  # on the CPU: unpickled on the device it was pickled from
+            state = _on_cpu({**self._state_now(epoch), "cuda_rng": None})
             state["history"] = self.history
             state["base_world"] = self._base_world
             state["extra"] = self.extra_state[0]() if self.extra_state is not None else None
@@ -795,18 +814,21 @@ class _Trainer:
     def _admit(self, next_epoch: int) -> dict[str, Any] | None:
         """On the driver, at an epoch boundary: seat the newcomers waiting in the join queue
         (up to ``max_world_size``) in the next generation; the command that moves there."""
-        if self._queue is None:
+        if self._queue is None or self._partial is not None or self._base is not None:
+            return None  # (an epoch going on mid-way: its shards are the members')
+        if not self._queue.alive:  # its newcomers have given up waiting
+            self._close_queue()
             return None
         try:
             waiting = self._queue.waiting()
             room = self._max_world - self.world
             if not waiting or room <= 0:
                 return None
-            generation = self.generation + 1
+            generation = self._promised = max(self.generation, self._promised) + 1
             seated = self._queue.seat(waiting[:room], generation, self.world, settle=self.ch.liveness_timeout)
         except ControlError as err:  # the queue is a convenience: training goes on without it
             log.warning("driver: the join queue failed (%s); no more newcomers are admitted", err)
-            self._queue = None
+            self._close_queue()
             return None
         if not seated:
             return None
@@ -1414,6 +1436,17 @@ def _with_last(items: Iterable[Any]) -> Iterable[tuple[Any, bool]]:
         yield current, False
         current = following
     yield current, True
+
+
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it (dicts, lists, tuples) moved to the CPU."""
+    if torch.is_tensor(obj):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def _padded(order: list[int], world: int) -> list[int]:

@@ -32,8 +32,6 @@ from .wire import MAX_WORLD_SIZE, purpose_key
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from .elastic import Admission
-
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -262,8 +260,9 @@ class ControlChannel(Collectives, abc.ABC):
         self._run_seen: dict[int, tuple[bytes | None, float]] = {}
         self._run_alive: dict[int, float] = {}
         self._run_verdict = ""
-        #: A newcomer's seat in a running elastic job (set by ``dp.connect``; read by ``dp.fit``).
-        self._admission: Admission | None = None
+        #: Set by ``dp.connect`` on a newcomer's channel (to the join queue of this elastic
+        #: job, which is running): ``dp.fit`` waits through it for a seat in the job.
+        self._newcomer_of: str | None = None
 
     @classmethod
     def check_url(cls, url: ChannelURL, token: str | None = None, *, serving: bool = False) -> None:

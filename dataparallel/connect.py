@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .channel import ControlChannel
-from .elastic import Admission, await_admission, open_queue, running
-from .elastic import generation_job as elastic_job
+from .elastic import open_queue, running
 from .registry import ChannelURL, resolve
 
 log = logging.getLogger(__name__)
@@ -43,10 +42,10 @@ def connect(
 
     ``elastic`` (None: the ``elastic`` setting, ``DP_ELASTIC``): where the job is already
     training elastically (its driver's mark in the job's join queue moves), this process is
-    a newcomer, unless it asks for rank 0: it waits, as long as that job's driver lives,
-    until the driver admits it at an epoch boundary, and returns a channel to the job's next
-    generation with the rank it was given (``rank`` and ``world_size`` are then not used);
-    :func:`dataparallel.fit` takes it from there.
+    a newcomer, unless it asks for rank 0: the channel returned holds no rank yet (``rank``
+    is None) and is only good for :func:`dataparallel.fit`, which waits, as long as that
+    job's driver lives, until the driver seats it at an epoch boundary, then trains with the
+    job (``rank`` and ``world_size`` given here are not used).
     """
     where = None
     if url is None or rank is _FROM_CONFIG or world_size is None:
@@ -67,56 +66,42 @@ def connect(
         elastic = bool(env_setting("elastic"))
     job, timeout = job if job is not None else "default", timeout if timeout is not None else 300.0
     with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
-        channel: ControlChannel | None = None
+        # A follower never hosts the coordinator: it may ask the join queue before it makes a
+        # channel of the job's first generation (whose rank and size a newcomer's need not fit).
+        if elastic and rank not in (0, None):
+            queue = _newcomer(parsed, cls, job, token, timeout)
+            if queue is not None:
+                return queue
+        channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
         try:
-            admission = None
-            # A follower never hosts the coordinator: it may ask the queue before it makes a
-            # channel of the job's first generation (whose rank and size a newcomer's need not fit).
-            if elastic and rank not in (0, None):
-                admission = _admission(parsed, cls, job, token, timeout)
-            if admission is None:
-                channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
-                if elastic and rank is None:  # it may host the coordinator: asked once there is one
-                    admission = _admission(parsed, cls, job, token, timeout)
-            if admission is not None:
-                if channel is not None:
+            if elastic and rank is None:  # it may host the coordinator: asked once there is one
+                queue = _newcomer(parsed, cls, job, token, timeout)
+                if queue is not None:
                     channel.close()
-                channel = cls(
-                    parsed,
-                    rank=admission.rank,
-                    world_size=admission.world_size,
-                    job=elastic_job(job, admission.generation),
-                    token=token,
-                    timeout=timeout,
-                )
-                channel._admission = admission
-            assert channel is not None
+                    return queue
             channel._join()
         except BaseException:
-            if channel is not None:
-                channel.close()
+            channel.close()
             raise
     return channel
 
 
-def _admission(
+def _newcomer(
     url: ChannelURL, cls: type[ControlChannel], job: str, token: str | None, timeout: float
-) -> Admission | None:
-    """Where ``job`` is training elastically: this process's seat in it, once its driver
-    gives one (see :mod:`dataparallel.elastic`). None: the job is not (yet) running."""
+) -> ControlChannel | None:
+    """Where ``job`` is training elastically: a channel to its join queue, through which
+    ``dp.fit`` waits for a seat (see :mod:`dataparallel.elastic`). None: it is not running."""
     queue = open_queue(url, cls, job, token, timeout)
     try:
-        if not running(queue):
-            return None
-        log.warning("job %r is running: waiting to be admitted at an epoch boundary", job)
-        admission = await_admission(queue, job)
-        log.warning(
-            "admitted to job %r as rank %d of %d (generation %d)",
-            job, admission.rank, admission.world_size, admission.generation,
-        )  # fmt: skip
-        return admission
-    finally:
+        if running(queue):
+            log.warning("job %r is running: this process joins it at an epoch boundary, once dp.fit is called", job)
+            queue._newcomer_of = job
+            return queue
+    except BaseException:
         queue.close()
+        raise
+    queue.close()
+    return None
 
 
 #: Seconds between two "still connecting" notices.

@@ -328,6 +328,12 @@ class _Trainer:
         step_callbacks: Sequence[Callable[[StepInfo], None]] = (),
         extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
     ) -> None:
+        self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
+        #: A newcomer's seat in a running elastic job (its channel from ``dp.connect`` is to the
+        #: job's join queue): waited for here, before anything else.
+        self._admission: elastic.Admission | None = None
+        if channel._newcomer_of is not None:
+            channel = self._take_seat(channel)
         self.ch: ControlChannel = channel
         if channel.rank is None:
             raise ValueError(f"{channel!r} holds no rank: open it with dataparallel.connect")
@@ -357,8 +363,6 @@ class _Trainer:
         self._lines: str | None = "json" if env_setting("log_format") == "json" else None
         if self._lines is None and not sys.stderr.isatty():
             self._lines = "text"
-        #: A newcomer's seat, where ``dp.connect`` admitted this process to a running elastic job.
-        self._admission = channel._admission
         self.generation = self._admission.generation if self._admission is not None else 0
         self._job = self._admission.job if self._admission is not None else channel.job  # generation 0's name
         self._queue: elastic.JoinQueue | None = None  # the driver's, for newcomers (elastic)
@@ -368,7 +372,6 @@ class _Trainer:
         #: The per-rank batch and accumulation in use (``keep_global_batch`` changes them with the world).
         self.batch_size, self.grad_accum = options.batch_size, options.grad_accum
         self._base_world = channel.world_size  # the job's first (a newcomer gets the driver's)
-        self._opened: list[ControlChannel] = []  # the generations' channels this loop opened
         self._snapshot: dict[str, Any] | None = None  # the current epoch's start (elastic)
         self._epoch = -1  # the epoch being trained (for messages)
         self._signalled: int | None = None  # a stop signal this process received
@@ -382,6 +385,30 @@ class _Trainer:
         #: ranks (a regroup, a resume): every rank takes its share of them. None: the sampler's.
         self._base: list[int] | None = None
         self._poll_stride = 1  # optimizer steps between stop polls (the driver's choice, per epoch)
+
+    def _take_seat(self, queue: ControlChannel) -> ControlChannel:
+        """A newcomer: wait in the join queue until the driver seats it, then join that
+        generation (its channel is closed when training ends)."""
+        from .connect import connect
+
+        job = queue._newcomer_of or queue.job
+        admission = elastic.await_admission(queue, job)
+        log.warning(
+            "admitted to job %r as rank %d of %d (generation %d)",
+            job, admission.rank, admission.world_size, admission.generation,
+        )  # fmt: skip
+        seat = connect(
+            queue.url.raw,
+            rank=admission.rank,
+            world_size=admission.world_size,
+            job=elastic.generation_job(job, admission.generation),
+            token=queue.token,
+            timeout=queue.timeout,
+            elastic=False,
+        )
+        self._opened.append(seat)
+        self._admission = admission
+        return seat
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:

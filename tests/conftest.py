@@ -1,10 +1,23 @@
-"""Suite-wide rules: under CI (``CI`` set, as ``.ci/run`` does) nothing may be skipped."""
+"""Suite-wide rules: under CI (``CI`` set, as ``.ci/run`` does) nothing may be skipped; the
+files whose tests judge liveness by the clock are marked ``serial``."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+#: Files whose tests kill, freeze or cut off peers and judge what follows with liveness
+#: timeouts of a second or two (etcd leases of 2 s among them): ``.ci/run`` runs them one at
+#: a time, after the rest has run on two workers, so that no other test's load stretches
+#: their clocks.
+SERIAL = {"test_faults.py", "test_elastic.py", "test_etcd.py", "test_coordinator_death.py", "test_recovery.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL:
+            item.add_marker(pytest.mark.serial)
 
 
 def _ci() -> bool:

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -305,3 +306,49 @@ def test_a_snapshot_mid_epoch_leaves_only_the_steps_since_it_to_redo_on_the_samp
     assert kept["epochs"][0]["train_samples"] == 96  # 48 before the snapshot, 48 after: none twice, none lost
     assert kept["epochs"][0]["train_batches"] == resumed["epochs"][0]["train_batches"] == 12
     assert_same_params(kept, resumed, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_newcomer_seated_but_never_arriving_holds_the_members_up_only_so_long(tmp_path):
+    """A newcomer takes its seat at the boundary after epoch 1 and never comes (this test
+    takes the seat and does nothing with it): the members, moved to the larger generation,
+    wait for it at most max(30 s, 3 x liveness_timeout), then carry on without it from that
+    boundary, on three ranks, as the generation after."""
+    from dataparallel.elastic import await_admission, open_queue
+
+    url = with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)
+    out, release = str(tmp_path / "absent.pt"), tmp_path / "release"
+    cfg = {"url": url, "world": 3, "out": out, "elastic": True, "max_world": 4, **GROW}
+    cfg |= {"started": str(tmp_path / "started"), "hold": [1, str(release)]}
+    procs = [spawn({**cfg, "rank": r}) for r in range(3)]
+    seats: list = []
+    try:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{cfg['started']}.{r}").exists() for r in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
+            time.sleep(0.1)
+        parsed, cls = resolve(url, None)
+        queue = open_queue(parsed, cls, "loop", None, 30)
+        taker = threading.Thread(target=lambda: seats.append(await_admission(queue, "loop")), daemon=True)
+        taker.start()
+        while not queued(url, "loop"):
+            assert time.monotonic() < deadline, "the seat was never asked for"
+            time.sleep(0.1)
+        release.touch()
+        started = time.monotonic()
+        runs = [p.communicate(timeout=150) for p in procs]
+        waited = time.monotonic() - started
+        queue.close()
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, runs, strict=True):
+        assert p.returncode == 0, (stdout + stderr)[-3000:]
+    (seat,) = seats
+    assert (seat.rank, seat.world_size, seat.generation) == (3, 4, 1)
+    result = torch.load(out, weights_only=False)
+    assert [e["world_size"] for e in result["epochs"]] == [3, 3, 3, 3]
+    (regroup,) = result["regroups"]
+    assert (regroup["epoch"], regroup["lost"], regroup["world_size"], regroup["generation"]) == (2, [3], 3, 2)
+    assert "rank(s) [3] did not join generation 1" in runs[0][1]
+    assert waited < 30 + 30, f"the members waited {waited:.0f}s for the absent newcomer"

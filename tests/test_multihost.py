@@ -250,3 +250,49 @@ def test_partition_of_one_host_and_its_healing(net, transport, tmp_path):
     finally:
         if server is not None:
             server.stop()
+
+
+WORKER = str(Path(__file__).with_name("loop_worker.py"))
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc", "etcd"])
+def test_an_elastic_job_carries_on_without_a_host_cut_off_for_good(net, transport, tmp_path):
+    """Three ranks on three hosts train elastically; host 3 loses its link while every rank
+    waits at the first step of epoch 1. The two others notice within the liveness timeout
+    (no heartbeat, no gloo reply), leave the broken gloo group and finish the job on two
+    ranks; no process restarts. Host 3's rank, its link back, ends with an error."""
+    base, server = _serve(net, transport, tmp_path)
+    url = f"{base}?heartbeat=0.5&liveness_timeout=4"
+    out, started, release = str(tmp_path / "elastic.pt"), tmp_path / "started", tmp_path / "release"
+    cfg = {"url": url, "world": 3, "out": out, "elastic": True, "epochs": 3, "dropout": 0.2}
+    cfg |= {"started": str(started), "hold": [1, str(release)], "collective_timeout": 120}
+    env = {k: v for k, v in SAME_THREADS.items() if not k.startswith("DP_")}
+    procs = [
+        net.popen(host, [sys.executable, WORKER, json.dumps({**cfg, "rank": rank})], stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, text=True, env=env)
+        for rank, host in enumerate((DRIVER, *FOLLOWERS))
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not all(Path(f"{started}.{r}").exists() for r in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
+            time.sleep(0.2)
+        time.sleep(2)  # epoch 0 is a few steps: every rank now waits at epoch 1's first step
+        net.cut(FOLLOWERS[1])
+        release.touch()
+        survivors = [p.communicate(timeout=120) for p in procs[:2]]
+        net.heal(FOLLOWERS[1])
+        _, cut_off = procs[2].communicate(timeout=120)
+    finally:
+        net.heal(FOLLOWERS[1])
+        for p in procs:
+            p.kill()
+        if server is not None:
+            server.stop()
+    for p, (stdout, stderr) in zip(procs[:2], survivors, strict=True):
+        assert p.returncode == 0, (stdout + stderr)[-3000:]
+    assert "generation 1 carries on with 2 ranks without rank(s) [2]" in survivors[0][1]
+    assert procs[2].returncode != 0, cut_off[-2000:]
+    result = torch.load(out, weights_only=False)
+    assert [e["world_size"] for e in result["epochs"]] == [3, 2, 2]
+    assert [(r["epoch"], r["lost"]) for r in result["regroups"]] == [(1, [2])]

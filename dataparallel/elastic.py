@@ -59,27 +59,40 @@ def generation_job(job: str, generation: int) -> str:
 
 
 def survivors(ch: ControlChannel, generation: int, settle: float) -> tuple[list[int], int]:
-    """The ranks of ``ch`` that carry on, and the number of the generation they carry on
-    as, as its rank 0 decides (``generation`` on rank 0, which may have promised lower
-    numbers to newcomers already; ignored elsewhere); called on every surviving rank after a
-    loss. Rank 0 waits up to ``settle`` seconds for the others; the others wait up to
-    ``settle`` plus ``ch.timeout``."""
+    """The ranks of ``ch`` that carry on, and the number of the generation they carry on as;
+    called on every surviving rank after a loss. One of them decides (rank 0, or where the
+    driver itself was lost the first survivor to claim it): it waits up to ``settle`` seconds
+    for the others to say they are ready, and numbers the generation ``generation`` (its
+    proposal) or above any its driver promised newcomers; the others wait up to ``settle``
+    plus ``ch.timeout``. The new generation's rank 0, its driver, is the lowest old rank
+    among the members."""
+    if ch.rank is None:
+        raise ValueError(f"{ch!r} holds no rank")
+    rank = ch.rank
     base = f"{RESERVED_PREFIX}elastic"
     ready, seen, decided = f"{base}/ready/", f"{base}/seen/", ch._scoped(f"{base}/members")
-    ch._set(ch._scoped(f"{ready}{ch.rank}"), b"1")
-    if ch.rank == 0:
-        members = sorted(_wait_for(ch, ready, range(ch.world_size), settle))
-        ch._set(decided, json.dumps({"members": members, "generation": generation}).encode())
-        _wait_for(ch, seen, members[1:], settle)
-        return members, generation
+    ch._set(ch._scoped(f"{ready}{rank}"), b"1")
+    me = str(rank).encode()
+
+    def deciding() -> bool:  # rank 0, or the first survivor to claim it once rank 0 is lost
+        if ch.rank == 0:
+            return True
+        return 0 in ch.lost_peers() and ch._compare_set(ch._scoped(f"{base}/decider"), b"", me) == me
+
     deadline = time.monotonic() + settle + ch.timeout
     while not ch._check([decided]):
+        if deciding():
+            members = sorted(_wait_for(ch, ready, range(ch.world_size), settle) | {rank})
+            generation = max(generation, promised(ch) + 1)
+            ch._set(decided, json.dumps({"members": members, "generation": generation}).encode())
+            _wait_for(ch, seen, [m for m in members if m != rank], settle)
+            return members, generation
         if ch.failure is not None:
             raise ch.failure
         if time.monotonic() >= deadline:
             raise ChannelClosed(
-                f"job {ch.job!r}: rank 0 did not say who carries on into generation {generation} "
-                f"within {settle + ch.timeout:g}s (is the driver alive?)"
+                f"job {ch.job!r}: no rank said who carries on into the next generation within "
+                f"{settle + ch.timeout:g}s (is the driver alive, or a coordinator outside it?)"
             )
         time.sleep(_POLL)
     decision = json.loads(ch._get(decided, ch.timeout) or b"{}")
@@ -91,6 +104,18 @@ def survivors(ch: ControlChannel, generation: int, settle: float) -> tuple[list[
             f"it was not ready within {settle:g}s of the loss"
         )
     return members, generation
+
+
+def promise(ch: ControlChannel, generation: int) -> None:
+    """Note in ``ch`` (the current generation's channel) that its driver offered newcomers
+    ``generation``: whoever decides after a loss numbers the next one above it."""
+    ch._set(ch._scoped(f"{RESERVED_PREFIX}elastic/promised"), str(generation).encode())
+
+
+def promised(ch: ControlChannel) -> int:
+    """The highest generation ``ch``'s driver offered newcomers (0: none)."""
+    key = ch._scoped(f"{RESERVED_PREFIX}elastic/promised")
+    return int(ch._get(key, ch.timeout) or b"0") if ch._check([key]) else 0
 
 
 def _wait_for(ch: ControlChannel, prefix: str, ranks: Iterable[int], seconds: float) -> set[int]:
@@ -108,7 +133,7 @@ def _wait_for(ch: ControlChannel, prefix: str, ranks: Iterable[int], seconds: fl
 
 
 # ---------------------------------------------------------------------- newcomers
-_RUNNING, _COUNT = "running", "count"
+_RUNNING, _COUNT, _NEXT = "running", "count", "next"
 
 
 def join_job(job: str) -> str:
@@ -220,9 +245,13 @@ def await_admission(queue: ControlChannel, job: str) -> Admission:
 class JoinQueue:
     """The driver's side of the join queue: marks the job running, and seats newcomers."""
 
-    def __init__(self, channel: ControlChannel) -> None:
-        self.queue = open_queue(channel.url, type(channel), channel.job, channel.token, channel.timeout)
-        self._next = self.queue.add(_COUNT, 0)  # numbers taken before this run are not its
+    def __init__(self, channel: ControlChannel, job: str, take_over: bool = False) -> None:
+        """``take_over``: a driver that replaces a lost one goes on where that one was."""
+        self.queue = open_queue(channel.url, type(channel), job, channel.token, channel.timeout)
+        if take_over and self.queue.check([_NEXT]):
+            self._next = int(self.queue.get(_NEXT, self.queue.timeout))
+        else:
+            self._next = self.queue.add(_COUNT, 0)  # numbers taken before this run are not its
         self._missing: dict[int, float] = {}  # numbers taken whose request is not there: since when
         self.queue.add(_RUNNING, 1)
         self._done = threading.Event()
@@ -266,6 +295,7 @@ class JoinQueue:
             self.queue.set(f"offer/{number}", str(generation).encode())
         if numbers:
             self._next = numbers[-1] + 1
+            self.queue.set(_NEXT, str(self._next).encode())  # for a driver that takes over
         deadline = time.monotonic() + settle
         pending = set(numbers)
         while pending and time.monotonic() < deadline:

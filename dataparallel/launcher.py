@@ -132,9 +132,11 @@ def launch(
     group is restarted (all of it, as job ``JOB.attemptK``) that many times: a script that
     checkpoints and resumes (``TrainOptions(checkpoint=..., resume=True)``) carries on from
     its last epoch. On several nodes a lost peer fails every node's group, so the nodes'
-    attempts stay in step. With ``config.elastic`` a worker other than rank 0 that fails
-    stops nothing: the others carry on (``dp.fit`` regroups without it), and the node's exit
-    code is that of the first failure only if rank 0 failed or no worker of the node is left.
+    attempts stay in step. With ``config.elastic`` a worker that fails stops nothing: the
+    others carry on (``dp.fit`` regroups without it, or fails where it cannot, as when the
+    coordinator went with rank 0), a follower is started again (it rejoins at an epoch
+    boundary) while ``max_restarts`` allows, and the node's exit code is that of the first
+    failure only if no worker of the node ended well.
 
     With ``config.hosts`` it starts this function on every host over ssh instead
     (:func:`dataparallel.ssh.launch_hosts`, reaching them as ``ssh`` says). ``lifeline``: a
@@ -215,7 +217,7 @@ def launch(
     def replace(supervisor: _Supervisor, lost: Worker) -> bool:
         """Elastic: start a lost follower again; it joins the running job at an epoch boundary."""
         nonlocal replaced
-        if replaced >= restarts:
+        if replaced >= restarts or lost.rank == 0:  # the first driver's rank is never queued again
             return False
         replaced += 1
         print(
@@ -443,7 +445,7 @@ class _Supervisor:
             ended = any(w.proc.returncode == 0 and w not in self.replacements for w in self.workers)
             # A follower started again that exits once the job has ended is not a failure.
             late = failed is not None and failed in self.replacements and (ended or not running)
-            if failed is not None and self.tolerate and ((failed.rank != 0 and running) or late):
+            if failed is not None and self.tolerate and (running or late):
                 self.tolerated.append(failed)
                 why = "the job had ended" if late else "the others carry on without it"
                 print(

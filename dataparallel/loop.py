@@ -99,10 +99,12 @@ class TrainOptions:
     sampler: Callable[..., Any] | None = None
     collective_timeout: float = 300.0
     progress: bool = True
-    #: Survive a lost follower without a restart: the survivors (at least ``min_world_size``)
-    #: regroup as a new generation of the job and redo the current epoch from its start (kept
-    #: in memory on every rank). The driver's loss still ends the job. ``fit`` must own the
-    #: process group (no ``process_group=``). None: the ``elastic`` setting (``DP_ELASTIC``,
+    #: Survive a lost rank without a restart: the survivors (at least ``min_world_size``)
+    #: regroup as a new generation of the job and redo the current epoch from its start (or
+    #: the last snapshot, ``snapshot_every``; kept in memory on every rank). The driver's
+    #: loss ends the job where the coordinator goes with it (zmq, grpc, tcpstore hosted by
+    #: rank 0); where it outlives it (etcd, ``dataparallel serve``) the lowest surviving rank
+    #: drives on. ``fit`` must own the process group (no ``process_group=``). None: the ``elastic`` setting (``DP_ELASTIC``,
     #: as ``dataparallel launch --elastic`` sets it), else False. Newcomers (processes
     #: started later with the same settings, or a lost one started again) are admitted at
     #: epoch boundaries, up to ``max_world_size``.
@@ -244,6 +246,9 @@ class FitResult:
     epochs: list[EpochMetrics] = field(default_factory=list)
     stopped_early: bool = False
     regroups: list[Regroup] = field(default_factory=list)
+    #: This process's rank in the job's last generation: 0 where it drove the job at its end
+    #: (in an elastic job that lost its driver, another process than the channel's rank 0).
+    rank: int = 0
 
     @property
     def last(self) -> EpochMetrics:
@@ -366,7 +371,6 @@ class _Trainer:
         self.generation = self._admission.generation if self._admission is not None else 0
         self._job = self._admission.job if self._admission is not None else channel.job  # generation 0's name
         self._queue: elastic.JoinQueue | None = None  # the driver's, for newcomers (elastic)
-        self._promised = 0  # the highest generation the driver offered newcomers
         self._first_world = channel.world_size if self._admission is None else self._admission.after
         self._max_world = options.max_world_size or channel.world_size
         #: The per-rank batch and accumulation in use (``keep_global_batch`` changes them with the world).
@@ -515,7 +519,7 @@ class _Trainer:
         stopped = False
         try:
             if self.opts.elastic and self.rank == 0:  # after the rendezvous: no first rank finds it marked
-                self._queue = elastic.JoinQueue(self.ch)
+                self._queue = elastic.JoinQueue(self.ch, self._job)
             epoch: int | None = None
             failure: PeerLost | None = None
             regrouped_from: ControlChannel | None = None  # the channel the last regroup left
@@ -556,6 +560,7 @@ class _Trainer:
                     dist.destroy_process_group()
             for channel in reversed(self._opened):
                 channel.close()
+        self.history.rank = self.rank
         return self.history
 
     def _epochs(self, epoch: int) -> None:
@@ -592,14 +597,11 @@ class _Trainer:
 
     # ------------------------------------------------------------------ elastic
     def _can_regroup(self, failure: PeerLost) -> bool:
-        """A follower lost (not one that left, not the driver) in an elastic job that has
-        state to go back to."""
-        return (
-            bool(self.opts.elastic)
-            and not isinstance(failure, PeerLeft)
-            and failure.rank != 0
-            and self._snapshot is not None
-        )
+        """A rank lost (not one that left) in an elastic job that has state to go back to. The
+        driver too: where the coordinator or store outlives it (etcd, ``dataparallel serve``),
+        the lowest surviving rank drives the next generation; where it does not, the channel
+        fails with it and the survivors' regroup with it."""
+        return bool(self.opts.elastic) and not isinstance(failure, PeerLeft) and self._snapshot is not None
 
     def _reshards(self) -> bool:
         """Whether an epoch can go on mid-way on another number of ranks (every rank's shard of
@@ -692,7 +694,7 @@ class _Trainer:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         old, settle = self.ch, self.ch.liveness_timeout + 2 * self.ch.heartbeat_interval
-        members, generation = elastic.survivors(old, max(self.generation, self._promised) + 1, settle)
+        members, generation = elastic.survivors(old, self.generation + 1, settle)
         lost = sorted(set(range(old.world_size)) - set(members))
         if len(members) < self.opts.min_world_size:
             reason = (
@@ -712,6 +714,8 @@ class _Trainer:
         )
         self._opened.append(new)
         self.ch, self.rank, self.world, self.generation = new, rank, new.world_size, generation
+        if self.rank == 0 and self.opts.elastic and self._queue is None:  # the driver was lost: this one drives
+            self._queue = elastic.JoinQueue(new, self._job, take_over=True)
         snapshot = self._snapshot
         if snapshot is None:  # _can_regroup saw one
             raise failure
@@ -851,7 +855,8 @@ class _Trainer:
             room = self._max_world - self.world
             if not waiting or room <= 0:
                 return None
-            generation = self._promised = max(self.generation, self._promised) + 1
+            generation = max(self.generation, elastic.promised(self.ch)) + 1
+            elastic.promise(self.ch, generation)
             seated = self._queue.seat(waiting[:room], generation, self.world, settle=self.ch.liveness_timeout)
         except ControlError as err:  # the queue is a convenience: training goes on without it
             log.warning("driver: the join queue failed (%s); no more newcomers are admitted", err)

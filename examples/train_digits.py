@@ -90,7 +90,7 @@ def train(epochs: int, checkpoint: str | None, result: str | None, kill: int | N
         callbacks=[log],
         step_callbacks=[die] if kill is not None else [],
     )
-    if ch.rank == 0:
+    if outcome.rank == 0:  # the driver at the end (elastic: another process, where the first was lost)
         sizes = sorted({m.world_size for m in outcome.epochs}, reverse=True)
         print(
             f"driver: {len(outcome.epochs)} epochs on {'/'.join(map(str, sizes))} processes over {ch.url.scheme}, "

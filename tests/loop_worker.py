@@ -190,7 +190,7 @@ def main(cfg: dict) -> None:
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA),
         **hooks,
     )
-    if ch.rank == 0:
+    if result.rank == 0:  # the driver at the end
         summary = {
             "epochs": [vars(m) for m in result.epochs],
             "stopped_early": result.stopped_early,

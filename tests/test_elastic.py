@@ -352,3 +352,55 @@ def test_a_newcomer_seated_but_never_arriving_holds_the_members_up_only_so_long(
     assert (regroup["epoch"], regroup["lost"], regroup["world_size"], regroup["generation"]) == (2, [3], 3, 2)
     assert "rank(s) [3] did not join generation 1" in runs[0][1]
     assert waited < 30 + 30, f"the members waited {waited:.0f}s for the absent newcomer"
+
+
+@pytest.fixture(scope="module")
+def resumed_without_dropout(tmp_path_factory) -> dict:
+    """The job (no dropout: the RNG streams do not matter) stopped after epoch 0 and resumed
+    on two ranks from its checkpoint."""
+    tmp = tmp_path_factory.mktemp("nodropout")
+    url = lambda: f"zmq://127.0.0.1:{free_port()}"  # noqa: E731
+    ckpt = str(tmp / "epoch0.ckpt")
+    run_job(url(), 3, "first", str(tmp / "first.pt"), epochs=1, checkpoint=ckpt)
+    return run_job(url(), 2, "resumed", str(tmp / "resumed.pt"), checkpoint=ckpt, resume=True, epochs=3)
+
+
+@pytest.fixture(params=["etcd", "serve"])
+def outliving_url(request, tmp_path):
+    """A job's URL whose coordinator or store lives outside its ranks: etcd, or a standalone
+    ``dataparallel serve`` (zmq)."""
+    if request.param == "etcd":
+        require_etcd()
+        server = EtcdServer(tmp_path / "etcd").start().wait_ready()
+        yield with_options(server.url, **FAST)
+        server.stop()
+        return
+    url = f"zmq://127.0.0.1:{free_port()}"
+    serve = [sys.executable, "-m", "dataparallel", "serve", url]
+    served = subprocess.Popen(serve, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert "serving" in served.stdout.readline()
+        yield with_options(url, **FAST)
+    finally:
+        served.kill()
+        served.wait(timeout=10)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_driver_is_replaced_where_the_coordinator_outlives_it(
+    tmp_path, outliving_url, resumed_without_dropout
+):
+    """Rank 0, the driver, is killed mid-epoch; the coordinator (etcd, or `dataparallel
+    serve`) lives on, so the survivors regroup: rank 1 becomes the new generation's rank 0
+    and drives it to the end. The same parameters, bit for bit, as the job resumed on two
+    ranks from a checkpoint of that epoch's start."""
+    out = str(tmp_path / "replaced.pt")
+    runs = run_ranks(outliving_url, 3, "replaced", out=out, elastic=True, die=[0, 1, 2], epochs=3)
+    assert runs[0][0] == -9, "the driver was killed"
+    for code, log in runs[1:]:
+        assert code == 0, log[-3000:]
+    assert "generation 1 carries on with 2 ranks without rank(s) [0]" in runs[1][1]
+    replaced = torch.load(out, weights_only=False)  # written by the driver at the end: old rank 1
+    assert [e["world_size"] for e in replaced["epochs"]] == [3, 2, 2]
+    assert [(r["epoch"], r["lost"], r["world_size"]) for r in replaced["regroups"]] == [(1, [0], 2)]
+    assert_same_params(replaced, resumed_without_dropout, rtol=0, atol=0)

@@ -14,7 +14,7 @@ the same name in all three places::
     port = 29500                 # DP_PORT               --port
     # url = "zmq://10.0.0.1:29500?curve=1"   DP_URL      --url         (instead of the three above)
     job = "digits"               # DP_JOB                --job
-    world_size = 8               # DP_WORLD_SIZE         --world-size
+    world_size = 8               # DP_WORLD_SIZE         --world-size  ("2:8": elastic bounds, see below)
     timeout = 300                # DP_TIMEOUT            --timeout     (seconds)
     token_file = "/etc/dp/token" # DP_TOKEN (the token)  --token-file
     nprocs = 4                   # DP_NPROCS             --nprocs      (launch: workers per node)
@@ -22,9 +22,15 @@ the same name in all three places::
     node_rank = 0                # DP_NODE_RANK          --node-rank
     max_restarts = 0             # DP_MAX_RESTARTS       --max-restarts (launch: restart a failed group)
     elastic = false              # DP_ELASTIC            --elastic     (a lost follower ends nothing: dp.fit regroups)
+    min_world_size = 2           # DP_MIN_WORLD_SIZE     --min-world-size (elastic: fewer left ends the job)
+    max_world_size = 8           # DP_MAX_WORLD_SIZE     --max-world-size (elastic: newcomers up to this)
     log_format = "text"          # DP_LOG_FORMAT         --log-format  ("json": launch writes one JSON object per line)
     [options]                    # DP_OPTIONS="a=1&b=2"  --option a=1  (URL query options)
     curve = 1
+
+``world_size = "MIN:MAX"`` sets ``min_world_size`` and ``max_world_size`` (the bounds of an
+elastic job) and leaves the starting size to ``dataparallel launch`` (nodes x nprocs) or to
+``DP_WORLD_SIZE``.
 
 ``rank`` and ``local_rank`` come from ``DP_RANK``/``DP_LOCAL_RANK`` (set by ``dataparallel
 launch``) or torchrun's ``RANK``/``LOCAL_RANK``. Under torchrun with no transport configured,
@@ -124,7 +130,16 @@ SETTINGS: dict[str, Setting] = {
         bool,
         "DP_ELASTIC",
         "false",
-        "a follower that dies ends nothing: the others carry on (dp.fit regroups without it)",
+        "a rank that dies ends nothing: the others carry on (dp.fit regroups without it), newcomers join",
+    ),
+    "min_world_size": Setting(
+        int, "DP_MIN_WORLD_SIZE", "1", "elastic: the fewest ranks that carry on (TrainOptions.min_world_size)"
+    ),
+    "max_world_size": Setting(
+        int,
+        "DP_MAX_WORLD_SIZE",
+        "the starting world size",
+        "elastic: the most ranks, newcomers admitted (TrainOptions.max_world_size)",
     ),
     "log_format": Setting(
         str,
@@ -252,6 +267,8 @@ class JobConfig:
     node_rank: int = 0
     max_restarts: int = 0
     elastic: bool = False
+    min_world_size: int | None = None
+    max_world_size: int | None = None
     log_format: str = "text"
     #: The job's hosts and their slots (workers; None: ``nprocs``, else 1), from ``hosts``
     #: (``h1:2,h2:2``) or ``hostfile``: ``dataparallel launch`` starts each over ssh.
@@ -309,6 +326,10 @@ def load_config(
                 options.update(_as_options(raw, where))
                 origin["options"] = where
                 continue
+            if name == "world_size" and isinstance(raw, str) and ":" in raw:  # "MIN:MAX": elastic bounds
+                for bound, part in zip(("min_world_size", "max_world_size"), raw.split(":", 1), strict=True):
+                    values[bound], origin[bound] = _coerce(bound, part, where), where
+                continue
             values[name] = _coerce(name, raw, where)
             origin[name] = where
             if source != "torchrun" and name in ("url", "transport", "host", "port"):
@@ -332,6 +353,8 @@ def load_config(
         node_rank=values.get("node_rank", 0),
         max_restarts=values.get("max_restarts", 0),
         elastic=values.get("elastic", False),
+        min_world_size=values.get("min_world_size"),
+        max_world_size=values.get("max_world_size"),
         log_format=values.get("log_format", "text"),
         hosts=values.get("__hosts", ()),
         origin={k: v for k, v in origin.items() if not k.startswith("__")},
@@ -753,6 +776,13 @@ def _validate(c: JobConfig) -> None:
             raise ConfigError(f"{c.describe(name)} must be >= 1, got {value}")
 
     positive("world_size", c.world_size)
+    positive("min_world_size", c.min_world_size)
+    positive("max_world_size", c.max_world_size)
+    if c.min_world_size is not None and c.max_world_size is not None and c.min_world_size > c.max_world_size:
+        raise ConfigError(
+            f"{c.describe('min_world_size')} = {c.min_world_size} is above {c.describe('max_world_size')} = "
+            f"{c.max_world_size}"
+        )
     positive("nprocs", c.nprocs)
     positive("nodes", c.nodes)
     if c.timeout <= 0:

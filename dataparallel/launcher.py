@@ -178,6 +178,9 @@ def launch(
         env["DP_TOKEN"] = config.token
     if config.elastic:
         env["DP_ELASTIC"] = "1"
+    for bound in ("min_world_size", "max_world_size"):  # read by TrainOptions
+        if getattr(config, bound) is not None:
+            env[f"DP_{bound.upper()}"] = str(getattr(config, bound))
     if as_json:
         env["DP_LOG_FORMAT"] = "json"  # dp.fit's per-epoch lines become JSON objects too
     master = _master_address(url, config.nodes)

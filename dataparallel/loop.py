@@ -104,14 +104,18 @@ class TrainOptions:
     #: the last snapshot, ``snapshot_every``; kept in memory on every rank). The driver's
     #: loss ends the job where the coordinator goes with it (zmq, grpc, tcpstore hosted by
     #: rank 0); where it outlives it (etcd, ``dataparallel serve``) the lowest surviving rank
-    #: drives on. ``fit`` must own the process group (no ``process_group=``). None: the ``elastic`` setting (``DP_ELASTIC``,
-    #: as ``dataparallel launch --elastic`` sets it), else False. Newcomers (processes
+    #: drives on. ``fit`` must own the process group (no ``process_group=``). None: the
+    #: ``elastic`` setting (``DP_ELASTIC``, as ``dataparallel launch --elastic`` sets it),
+    #: else False. Newcomers (processes
     #: started later with the same settings, or a lost one started again) are admitted at
     #: epoch boundaries, up to ``max_world_size``.
     elastic: bool | None = None
-    min_world_size: int = 1
-    #: The most ranks an elastic job grows to by admitting newcomers. None: the world size
-    #: it started with (lost ranks may be replaced, no more).
+    #: The fewest ranks an elastic job carries on with. None: the ``min_world_size`` setting
+    #: (``DP_MIN_WORLD_SIZE``, or ``world_size = "MIN:MAX"`` in the file), else 1.
+    min_world_size: int | None = None
+    #: The most ranks an elastic job grows to by admitting newcomers. None: the
+    #: ``max_world_size`` setting, else the world size it started with (lost ranks may be
+    #: replaced, no more).
     max_world_size: int | None = None
     #: When an elastic job's world size changes: False keeps the per-rank batch (the global
     #: batch, and so the gradient noise, follows the world size; the learning rate is not
@@ -169,6 +173,10 @@ class TrainOptions:
             raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {self.scheduler_interval!r}")
         if self.elastic is None:
             self.elastic = bool(env_setting("elastic"))
+        if self.min_world_size is None:
+            self.min_world_size = env_setting("min_world_size") or 1
+        if self.max_world_size is None:
+            self.max_world_size = env_setting("max_world_size")
         if self.min_world_size < 1:
             raise ValueError(f"min_world_size must be >= 1, got {self.min_world_size!r}")
         if self.max_world_size is not None and self.max_world_size < self.min_world_size:
@@ -696,10 +704,9 @@ class _Trainer:
         old, settle = self.ch, self.ch.liveness_timeout + 2 * self.ch.heartbeat_interval
         members, generation = elastic.survivors(old, self.generation + 1, settle)
         lost = sorted(set(range(old.world_size)) - set(members))
-        if len(members) < self.opts.min_world_size:
-            reason = (
-                f"{failure.reason}; {len(members)} rank(s) left, fewer than min_world_size={self.opts.min_world_size}"
-            )
+        fewest = self.opts.min_world_size or 1
+        if len(members) < fewest:
+            reason = f"{failure.reason}; {len(members)} rank(s) left, fewer than min_world_size={fewest}"
             raise PeerLost(failure.rank, failure.last_seen, reason, during=failure.during)
         job = elastic.generation_job(self._job, generation)
         rank = members.index(self.rank)

@@ -118,6 +118,9 @@ def test_torchrun_environment(tmp_path):
         ({"token_file": "/nonexistent/token"}, {}, "cannot read --token-file = '/nonexistent/token'"),
         ({"job": "a/b"}, {}, "job (from --job) must be a non-empty name without '/'"),
         ({}, {"DP_LOG_FORMAT": "yaml"}, "log_format (from DP_LOG_FORMAT) must be one of text, json, got 'yaml'"),
+        ({"world_size": "8:2"}, {}, "min_world_size (from --world-size) = 8 is above max_world_size"),
+        ({"world_size": "2:x"}, {}, "max_world_size (from --world-size) must be an integer, got 'x'"),
+        ({}, {"DP_MIN_WORLD_SIZE": "0"}, "min_world_size (from DP_MIN_WORLD_SIZE) must be >= 1, got 0"),
     ],
 )
 def test_bad_values_are_named_with_their_source(flags, env, message):
@@ -261,3 +264,20 @@ def test_a_host_file_named_in_a_file_is_relative_to_it_and_hosts_are_named_once(
     assert load_config({"config": tmp_path / "conf" / "dataparallel.toml"}, env={}).slots == [2, 2]
     with pytest.raises(dp.ConfigError, match=re.escape("n1 is named twice in the hosts ('n1' and 'root@n1')")):
         load_config({"hosts": "n1:2,root@n1:2"}, env={})
+
+
+def test_a_world_size_range_sets_the_elastic_bounds_and_leaves_the_start_to_the_launch(tmp_path, monkeypatch):
+    """``world_size = "2:8"`` in the file: min_world_size 2, max_world_size 8, no starting
+    size (the launcher's nodes x nprocs, or DP_WORLD_SIZE, gives it); TrainOptions reads the
+    bounds from the variables ``dataparallel launch`` sets."""
+    path = _file(tmp_path, 'world_size = "2:8"\n')
+    ranged = load_config(env={}, file=path)
+    assert (ranged.world_size, ranged.min_world_size, ranged.max_world_size) == (None, 2, 8)
+    assert ranged.origin["max_world_size"] == f"file {path}: world_size"
+    started = load_config(env={"DP_WORLD_SIZE": "3", "DP_MAX_WORLD_SIZE": "5"}, file=path)
+    assert (started.world_size, started.min_world_size, started.max_world_size) == (3, 2, 5)
+    monkeypatch.setenv("DP_MIN_WORLD_SIZE", "2")
+    monkeypatch.setenv("DP_MAX_WORLD_SIZE", "8")
+    options = dp.TrainOptions(elastic=True)
+    assert (options.min_world_size, options.max_world_size) == (2, 8)
+    assert dp.TrainOptions(min_world_size=3, max_world_size=4).max_world_size == 4

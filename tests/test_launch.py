@@ -92,6 +92,24 @@ def test_second_node_gets_the_next_ranks(tmp_path):
     assert sorted(run.stdout.splitlines()) == ["[rank 2] 2 0 4", "[rank 3] 3 1 4"]
 
 
+@pytest.mark.timeout(120)
+def test_an_elastic_world_size_range_reaches_the_workers_training_options(tmp_path):
+    """``--elastic --world-size 2:5 --nprocs 2``: two workers start (nodes x nprocs), and
+    each one's TrainOptions carry on with at least 2 and admit newcomers up to 5."""
+    script = tmp_path / "bounds.py"
+    script.write_text(
+        "import os, dataparallel as dp; o = dp.TrainOptions(); "
+        "print(os.environ['DP_WORLD_SIZE'], o.elastic, o.min_world_size, o.max_world_size)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "dataparallel", "launch", "--url", "zmq://127.0.0.1:1", "--elastic",
+         "--world-size", "2:5", "--nprocs", "2", str(script)],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.splitlines()) == ["[rank 0] 2 True 2 5", "[rank 1] 2 True 2 5"]
+
+
 ENV_SCRIPT = r"""
 import os
 import torch, torch.distributed as dist

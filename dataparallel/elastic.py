@@ -74,10 +74,10 @@ def survivors(ch: ControlChannel, generation: int, settle: float) -> tuple[list[
     ch._set(ch._scoped(f"{ready}{rank}"), b"1")
     me = str(rank).encode()
 
-    def deciding() -> bool:  # rank 0, or the first survivor to claim it once rank 0 is lost
-        if ch.rank == 0:
-            return True
-        return 0 in ch.lost_peers() and ch._compare_set(ch._scoped(f"{base}/decider"), b"", me) == me
+    claim = ch._scoped(f"{base}/decider")
+
+    def deciding() -> bool:  # rank 0, or once rank 0 is lost the first survivor: whoever claims it first
+        return (rank == 0 or 0 in ch.lost_peers()) and ch._compare_set(claim, b"", me) == me
 
     deadline = time.monotonic() + settle + ch.timeout
     while not ch._check([decided]):
@@ -89,6 +89,9 @@ def survivors(ch: ControlChannel, generation: int, settle: float) -> tuple[list[
             return members, generation
         if ch.failure is not None:
             raise ch.failure
+        decider = ch._get(claim, ch.timeout) if ch._check([claim]) else b""
+        if decider and int(decider) in ch.lost_peers():
+            raise ChannelClosed(f"job {ch.job!r}: rank {int(decider)}, deciding who carries on, was lost too")
         if time.monotonic() >= deadline:
             raise ChannelClosed(
                 f"job {ch.job!r}: no rank said who carries on into the next generation within "
@@ -252,6 +255,7 @@ class JoinQueue:
             self._next = int(self.queue.get(_NEXT, self.queue.timeout))
         else:
             self._next = self.queue.add(_COUNT, 0)  # numbers taken before this run are not its
+            self.queue.set(_NEXT, str(self._next).encode())  # for a driver that takes over
         self._missing: dict[int, float] = {}  # numbers taken whose request is not there: since when
         self.queue.add(_RUNNING, 1)
         self._done = threading.Event()

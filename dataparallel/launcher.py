@@ -222,6 +222,9 @@ def launch(
         nonlocal replaced
         if replaced >= restarts or lost.rank == 0:  # the first driver's rank is never queued again
             return False
+        if any(w.rank == 0 and w.proc.returncode not in (None, 0) for w in supervisor.workers):
+            return False  # the job may have ended with its driver (a coordinator hosted by it): nothing to join
+
         replaced += 1
         print(
             f"[launch] starting {lost.label} again (restart {replaced} of {restarts}): it joins the job "

@@ -371,6 +371,7 @@ class _Trainer:
         self._watcher: threading.Thread | None = None
         self._bar: Any = None  # the driver's progress bar during an epoch
         self._told_uneven = False
+        self._ran_uneven = False  # the last epoch's ranks had different batch counts (under Join)
         # Output to a log, not a terminal: one line per epoch ("text", or "json" as
         # `dataparallel launch --log-format json` asks) in place of a progress bar. None: a bar.
         self._lines: str | None = "json" if env_setting("log_format") == "json" else None
@@ -428,7 +429,7 @@ class _Trainer:
             raise ValueError(
                 "elastic training makes its own process groups: pass no process_group= and initialise none"
             )
-        if self.opts.max_world_size is not None and self.opts.max_world_size < self._first_world:
+        if self.opts.elastic and self.opts.max_world_size is not None and self.opts.max_world_size < self._first_world:
             raise ValueError(f"max_world_size={self.opts.max_world_size} is below the job's {self._first_world} ranks")
         if self.opts.elastic and self.ch.url.port == 0:
             raise ValueError(f"elastic training needs the coordinator at a fixed port: {self.ch.url.shown}")
@@ -522,10 +523,10 @@ class _Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> FitResult:
         self._started = time.monotonic()
-        self._setup()
         caught = self._catch_stop_signals()
         stopped = False
         try:
+            self._setup()
             if self.opts.elastic and self.rank == 0:  # after the rendezvous: no first rank finds it marked
                 self._queue = elastic.JoinQueue(self.ch, self._job)
             epoch: int | None = None
@@ -584,16 +585,21 @@ class _Trainer:
                 continue
             epoch = self._epoch = command["epoch"]
             if self.opts.elastic:
-                self._snapshot = self._state_now(epoch)
-                if self._base is not None:  # this epoch goes on mid-way: that is its start
-                    carried = self._partial["train"] if self._partial is not None and self.rank == 0 else None
-                    self._snapshot["position"] = self._position(0, carried, totals=False)
+                position = None
+                if self._partial is not None and self._reshards():
+                    # The epoch goes on mid-way, every rank from the same point: its sums so far.
+                    partial = self._partial
+                    position = self._position(partial["skip"], partial["train"], rng=partial["rng"])
+                self._keep(epoch, position)
+                if self._partial is not None and position is None:
+                    log.warning("rank %d: epoch %d goes on mid-way: no state to regroup from", self.rank, epoch)
+                    self._snapshot = None
             stamps = [started, time.perf_counter()]
             lr = self.optimizer.param_groups[0]["lr"]  # at the epoch's first step
             train = self._train_epoch(epoch)
-            self._base = None
             if self._stopped_at is not None:
                 self._stop_here(epoch, self._stopped_at, train)
+            self._base = None
             stamps.append(time.perf_counter())
             val = self._validate(epoch)
             stamps.append(time.perf_counter())
@@ -616,21 +622,31 @@ class _Trainer:
         one order the loop knows: a ``Dataset``, the default sampler, DDP)."""
         return isinstance(self.train_data, Dataset) and self.opts.sampler is None and self.opts.strategy == "ddp"
 
-    def _position(self, batches: int, sums: Any, totals: bool = True) -> dict[str, Any]:
+    def _keep(self, epoch: int, position: dict[str, Any] | None) -> None:
+        """Keep the state now as the one a regroup goes back to (``position``: where in
+        ``epoch``; None: its start). The collective ``position`` needed is behind it (a loss
+        there leaves the last snapshot in place); the old copy goes before the new one is made."""
+        self._snapshot = None
+        self._snapshot = self._state_now(epoch)
+        if position is not None:
+            self._snapshot["position"] = position
+
+    def _position(self, batches: int, sums: Any, rng: str | None = None) -> dict[str, Any]:
         """Where the current epoch is, after ``batches`` batches of every rank's shard (since
         it last went on mid-way): what goes on from there needs. ``sums``: this rank's
-        (loss sum, samples, batches), summed over the ranks (an all-reduce) where ``totals``."""
-        if totals:
-            summed = torch.tensor(list(sums), dtype=torch.float64, device=self.device)
-            dist.all_reduce(summed, group=self.pg)
-            sums = summed.tolist()
+        (loss sum, samples, batches), summed over the ranks (an all-reduce: every rank has the
+        totals, for whichever is rank 0 next). ``rng``: the RNG state to take once the loader
+        has started (default: this process's now)."""
+        summed = torch.tensor(list(sums), dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, group=self.pg)
+        total = summed.tolist()
         return {
             "batches": batches,
             "world": self.world,
             "batch": self.batch_size,
             "base": self._base,
-            "train": [float(sums[0]), int(sums[1]), int(sums[2])] if sums is not None else None,
-            "rng": _rng_state(),
+            "train": [float(total[0]), int(total[1]), int(total[2])],
+            "rng": rng or _rng_state(),
         }
 
     def _go_on_from(self, epoch: int, position: dict[str, Any], rng: str) -> None:
@@ -638,7 +654,7 @@ class _Trainer:
         ranks: the samples not yet trained, resharded; the epoch's sums so far on rank 0."""
         done = position["batches"] * position["batch"] * position["world"]
         self._base = self._order(epoch, position["world"], position["base"])[done:]
-        train = position["train"] if self.rank == 0 and position["train"] is not None else [0.0, 0, 0]
+        train = position["train"] if self.rank == 0 else [0.0, 0, 0]
         self._partial = {"train": tuple(train), "skip": 0, "rng": rng}
 
     def _order(self, epoch: int, world: int, base: list[int] | None) -> list[int]:
@@ -732,6 +748,7 @@ class _Trainer:
         position = snapshot.get("position")
         if position is not None:  # kept mid-epoch: only the samples not yet trained are left
             self._go_on_from(int(snapshot["epoch"]), position, position["rng"])
+        self._meet(new, generation)
         init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
         self.pg = dist.group.WORLD
         self._start_watchdog()
@@ -770,12 +787,7 @@ class _Trainer:
         self._opened.append(new)
         self.ch, self.world, self.generation = new, size, generation
         self._resize()
-        try:
-            new.rendezvous(timeout=self._grow_timeout())
-        except ControlError as err:
-            missing = [r for r in range(size) if new.peer_info(r) is None] or [size - 1]
-            why = f"rank(s) {missing} did not join generation {generation}: {err}"
-            raise PeerLost(missing[0], None, why) from err
+        self._meet(new, generation)
         init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
         self.pg = dist.group.WORLD
         self._start_watchdog()  # a newcomer lost from here on is noticed, not waited for
@@ -819,8 +831,19 @@ class _Trainer:
             queue.close()
 
     def _grow_timeout(self) -> float:
-        """How long a grown generation's rendezvous waits for its newcomers."""
+        """How long a new generation's rendezvous waits for its ranks (newcomers included)."""
         return min(self.ch.timeout, max(30.0, 3 * self.ch.liveness_timeout))
+
+    def _meet(self, new: ControlChannel, generation: int) -> None:
+        """Every rank of a new generation at its rendezvous, within :meth:`_grow_timeout`: one
+        that never comes (it died since it was counted in) is a loss, which the others regroup
+        from (it never joined, so no heartbeat of its would ever go missing)."""
+        try:
+            new.rendezvous(timeout=self._grow_timeout())
+        except ControlError as err:
+            missing = [r for r in range(new.world_size) if new.peer_info(r) is None] or [new.world_size - 1]
+            why = f"rank(s) {missing} did not join generation {generation}: {err}"
+            raise PeerLost(missing[0], None, why) from err
 
     def _share_state(self, after: int, epoch: int = 0) -> int:
         """The driver's state to the newcomers (the ranks from ``after`` on) of a grown group,
@@ -894,7 +917,7 @@ class _Trainer:
         if not self.history.epochs:
             return 1
         last = self.history.last
-        steps = max(1, last.train_batches_per_rank[0] // self.grad_accum)
+        steps = max(1, min(last.train_batches_per_rank) // self.grad_accum)
         return max(1, min(MAX_POLL_STRIDE, int(STOP_POLL_SECONDS / max(last.train_seconds / steps, 1e-9))))
 
     def _should_stop_early(self) -> bool:
@@ -960,7 +983,7 @@ class _Trainer:
         batches = self._batches(self.train_data, epoch, train=True)
         k = self.grad_accum
         loss_sum, samples, count = 0.0, 0, 0
-        uneven = self._uneven(epoch, batches)
+        uneven = self._ran_uneven = self._uneven(epoch, batches)
         local = self.opts.strategy == "local_sgd"
         if local and uneven:
             raise ValueError(
@@ -987,13 +1010,14 @@ class _Trainer:
             self._partial = None
             if bar is not None:
                 bar.update(skip)
+        done = skip  # batches of this rank's shard (of the samples left, where the epoch goes on mid-way)
         every = self.opts.snapshot_every if self.opts.elastic and self._reshards() else None
         polling = self._polls_stop() and not uneven  # under Join the ranks' collectives differ: at its end
         self._stop_poll, self._stopped_at = None, None
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
         with Join([self.ddp], enable=uneven):
             for i, ((x, y), last) in enumerate(_with_last(batches), start=skip):
-                count += 1
+                count, done = count + 1, i + 1
                 x, y = _to(x, self.device), _to(y, self.device)
                 boundary = (i + 1) % k == 0 or last
                 sync = contextlib.nullcontext() if boundary and not local else self.ddp.no_sync()
@@ -1013,14 +1037,13 @@ class _Trainer:
                 if bar is not None:
                     bar.update()
                 if every and boundary and not last and self.global_step % every == 0:
-                    self._snapshot = self._state_now(epoch)
-                    self._snapshot["position"] = self._position(i + 1, (loss_sum, samples, count))
+                    self._keep(epoch, self._position(i + 1, (loss_sum, samples, count)))
                 due = averaged if local else self.global_step % self._poll_stride == 0
                 if polling and boundary and due and self._agreed_to_stop():
                     self._stopped_at = i + 1
                     break
         if self._polls_stop() and self._stopped_at is None and self._agreed_to_stop(last=True):
-            self._stopped_at = count  # agreed at the epoch's end: stop before validating
+            self._stopped_at = done  # agreed at the epoch's end: stop before validating
         if bar is not None:
             bar.close()
         self._bar = None
@@ -1091,7 +1114,8 @@ class _Trainer:
         mine = json.dumps({"rng": _rng_state(), "train": list(train)}).encode()
         parsed = [json.loads(p) for p in self.ch.all_gather(f"dp-stop-{epoch}", mine, timeout=timeout)]
         # An epoch of uneven batch counts stopped at its end: its optimizer state as _report syncs it.
-        self._sync_after_join([p["train"][2] for p in parsed])
+        if self._ran_uneven:
+            self._sync_after_join([p["train"][2] for p in parsed])
         if self.rank == 0:
             partial = {
                 "epoch": epoch,
@@ -1253,7 +1277,8 @@ class _Trainer:
         if self._checkpoints(epoch):
             rng_states = self.ch.gather(f"dp-rng-{epoch}", _rng_state().encode(), dst=0, timeout=timeout)
         parsed = [json.loads(r) for r in reports]
-        self._sync_after_join([p["train"][2] for p in parsed])
+        if self._ran_uneven:
+            self._sync_after_join([p["train"][2] for p in parsed])
         command, trained, validated, reported = stamps[1], stamps[2], stamps[3], time.perf_counter()
         t_loss, t_n, t_b = (sum(p["train"][i] for p in parsed) for i in range(3))
         v_loss, v_n, v_correct, v_classified = (sum(p["val"][i] for p in parsed) for i in range(4))
@@ -1387,7 +1412,10 @@ class _Trainer:
         if partial is not None and state["world_size"] == self.world:
             train = partial["train"][self.rank]
             self._base = partial.get("base")
-            self._partial = {"train": tuple(train), "skip": train[2], "rng": state["rng"][self.rank]}
+            # In an epoch that went on mid-way every rank's shard of its samples left is as long:
+            # the batches done are the stop's (rank 0's sums carry those before, too).
+            skip = partial["batches"] if self._base is not None else train[2]
+            self._partial = {"train": tuple(train), "skip": skip, "rng": state["rng"][self.rank]}
         elif partial is not None and self._reshards() and "batch" in partial:
             sums = [sum(t[i] for t in partial["train"]) for i in range(3)]
             position = {**partial, "world": state["world_size"], "train": sums}

@@ -166,6 +166,11 @@ def main(cfg: dict) -> None:
                 time.sleep(0.05)
 
         hooks.setdefault("step_callbacks", []).append(hold)
+    if cfg.get("term_step"):  # [rank, step]: SIGTERM to that rank after that optimizer step (of the whole run)
+        rank_at, step_at = cfg["term_step"]
+        hooks.setdefault("step_callbacks", []).append(
+            lambda info: info.rank == rank_at and info.step == step_at and os.kill(os.getpid(), signal.SIGTERM)
+        )
     if cfg.get("step_sleep"):  # slow steps (seconds each, every rank)
         hooks.setdefault("step_callbacks", []).append(lambda info: time.sleep(cfg["step_sleep"]))
     if cfg.get("die") or cfg.get("freeze") or cfg.get("term"):

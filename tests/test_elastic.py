@@ -404,3 +404,30 @@ def test_a_killed_driver_is_replaced_where_the_coordinator_outlives_it(
     assert [e["world_size"] for e in replaced["epochs"]] == [3, 2, 2]
     assert [(r["epoch"], r["lost"], r["world_size"]) for r in replaced["regroups"]] == [(1, [0], 2)]
     assert_same_params(replaced, resumed_without_dropout, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_stop_in_an_epoch_that_goes_on_mid_way_resumes_where_it_stopped(tmp_path):
+    """Rank 2 is killed at step 6 of epoch 0; the survivors go on from the snapshot after
+    step 4 with the samples left. A SIGTERM there (rank 0, step 6 again) stops them with a
+    checkpoint of that point; resumed on the two of them, the job ends bit for bit as the same
+    elastic job that was never stopped."""
+    job = {"epochs": 2, "dropout": 0.2, "batch": 4, "elastic": True, "snapshot_every": 2, "die": [2, 0, 5]}
+    zmq = lambda: with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)  # noqa: E731
+    whole = run_ranks(zmq(), 3, "whole", out=str(tmp_path / "w.pt"), checkpoint=str(tmp_path / "w.ckpt"), **job)
+    ckpt = str(tmp_path / "s.ckpt")
+    stopped = run_ranks(zmq(), 3, "stopped", out=str(tmp_path / "s.pt"), checkpoint=ckpt, term_step=[0, 6], **job)
+    assert [code for code, _ in whole] == [0, 0, -9], whole[0][1][-3000:]
+    assert [code for code, _ in stopped] == [128 + 15, 128 + 15, -9], stopped[0][1][-3000:]
+    assert "from epoch 0 after 4 batches (48 samples left)" in stopped[0][1]
+    where = re.search(r"stopped by SIGTERM in epoch 0 after (\d) batches", stopped[0][1])
+    assert where and int(where.group(1)) < 6, stopped[0][1][-3000:]  # of the 6 the samples left make
+    resumed = run_ranks(zmq(), 2, "resumed", out=str(tmp_path / "r.pt"), checkpoint=ckpt, resume=True, **job)
+    assert all(code == 0 for code, _ in resumed), resumed[0][1][-3000:]
+    assert f"in epoch 0 after {where.group(1)} batches" in resumed[0][1]
+    a, b = (
+        torch.load(str(tmp_path / "w.pt"), weights_only=False),
+        torch.load(str(tmp_path / "r.pt"), weights_only=False),
+    )
+    assert_same_params(a, b, rtol=0, atol=0)
+    assert [e["train_samples"] for e in a["epochs"]] == [e["train_samples"] for e in b["epochs"]] == [96, 96]

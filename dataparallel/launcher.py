@@ -249,7 +249,7 @@ def launch(
             return code
         left, attempt = left - 1, attempt + 1
         print(
-            f"[launch] worker group failed (exit code {code}); restarting it, restart {restarts - left} of {restarts}",
+            f"[launch] worker group failed (exit code {code}); restarting it, attempt {attempt} of {restarts}",
             file=log,
             flush=True,
         )

@@ -49,6 +49,8 @@ class EtcdServer:
             self.client_port, self.peer_port = 2379, 2380
         self.cluster: str | None = None
         self.proc: subprocess.Popen | None = None
+        self.proc_code: int | None = None
+        self.log = data_dir.with_name(f"{data_dir.name}.log")
 
     @property
     def peer(self) -> str:
@@ -84,12 +86,19 @@ class EtcdServer:
             "100",
             *self.args,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log = self.data_dir.with_name(f"{self.data_dir.name}.log")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as log:  # what it says, for a start that fails
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
         return self
 
     def wait_ready(self) -> EtcdServer:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                said = self.log.read_text(errors="replace")[-1500:] if self.log.exists() else ""
+                self.stop()
+                raise EtcdExited(f"etcd exited with {self.proc_code} at start: {said}")
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
                     time.sleep(0.3)  # serving once the port answers and the member elects itself
@@ -102,17 +111,31 @@ class EtcdServer:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.kill()
-            self.proc.wait(timeout=10)
+            self.proc_code = self.proc.wait(timeout=10)
             self.proc = None
 
 
-def start_cluster(root: Path, n: int) -> list[EtcdServer]:
-    members = [EtcdServer(root / f"m{i}", name=f"m{i}") for i in range(n)]
-    cluster = ",".join(m.peer for m in members)
-    for m in members:
-        m.cluster = cluster
-        m.start()
-    return [m.wait_ready() for m in members]
+class EtcdExited(RuntimeError):
+    """An etcd member ended at its start (a port taken between choosing and binding it)."""
+
+
+def start_cluster(root: Path, n: int, tries: int = 3) -> list[EtcdServer]:
+    """``n`` members on 127.0.0.1, on fresh ports; started again on other ports (and data
+    directories) where a member ends at its start."""
+    for attempt in range(tries):
+        members = [EtcdServer(root / f"a{attempt}" / f"m{i}", name=f"m{i}") for i in range(n)]
+        cluster = ",".join(m.peer for m in members)
+        for m in members:
+            m.cluster = cluster
+            m.start()
+        try:
+            return [m.wait_ready() for m in members]
+        except EtcdExited:
+            for m in members:
+                m.stop()
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def require_etcd() -> None:

@@ -402,26 +402,40 @@ class _Trainer:
     def _take_seat(self, queue: ControlChannel) -> ControlChannel:
         """A newcomer: wait in the join queue until the driver seats it, then join that
         generation (its channel is closed when training ends)."""
-        from .connect import connect
-
         job = queue._newcomer_of or queue.job
         admission = elastic.await_admission(queue, job)
         log.warning(
             "admitted to job %r as rank %d of %d (generation %d)",
             job, admission.rank, admission.world_size, admission.generation,
         )  # fmt: skip
-        seat = connect(
-            queue.url.raw,
-            rank=admission.rank,
-            world_size=admission.world_size,
-            job=elastic.generation_job(job, admission.generation),
-            token=queue.token,
-            timeout=queue.timeout,
+        self._admission = admission
+        return self._open_generation(queue, job, admission.generation, admission.rank, admission.world_size)
+
+    def _open_generation(self, like: ControlChannel, job: str, generation: int, rank: int, size: int) -> ControlChannel:
+        """A channel to ``job``'s ``generation`` as ``rank`` of ``size``, on ``like``'s
+        coordinator or store with its token (closed when training ends)."""
+        from .connect import connect
+
+        new = connect(
+            like.url.raw,
+            rank=rank,
+            world_size=size,
+            job=elastic.generation_job(job, generation),
+            token=like.token,
+            timeout=like.timeout,
             elastic=False,
         )
-        self._opened.append(seat)
-        self._admission = admission
-        return seat
+        self._opened.append(new)
+        return new
+
+    def _form_group(self, new: ControlChannel, generation: int) -> None:
+        """The process group of a new generation once its ranks have met, watched from the
+        start (a rank lost while it forms is noticed, not waited for), DDP around the model."""
+        self._meet(new, generation)
+        init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
+        self.pg = dist.group.WORLD
+        self._start_watchdog()
+        self._wrap()
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -707,7 +721,6 @@ class _Trainer:
         """Carry on without the lost ranks: agree on the survivors through the old channel,
         open the next generation's channel and process group, go back to the state of the
         current epoch's start. Returns the epoch to redo."""
-        from .connect import connect
 
         started = time.monotonic()
         log.warning("rank %d: %s; regrouping without it", self.rank, failure)
@@ -724,18 +737,8 @@ class _Trainer:
         if len(members) < fewest:
             reason = f"{failure.reason}; {len(members)} rank(s) left, fewer than min_world_size={fewest}"
             raise PeerLost(failure.rank, failure.last_seen, reason, during=failure.during)
-        job = elastic.generation_job(self._job, generation)
         rank = members.index(self.rank)
-        new = connect(
-            old.url.raw,
-            rank=rank,
-            world_size=len(members),
-            job=job,
-            token=old.token,
-            timeout=old.timeout,
-            elastic=False,
-        )
-        self._opened.append(new)
+        new = self._open_generation(old, self._job, generation, rank, len(members))
         self.ch, self.rank, self.world, self.generation = new, rank, new.world_size, generation
         if self.rank == 0 and self.opts.elastic and self._queue is None:  # the driver was lost: this one drives
             self._queue = elastic.JoinQueue(new, self._job, take_over=True)
@@ -748,11 +751,7 @@ class _Trainer:
         position = snapshot.get("position")
         if position is not None:  # kept mid-epoch: only the samples not yet trained are left
             self._go_on_from(int(snapshot["epoch"]), position, position["rng"])
-        self._meet(new, generation)
-        init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
-        self.pg = dist.group.WORLD
-        self._start_watchdog()
-        self._wrap()
+        self._form_group(new, generation)
         epoch = int(snapshot["epoch"])
         seconds = time.monotonic() - started
         self.history.regroups.append(Regroup(epoch, lost, len(members), generation, seconds))
@@ -772,26 +771,16 @@ class _Trainer:
         keeps its rank, the newcomers take the ranks after them; a new channel and process
         group, and the driver's state to the newcomers. Where a newcomer does not come, the
         members regroup without it (as after a loss, from this epoch boundary)."""
-        from .connect import connect
-
         started, epoch = time.monotonic(), command["epoch"]
-        self._snapshot = self._state_now(epoch)  # what a failed admission goes back to
+        self._keep(epoch, None)  # what a failed admission goes back to
         self._stop_watchdog()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         old, generation, size = self.ch, command["generation"], command["world_size"]
-        job = elastic.generation_job(self._job, generation)
-        new = connect(
-            old.url.raw, rank=self.rank, world_size=size, job=job, token=old.token, timeout=old.timeout, elastic=False
-        )
-        self._opened.append(new)
+        new = self._open_generation(old, self._job, generation, self.rank, size)
         self.ch, self.world, self.generation = new, size, generation
         self._resize()
-        self._meet(new, generation)
-        init_process_group(new, device=self.device, timeout=self.opts.collective_timeout)
-        self.pg = dist.group.WORLD
-        self._start_watchdog()  # a newcomer lost from here on is noticed, not waited for
-        self._wrap()
+        self._form_group(new, generation)
         self._share_state(old.world_size, epoch)
         seconds = time.monotonic() - started
         joined = list(range(old.world_size, size))

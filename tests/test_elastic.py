@@ -23,6 +23,7 @@ import torch
 from etcdserver import EtcdServer, require_etcd
 from test_loop import WORKER, assert_same_params, run_ranks, spawn
 
+from dataparallel.elastic import open_queue
 from dataparallel.errors import ControlError
 from dataparallel.registry import resolve
 from dataparallel.testing import free_port, with_options
@@ -163,7 +164,7 @@ def queued(url: str, job: str) -> bool:
     """Whether a newcomer waits in ``job``'s join queue (looked at as the driver does)."""
     parsed, cls = resolve(url, None)
     try:
-        queue = cls(parsed, rank=None, world_size=1, job=f"{job}~join", timeout=2, serve=False)
+        queue = open_queue(parsed, cls, job, None, 2)
     except ControlError:  # no coordinator yet
         return False
     try:
@@ -314,7 +315,7 @@ def test_a_newcomer_seated_but_never_arriving_holds_the_members_up_only_so_long(
     takes the seat and does nothing with it): the members, moved to the larger generation,
     wait for it at most max(30 s, 3 x liveness_timeout), then carry on without it from that
     boundary, on three ranks, as the generation after."""
-    from dataparallel.elastic import await_admission, open_queue
+    from dataparallel.elastic import await_admission
 
     url = with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)
     out, release = str(tmp_path / "absent.pt"), tmp_path / "release"

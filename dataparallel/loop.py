@@ -46,7 +46,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import checkpoint, elastic
+from . import checkpoint, elastic, paramserver
 from .channel import ControlChannel
 from .config import env_setting
 from .errors import ChannelClosed, ControlError, PeerLeft, PeerLost, Preempted
@@ -140,9 +140,24 @@ class TrainOptions:
     #: snapshots see one replica. ``sync_every=1`` with SGD (momentum included) trains as
     #: ``"ddp"`` does; larger values trade staleness for fewer waits on a slow rank. Needs
     #: equal batch counts on every rank (a ``Dataset`` with ``DistributedSampler``, or a
-    #: sampler with equal shards).
+    #: sampler with equal shards). ``"async_ps"``: the last ``ps_ranks`` ranks are parameter
+    #: servers, holding the parameters sharded and applying the gradients the other ranks
+    #: (workers) push, each as it comes, with the optimizer; a worker reads the parameters
+    #: back after each push and never waits for another worker, except to keep
+    #: ``max_staleness``. A ``Dataset`` (default sampler) is handed out batch by batch, so a
+    #: fast worker trains more of an epoch than a slow one; a batch source or a sampler gives
+    #: each worker its share. Servers validate as workers do (every rank has the same
+    #: parameters at an epoch's end). Not with ``elastic`` or ``amp="fp16"``
+    #: (:mod:`dataparallel.paramserver`).
     strategy: str = "ddp"
     sync_every: int = 8
+    #: ``"async_ps"``: how many ranks (the job's last) are parameter servers.
+    ps_ranks: int = 1
+    #: ``"async_ps"``: the most updates a server applies between a worker's read of the
+    #: parameters and the update from the gradient it computed on them; a worker that would
+    #: make a slower one's gradient staler waits for it. 0: one worker at a time (sequential
+    #: SGD). None: 4 per worker.
+    max_staleness: int | None = None
     #: With ``checkpoint`` set, these signals stop training at a step boundary instead of
     #: killing the process: SIGTERM as Slurm sends it before it preempts a job or its time
     #: runs out (and as ``dataparallel launch`` forwards it), SIGUSR1 as ``sbatch
@@ -183,8 +198,17 @@ class TrainOptions:
             raise ValueError(
                 f"max_world_size ({self.max_world_size!r}) must be >= min_world_size ({self.min_world_size!r})"
             )
-        if self.strategy not in ("ddp", "local_sgd"):
-            raise ValueError(f"strategy must be 'ddp' or 'local_sgd', got {self.strategy!r}")
+        if self.strategy not in ("ddp", "local_sgd", "async_ps"):
+            raise ValueError(f"strategy must be 'ddp', 'local_sgd' or 'async_ps', got {self.strategy!r}")
+        if self.ps_ranks < 1 or (self.max_staleness is not None and self.max_staleness < 0):
+            raise ValueError(f"ps_ranks must be >= 1 and max_staleness >= 0 or None, got {self.ps_ranks!r}, "
+                             f"{self.max_staleness!r}")  # fmt: skip
+        if self.strategy == "async_ps" and (self.elastic or self.amp == "fp16"):
+            raise ValueError(
+                "strategy='async_ps' works without elastic (a lost worker or server ends the job with PeerLost) "
+                "and without amp='fp16' (the servers' optimizer steps take no loss scale): "
+                f"elastic={self.elastic!r}, amp={self.amp!r}"
+            )
         for name in self.stop_signals:
             if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
                 raise ValueError(f"stop_signals: {name!r} is not a signal that can be caught (e.g. 'SIGTERM')")
@@ -220,6 +244,11 @@ class EpochMetrics:
     #: Batches each rank trained on (``train_batches`` is their sum).
     train_batches_per_rank: list[int] = field(default_factory=list)
     world_size: int = 0  # ranks that trained this epoch
+    #: ``strategy="async_ps"``: the largest staleness of an update this epoch (updates a server
+    #: applied between a worker's read and that worker's update), and how many reads the
+    #: first server held back to keep ``max_staleness`` (a worker waited for a slower one).
+    staleness: int | None = None
+    held_back: int = 0
 
 
 @dataclass(frozen=True)
@@ -398,6 +427,10 @@ class _Trainer:
         #: ranks (a regroup, a resume): every rank takes its share of them. None: the sampler's.
         self._base: list[int] | None = None
         self._poll_stride = 1  # optimizer steps between stop polls (the driver's choice, per epoch)
+        #: ``strategy="async_ps"``: this rank's side (a server or a worker's client), the
+        #: servers' figures of the last epoch (every rank has them), batches handed out in it.
+        self._ps: paramserver.Server | paramserver.Client | None = None
+        self._served: list[dict[str, Any]] = []
 
     def _take_seat(self, queue: ControlChannel) -> ControlChannel:
         """A newcomer: wait in the join queue until the driver seats it, then join that
@@ -464,6 +497,8 @@ class _Trainer:
         )
         self.scheduler = self._make_scheduler(self.optimizer) if self._make_scheduler else None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.opts.amp == "fp16")
+        if self.opts.strategy == "async_ps":
+            self._ps = self._async_side()
         self.history = FitResult()
         self.start_epoch = 0
         self.best = (float("inf"), -1)  # (val loss, epoch)
@@ -941,17 +976,20 @@ class _Trainer:
         return err
 
     # ------------------------------------------------------------------ epochs
-    def _batches(self, data: Dataset[Any] | BatchSource, epoch: int, train: bool) -> Iterable[Batch]:
+    def _batches(
+        self, data: Dataset[Any] | BatchSource, epoch: int, train: bool, among: int | None = None
+    ) -> Iterable[Batch]:
+        """This rank's batches of ``epoch``; for training, its share among the first ``among``
+        ranks (default: all; under ``async_ps`` the workers)."""
+        among = among or self.world
         if callable(data) and not isinstance(data, Dataset):
-            return data(epoch, self.rank, self.world)
+            return data(epoch, self.rank, among if train else self.world)
         sampler: Iterable[int]
         if train and self._base is not None:  # the epoch goes on mid-way: the samples left
             sampler = _padded(self._base, self.world)[self.rank :: self.world]
         elif train:
             make = self.opts.sampler or DistributedSampler
-            sampler = make(
-                data, num_replicas=self.world, rank=self.rank, shuffle=self.opts.shuffle, seed=self.opts.seed
-            )
+            sampler = make(data, num_replicas=among, rank=self.rank, shuffle=self.opts.shuffle, seed=self.opts.seed)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
         else:
@@ -968,6 +1006,8 @@ class _Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def _train_epoch(self, epoch: int) -> tuple[float, int, int]:
+        if self._ps is not None:
+            return self._train_async(epoch)
         self.ddp.train()
         batches = self._batches(self.train_data, epoch, train=True)
         k = self.grad_accum
@@ -1112,6 +1152,9 @@ class _Trainer:
                 "train": [p["train"] for p in parsed],
                 "base": self._base,  # the epoch went on mid-way: its samples left then
                 "batch": self.batch_size,
+                # async_ps: the first server handed the epoch's batches out in one order: its
+                # first ``batches`` are done, whoever trained them (any number of ranks resumes).
+                "handed": self._ps is not None and self._hands_out(),
             }
             self._save(epoch - 1, [p["rng"] for p in parsed], partial=partial)
         self.ch.barrier(f"dp-stopped-{epoch}", timeout=timeout)  # no rank ends before the file is there
@@ -1133,6 +1176,182 @@ class _Trainer:
         if self.pg is None:
             raise RuntimeError("local SGD averages over the job's process group, which is not set up yet")
         average_parameters(iter(tensors), self.pg)
+
+    # ------------------------------------------------------------------ async_ps
+    def _async_side(self) -> paramserver.Server | paramserver.Client:
+        """This rank's part under ``strategy="async_ps"``: a server of its shard (with the
+        job's optimizer and scheduler) or a worker's client. The tensors go over a gloo group
+        on the CPU (a new one where the job's is NCCL: gloo receives from any rank)."""
+        params = self._trainable()
+        layout = paramserver.Layout.of(params, self.world, self.opts.ps_ranks)
+        group = self.pg
+        if dist.get_backend(self.pg) != "gloo":
+            group = dist.new_group(backend="gloo")
+        self._ps_group = group
+        if layout.server_index(self.rank) is None:
+            return paramserver.Client(params, layout, group)
+        bound = self.opts.max_staleness
+        if bound is None:
+            bound = paramserver.default_staleness(len(layout.workers))
+        scheduler = self.scheduler if self.opts.scheduler_interval == "step" else None
+        stepped = scheduler.step if scheduler else lambda: None
+        return paramserver.Server(
+            params, layout, self.rank, self.optimizer, stepped, bound, group, self._alive, self.opts.collective_timeout
+        )
+
+    def _alive(self) -> None:
+        """Raises once the watchdog has found a peer lost (explained as PeerLost by the loop)."""
+        if self._lost is not None:
+            raise RuntimeError(f"rank {self.rank}: {self._lost}")
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.ddp.module.parameters() if p.requires_grad]
+
+    def _hands_out(self) -> bool:
+        """Whether the first server hands the epoch's batches out (a ``Dataset``, the default
+        sampler) rather than each worker training its own share (a batch source, a sampler)."""
+        return isinstance(self.train_data, Dataset) and self.opts.sampler is None
+
+    def _train_async(self, epoch: int) -> tuple[float, int, int]:
+        """One epoch of ``strategy="async_ps"``: workers train and push, servers serve, then
+        every rank takes the servers' parameters and optimizer state (collectives)."""
+        self.ddp.train()
+        train, start = (0.0, 0, 0), 0
+        if self._partial is not None:  # resumed mid-epoch (a stop signal's checkpoint)
+            train, start = self._partial["train"], self._partial["skip"]
+            _set_rng_state(self._partial["rng"])
+            self._partial = None
+        self._stopped_at = None
+        if isinstance(self._ps, paramserver.Server):
+            handout = None
+            if self._ps.first:
+                dataset = self.train_data if self._hands_out() else None
+                total = paramserver.batches_in(len(dataset), self.batch_size) if isinstance(dataset, Sized) else 0
+                handout = paramserver.Handout(start, total, self.grad_accum)
+            served = self._ps.serve(self.global_step, handout)
+            mine: dict[str, Any] | None = {"served": asdict(served), **self._shard_state()}
+        else:
+            train = self._work(epoch, start, train)
+            mine = None
+        handed = self._settle(mine)
+        if self._polls_stop() and self._agreed_to_stop(last=True):
+            self._stopped_at = handed if self._hands_out() else train[2]
+        return train
+
+    def _work(self, epoch: int, start: int, sums: tuple[float, int, int]) -> tuple[float, int, int]:
+        """A worker's epoch: read, train on the batches handed out (or its share), push, read..."""
+        client = self._ps
+        if not isinstance(client, paramserver.Client):
+            raise RuntimeError("a server does not train")
+        module, k = self.ddp.module, self.grad_accum
+        loss_sum, samples, count = sums
+        bar = None
+        if self.rank == 0 and self.opts.progress and self._lines is None:
+            from tqdm import tqdm
+
+            bar = tqdm(desc=f"epoch {epoch}", unit="batch", leave=False)
+        self._bar = bar
+        order: list[int] = []
+        shares = None
+        if self._hands_out():
+            order = self._order(epoch, 1, None)
+        else:
+            workers = len(client.layout.workers)
+            shares = itertools.islice(iter(self._batches(self.train_data, epoch, True, workers)), start, None)
+        answer = client.read(stop=self._signalled is not None)
+        batch = start - 1
+        while True:
+            if shares is None:
+                group: Iterable[Batch] = (
+                    self._fetch(order, b) for b in range(answer.first, answer.first + answer.count)
+                )
+            else:
+                group = itertools.islice(shares, 0 if answer.stopped else k)
+            loss = None
+            for x, y in group:
+                x, y = _to(x, self.device), _to(y, self.device)
+                with self._autocast():
+                    loss = self.loss_fn(module(x), y)
+                (loss / k).backward()
+                n = _count(y)
+                loss_sum, samples, count, batch = loss_sum + float(loss.detach()) * n, samples + n, count + 1, batch + 1
+                if bar is not None:
+                    bar.update()
+            if loss is None:  # nothing handed out, or this worker's share done
+                break
+            if self.opts.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), self.opts.clip_grad_norm)
+            lr = self.optimizer.param_groups[0]["lr"]
+            answer = client.push(stop=self._signalled is not None)
+            self.global_step = answer.version
+            self._stepped(epoch, answer.first - 1 if shares is None else batch, loss, lr)
+        client.done()
+        if bar is not None:
+            bar.close()
+        self._bar = None
+        return loss_sum, samples, count
+
+    def _fetch(self, order: list[int], batch: int) -> Batch:
+        """Batch number ``batch`` of the epoch's ``order`` (a Dataset's), collated."""
+        from torch.utils.data import default_collate
+
+        collate = self.opts.loader_options.get("collate_fn") or default_collate
+        dataset: Any = self.train_data
+        return collate([dataset[i] for i in order[batch * self.batch_size : (batch + 1) * self.batch_size]])
+
+    def _shard_state(self) -> dict[str, Any]:
+        """A server's shard at an epoch's end: its parameters, their optimizer state (indexed
+        as the optimizer indexes them), the scheduler, the updates applied."""
+        server = self._ps
+        if not isinstance(server, paramserver.Server):
+            raise RuntimeError("only a server has a shard")
+        params = self._trainable()
+        index = self._ps_indices()
+        state = self.optimizer.state_dict()
+        mine = {index[id(p)] for p in server.owned}
+        return {
+            "params": {i: _on_cpu(params[i].detach()) for i in server.indices},
+            "state": {i: _on_cpu(v) for i, v in state["state"].items() if i in mine},
+            "groups": state["param_groups"],
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "version": server.version,
+        }
+
+    def _ps_indices(self) -> dict[int, int]:
+        """The optimizer's index of each parameter (by ``id``), as its ``state_dict`` numbers them."""
+        flat = (p for group in self.optimizer.param_groups for p in group["params"])
+        return {id(p): i for i, p in enumerate(flat)}
+
+    def _settle(self, mine: dict[str, Any] | None) -> int:
+        """The end of an async epoch, on every rank: the servers' parameters, optimizer state,
+        scheduler and update count everywhere; floating-point buffers (batch-norm statistics)
+        averaged over the workers, the others rank 0's. Returns the batches handed out."""
+        shards: list[Any] = [None] * self.world
+        dist.all_gather_object(shards, mine, group=self._ps_group)
+        shards = [s for s in shards if s is not None]
+        params = self._trainable()
+        merged: dict[int, Any] = {}
+        with torch.no_grad():
+            for shard in shards:
+                for i, value in shard["params"].items():
+                    params[i].copy_(value)
+                merged.update(shard["state"])
+        self.optimizer.load_state_dict({"state": merged, "param_groups": shards[0]["groups"]})
+        if self.scheduler is not None and shards[0]["scheduler"] is not None:
+            self.scheduler.load_state_dict(shards[0]["scheduler"])
+        self.global_step = int(shards[0]["version"])
+        workers = self.world - len(shards)
+        for b in self.ddp.module.buffers():
+            if b.is_floating_point():
+                total = (
+                    b.detach().cpu() if isinstance(self._ps, paramserver.Client) else torch.zeros_like(b, device="cpu")
+                )
+                dist.all_reduce(total, group=self._ps_group)
+                b.copy_(total / workers)
+            else:
+                dist.broadcast(b, src=0, group=self.pg)
+        self._served = [shard["served"] for shard in shards]
+        return int(self._served[0]["handed"] or 0)
 
     def _uneven(self, epoch: int, batches: Iterable[Batch]) -> bool:
         """Whether ranks may have different numbers of batches this epoch: a batch source may;
@@ -1168,6 +1387,10 @@ class _Trainer:
         if self.scheduler is not None and self.opts.scheduler_interval == "step":
             self.scheduler.step()
         self.global_step += 1
+        self._stepped(epoch, batch, loss, lr)
+
+    def _stepped(self, epoch: int, batch: int, loss: torch.Tensor, lr: float) -> None:
+        """After an optimizer step (``global_step`` counts it): the step callbacks, the log line."""
         every = self.opts.log_every
         log_now = every is not None and self.rank == 0 and self.global_step % every == 0
         if not (self.step_callbacks or log_now):
@@ -1278,6 +1501,8 @@ class _Trainer:
             train_batches=t_b,
             train_batches_per_rank=[p["train"][2] for p in parsed],
             world_size=self.world,
+            staleness=max(s["staleness"] for s in self._served) if self._served else None,
+            held_back=sum(s["held_back"] for s in self._served),
             val_loss=v_loss / v_n if v_n else None,
             val_samples=v_n,
             val_accuracy=v_correct / v_classified if v_classified else None,
@@ -1398,7 +1623,11 @@ class _Trainer:
         if self.extra_state is not None and state.get("extra") is not None:
             self.extra_state[1](state["extra"])
         partial = state.get("partial")
-        if partial is not None and state["world_size"] == self.world:
+        if partial is not None and partial.get("handed"):
+            sums = [sum(t[i] for t in partial["train"]) for i in range(3)] if self.rank == 0 else [0.0, 0, 0]
+            rng = state["rng"][self.rank % state["world_size"]]
+            self._partial = {"train": tuple(sums), "skip": partial["batches"], "rng": rng}
+        elif partial is not None and state["world_size"] == self.world:
             train = partial["train"][self.rank]
             self._base = partial.get("base")
             # In an epoch that went on mid-way every rank's shard of its samples left is as long:

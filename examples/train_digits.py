@@ -8,6 +8,7 @@ data-parallel across a driver and followers in separate processes.
     torchrun --nproc-per-node 3 examples/train_digits.py  # torchrun's store as the channel
     python examples/train_digits.py --elastic --kill 2    # rank 2 dies in epoch 1; 2 carry on
     python examples/train_digits.py --elastic --kill 2 --max-restarts 1   # ... and it comes back
+    python examples/train_digits.py --nprocs 4 --strategy async_ps   # 3 workers, 1 parameter server
 
 Reaches about 96-97% validation accuracy in 12 epochs (about 30 s on 2 CPU cores).
 """
@@ -54,7 +55,9 @@ def cnn() -> torch.nn.Module:
     )
 
 
-def train(epochs: int, checkpoint: str | None, result: str | None, kill: int | None = None) -> None:
+def train(
+    epochs: int, checkpoint: str | None, result: str | None, kill: int | None = None, strategy: str = "ddp"
+) -> None:
     # Transport, rank, world size, job and token come from the configuration: the DP_*
     # variables set by `dataparallel launch`, torchrun's, or dataparallel.toml.
     ch = dp.connect()
@@ -69,7 +72,12 @@ def train(epochs: int, checkpoint: str | None, result: str | None, kill: int | N
         )
 
     options = dp.TrainOptions(
-        epochs=epochs, batch_size=32, patience=3, checkpoint=checkpoint, resume=checkpoint is not None
+        epochs=epochs,
+        batch_size=32,
+        patience=3,
+        checkpoint=checkpoint,
+        resume=checkpoint is not None,
+        strategy=strategy,
     )
     model = cnn()
 
@@ -112,7 +120,7 @@ def train(epochs: int, checkpoint: str | None, result: str | None, kill: int | N
                 "world_size": ch.world_size,
                 "val_loss": outcome.last.val_loss,
                 "val_accuracy": outcome.last.val_accuracy,
-                "weights": [float(p.double().sum()) for p in model.parameters()],
+                "weights": [float(p.detach().double().sum()) for p in model.parameters()],
             }
             Path(result).write_text(json.dumps(summary))
             torch.save(model.state_dict(), Path(result).with_suffix(".pt"))  # the parameters themselves
@@ -130,9 +138,15 @@ def main() -> int:
     parser.add_argument(
         "--max-restarts", type=int, default=None, help="with --elastic: start a lost rank again; it rejoins the job"
     )
+    parser.add_argument(
+        "--strategy",
+        choices=["ddp", "local_sgd", "async_ps"],
+        default="ddp",
+        help="how the replicas agree (async_ps: the last rank is a parameter server)",
+    )
     args = parser.parse_args()
     if in_worker():  # started by `dataparallel launch` or torchrun
-        train(args.epochs, args.checkpoint, args.result, args.kill)
+        train(args.epochs, args.checkpoint, args.result, args.kill, args.strategy)
         return 0
     # Started by hand: become the launcher of a local job (zmq unless configured otherwise).
     return relaunch(

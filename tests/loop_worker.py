@@ -129,6 +129,8 @@ def main(cfg: dict) -> None:
         snapshot_every=cfg.get("snapshot_every"),
         strategy=cfg.get("strategy", "ddp"),
         sync_every=cfg.get("sync_every", 8),
+        ps_ranks=cfg.get("ps_ranks", 1),
+        max_staleness=cfg.get("max_staleness"),
     )
     net = model(cfg.get("dropout", 0.0))
     loss_fn = torch.nn.functional.mse_loss
@@ -171,8 +173,11 @@ def main(cfg: dict) -> None:
         hooks.setdefault("step_callbacks", []).append(
             lambda info: info.rank == rank_at and info.step == step_at and os.kill(os.getpid(), signal.SIGTERM)
         )
-    if cfg.get("step_sleep"):  # slow steps (seconds each, every rank)
-        hooks.setdefault("step_callbacks", []).append(lambda info: time.sleep(cfg["step_sleep"]))
+    if cfg.get("step_sleep"):  # slow steps (seconds each, every rank; a number per rank: each its own)
+        pause = cfg["step_sleep"]
+        hooks.setdefault("step_callbacks", []).append(
+            lambda info: time.sleep(pause[info.rank] if isinstance(pause, list) else pause)
+        )
     if cfg.get("die") or cfg.get("freeze") or cfg.get("term"):
         # [rank, epoch, batch]: that rank is killed (frozen, sent SIGTERM) there, mid-epoch
         kinds = (("die", signal.SIGKILL), ("freeze", signal.SIGSTOP), ("term", signal.SIGTERM))

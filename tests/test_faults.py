@@ -48,20 +48,26 @@ def spawn(cfg: dict) -> subprocess.Popen:
 
 
 class Job:
-    """A two-process training job, slow enough (0.2 s a batch) to be hit mid-epoch."""
+    """A training job (two processes unless ``world`` says), slow enough (0.2 s a batch) to be
+    hit mid-epoch; ``steppers``: the ranks that make optimizer steps (all but the parameter
+    servers of ``strategy="async_ps"``)."""
 
-    def __init__(self, url: str, tmp_path: Path, epochs: int = 50, liveness: float = LIVENESS) -> None:
+    def __init__(
+        self, url: str, tmp_path: Path, epochs: int = 50, liveness: float = LIVENESS, world: int = 2, **more
+    ) -> None:
         url = with_options(url, heartbeat=0.2, liveness_timeout=liveness)
         self.started = tmp_path / "started"
-        cfg = {"url": url, "world": 2, "out": str(tmp_path / "model.pt"), "slow": True, "epochs": epochs}
-        cfg["started"] = str(self.started)
-        cfg["collective_timeout"] = COLLECTIVE_TIMEOUT
-        self.procs = [spawn({**cfg, "rank": 1}), spawn({**cfg, "rank": 0})][::-1]  # [driver, follower]
+        cfg = {"url": url, "world": world, "out": str(tmp_path / "model.pt"), "slow": True, "epochs": epochs}
+        cfg.update(started=str(self.started), collective_timeout=COLLECTIVE_TIMEOUT, **more)
+        self.steppers = range(world - more.get("ps_ranks", 1) if more.get("strategy") == "async_ps" else world)
+        # the driver last: the followers are waiting for it
+        self.procs = [*[spawn({**cfg, "rank": r}) for r in range(1, world)][::-1], spawn({**cfg, "rank": 0})]
+        self.procs.reverse()  # [driver, rank 1, ...]
 
     def wait_training(self, timeout: float = 90) -> None:
-        """Until both ranks have made their first step, then a second more: inside an epoch."""
+        """Until every rank that steps has made its first step, then a second more: inside an epoch."""
         deadline = time.monotonic() + timeout
-        while not all(Path(f"{self.started}.{rank}").exists() for rank in range(len(self.procs))):
+        while not all(Path(f"{self.started}.{rank}").exists() for rank in self.steppers):
             for p in self.procs:
                 assert p.poll() is None, p.communicate(timeout=10)[1][-3000:]
             assert time.monotonic() < deadline, f"the job made no step within {timeout:g}s"
@@ -122,6 +128,28 @@ def test_follower_killed_or_frozen_mid_epoch(job_url, tmp_path, sig):
             how = "no heartbeat for the liveness timeout" if frozen else "its connections closed"
         outcome = f"driver raises PeerLost naming rank 1 ({how})"
         record(f"follower {what} mid-epoch", _transport(job_url), outcome, seconds)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [2, 1], ids=["server", "worker"])
+def test_async_ps_server_or_worker_killed_mid_epoch(victim, tmp_path):
+    """strategy="async_ps", two workers and a server (zmq): whichever is killed, the driver
+    (blocked in a point-to-point exchange, not a collective) raises PeerLost naming it, and
+    the third rank ends too, within the bound the collectives meet: with PeerLost, or with
+    ChannelClosed where the driver has ended first (the coordinator was in its process)."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    job = Job(url, tmp_path, world=3, strategy="async_ps")
+    try:
+        job.wait_training()
+        hit = job.hit(victim, signal.SIGKILL)
+        for rank in {0, 1, 2} - {victim}:
+            code, err, done = job.finish(rank)
+            assert code != 0
+            named = "PeerLost" in err and f"peer rank {victim} lost" in err
+            assert named or (rank != 0 and "ChannelClosed" in err), err[-3000:]
+            assert done - hit < BOUND, f"rank {rank} took {done - hit:.1f}s"
     finally:
         job.close()
 

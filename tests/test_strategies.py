@@ -1,8 +1,15 @@
 """Training strategies other than DDP, with real processes over gloo: local SGD (every rank
 steps its own optimizer; the replicas are averaged every ``sync_every`` steps and at every
-epoch's end)."""
+epoch's end) and asynchronous parameter servers (``async_ps``: workers push gradients to
+server ranks and read the parameters back, never waiting for each other beyond the
+staleness bound)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +55,85 @@ def test_local_sgd_refuses_uneven_batch_counts_saying_why(tmp_path):
     for code, log in runs:
         assert code != 0
         assert "strategy='local_sgd' needs the same number of batches on every rank" in log, log[-3000:]
+
+
+# ---------------------------------------------------------------------- async_ps
+ASYNC = {"strategy": "async_ps", "batch": 4, "lr": 0.01}
+
+
+@pytest.mark.timeout(300)
+def test_async_ps_with_one_worker_is_sequential_sgd_bit_for_bit(tmp_path):
+    """One worker and its servers (one, then two holding the parameters sharded): every
+    update is applied before the next read, so the run is one process's SGD on the same
+    batches, bit for bit, whatever the sharding; its checkpoints resume exactly."""
+    single = run_job(tmp_path, "zmq", 1, "single", batch=4, lr=0.01)
+    one_server = run_job(tmp_path, "tcpstore", 2, "ps1", **ASYNC)
+    two_servers = run_job(tmp_path, "grpc", 3, "ps2", ps_ranks=2, **ASYNC)
+    for run in (one_server, two_servers):
+        assert_same_params(single, run, rtol=0, atol=0)
+        assert [e["train_samples"] for e in run["epochs"]] == [96] * 3
+        assert [e["train_batches_per_rank"][-1] for e in run["epochs"]] == [0] * 3  # the servers train nothing
+        assert all(e["staleness"] == 0 for e in run["epochs"])
+    ckpt = str(tmp_path / "ps.ckpt")
+    run_job(tmp_path, "zmq", 2, "first", epochs=2, checkpoint=ckpt, **ASYNC)
+    resumed = run_job(tmp_path, "zmq", 2, "resumed", checkpoint=ckpt, resume=True, **ASYNC)
+    assert_same_params(single, resumed, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_async_ps_stopped_mid_epoch_trains_each_batch_once_on_any_number_of_workers(tmp_path):
+    """SIGTERM to a worker mid-epoch: the first server hands out no more batches, the job
+    checkpoints where it stopped. Resumed with one worker (sequential again) it ends bit
+    for bit where the run that never stopped does; resumed with two, the stopped epoch's
+    samples add up to the dataset's (each batch trained once, by whichever worker)."""
+    single = run_job(tmp_path, "zmq", 1, "single", batch=4, lr=0.01)
+    ckpt = str(tmp_path / "stop.ckpt")
+    url = f"zmq://127.0.0.1:{free_port()}"
+    runs = run_ranks(url, 2, "stop", out=str(tmp_path / "x.pt"), checkpoint=ckpt, term_step=[0, 30], **ASYNC)
+    assert [code for code, _ in runs] == [143, 143], [log[-2000:] for _, log in runs]
+    saved = torch.load(ckpt, weights_only=False)
+    # Epoch 1 (24 batches each): the signal came after update 30, whose answer had handed out
+    # batch 7 of the epoch; that one is trained, and its push tells the server to stop.
+    assert saved["partial"]["handed"] and saved["partial"]["batches"] == 7
+    resumed = run_job(tmp_path, "zmq", 2, "resumed", checkpoint=ckpt, resume=True, **ASYNC)
+    assert_same_params(single, resumed, rtol=0, atol=0)
+    wider = run_job(tmp_path, "zmq", 3, "wider", checkpoint=ckpt, resume=True, **ASYNC)
+    assert [e["train_samples"] for e in wider["epochs"]] == [96] * 3
+    assert sum(wider["epochs"][1]["train_batches_per_rank"]) == 24
+
+
+@pytest.mark.timeout(300)
+def test_async_ps_a_slowed_worker_is_waited_for_only_at_the_staleness_bound(tmp_path):
+    """Three workers, the third 4x slower (sleeps in its steps), one server. With a bound
+    that four-to-one speeds stay under, no read is held back: the fast workers never wait
+    and train most of each epoch. With a bound of 2, the server holds reads back and the
+    staleness of every update stays within it (reached, never passed)."""
+    slowed = {"step_sleep": [0.01, 0.01, 0.04, 0], "epochs": 2, **ASYNC}
+    free = run_job(tmp_path, "zmq", 4, "free", max_staleness=30, **slowed)
+    for epoch in free["epochs"]:
+        fast, slow = epoch["train_batches_per_rank"][:2], epoch["train_batches_per_rank"][2]
+        assert epoch["held_back"] == 0, epoch
+        assert min(fast) >= 2 * slow, epoch["train_batches_per_rank"]
+        assert epoch["staleness"] <= 30 and epoch["train_samples"] == 96
+    bound = run_job(tmp_path, "zmq", 4, "bound", max_staleness=2, **slowed)
+    for epoch in bound["epochs"]:
+        assert epoch["held_back"] > 0, epoch
+        assert epoch["staleness"] == 2, epoch
+        assert epoch["train_samples"] == 96
+
+
+@pytest.mark.timeout(300)
+def test_async_ps_reaches_ddps_accuracy_on_the_digits_example(tmp_path):
+    """examples/train_digits.py, 12 epochs: three ranks under DDP against three workers and a
+    parameter server (same per-rank batch, same optimizer): validation accuracy within one
+    percentage point (or better)."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+    accuracy = {}
+    for strategy, nprocs in (("ddp", 3), ("async_ps", 4)):
+        result = tmp_path / f"{strategy}.json"
+        cmd = [sys.executable, str(script), "--nprocs", str(nprocs), "--strategy", strategy, "--result", str(result)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        accuracy[strategy] = json.loads(result.read_text())["val_accuracy"]
+    assert accuracy["async_ps"] >= accuracy["ddp"] - 0.01, accuracy
+    assert accuracy["ddp"] > 0.9, accuracy

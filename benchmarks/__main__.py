@@ -18,7 +18,7 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
   faults      detection times of the fault-injection tests, as a table     -> faults.py
   elastic     recovery after a follower is killed: elastic regroup vs restart + checkpoint,
               per transport                                                 -> elastic.py
-  strategies  samples/s of DDP and local SGD, 4 ranks, with and without a 2x straggler
+  strategies  samples/s of DDP, local SGD and async PS, 4 ranks, with and without a 2x straggler
                                                                             -> strategies.py
   ports       lines changed by porting a torchrun DDP script to dp.fit, against its
               Lightning Fabric port                                         -> ports.py

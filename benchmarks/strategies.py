@@ -1,21 +1,27 @@
-"""Throughput of the training strategies with and without a straggler: DDP against local SGD.
+"""Throughput of the training strategies with and without a straggler: DDP, local SGD and
+asynchronous parameter servers.
 
     python -m benchmarks.strategies                   # 4 ranks, 3 repeats per case
     python -m benchmarks.strategies --repeats 1
 
-Each job runs 4 ranks under ``dataparallel launch`` (zmq): a small MLP, 3 epochs of 40
-optimizer steps of 16 samples per rank. A step's compute is simulated by a sleep of
-``STEP_S`` on every rank (on top of the MLP's own few hundred microseconds), so that four
-ranks on a two-core machine measure waiting on each other, not the CPU they share. Cases:
+Each job runs 4 training ranks under ``dataparallel launch`` (zmq): a small MLP, 3 epochs of
+40 optimizer steps of 16 samples per rank (DDP's count; ``async_ps`` hands the same 160
+batches out to whichever worker asks, and runs a fifth process, the parameter server). A
+step's compute is simulated by a sleep of ``STEP_S`` on every rank (on top of the MLP's own
+few hundred microseconds), so that four ranks on a two-core machine measure waiting on each
+other, not the CPU they share. Cases:
 
 - ``none``: every rank takes ``STEP_S`` per step;
 - ``fixed``: rank 3 is slowed 2x on every step (a slower machine);
 - ``random``: on each step one rank, drawn at random, is slowed 2x (stragglers that move:
-  noisy neighbours, garbage collection, a contended disk).
+  noisy neighbours, garbage collection, a contended disk): the draw for a rank's n-th step
+  is the same on every rank, so under DDP exactly one rank is slow per step.
 
 Strategies: ``ddp`` (gradients averaged every step: every step waits for the slowest
-rank) and ``local_sgd`` with ``sync_every=8`` (ranks wait for each other every 8 steps and
-at the end of an epoch). Throughput is the samples of epochs 1 and 2 (epoch 0 warms up)
+rank), ``local_sgd`` with ``sync_every=8`` (ranks wait for each other every 8 steps and
+at the end of an epoch) and ``async_ps`` (4 workers and 1 server, the default
+``max_staleness``: a worker waits for its reads, and for a slower worker only at the
+bound). Throughput is the samples of epochs 1 and 2 (epoch 0 warms up)
 over their wall time, on rank 0, median of the repeats. Writes
 ``benchmarks/results/strategies.json`` and ``strategies.png``.
 """
@@ -39,7 +45,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEP_S = 0.02
 RANKS, BATCH, STEPS, EPOCHS = 4, 16, 40, 3
 CASES = ["none", "fixed", "random"]
-STRATEGIES = {"ddp": {"strategy": "ddp"}, "local_sgd (sync_every=8)": {"strategy": "local_sgd", "sync_every": 8}}
+STRATEGIES = {
+    "ddp": {"strategy": "ddp"},
+    "local_sgd (sync_every=8)": {"strategy": "local_sgd", "sync_every": 8},
+    "async_ps (4 workers + 1 server)": {"strategy": "async_ps"},
+}
+
+
+def processes(strategy: dict) -> int:
+    return RANKS + (1 if strategy["strategy"] == "async_ps" else 0)  # + the parameter server
 
 
 def slowed(case: str, rank: int, step: int) -> bool:
@@ -64,9 +78,11 @@ def worker(out: Path, case: str, strategy: dict) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     seen: dict = {}
+    steps = [0]  # this rank's own (async_ps: StepInfo.step counts every worker's updates)
 
     def on_step(info: dp.StepInfo) -> None:
-        time.sleep(STEP_S * (2 if slowed(case, info.rank, info.step) else 1))
+        steps[0] += 1
+        time.sleep(STEP_S * (2 if slowed(case, info.rank, steps[0]) else 1))
 
     def on_epoch(m: dp.EpochMetrics) -> None:
         seen[m.epoch] = (time.perf_counter(), m.train_samples)
@@ -84,7 +100,8 @@ def job(case: str, strategy: str) -> float | None:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"zmq://127.0.0.1:{free_port()}"
         spec = json.dumps({"out": tmp, "case": case, "strategy": STRATEGIES[strategy]})
-        cmd = [sys.executable, "-m", "dataparallel", "launch", "--nprocs", str(RANKS), "--url", url,
+        nprocs = processes(STRATEGIES[strategy])
+        cmd = [sys.executable, "-m", "dataparallel", "launch", "--nprocs", str(nprocs), "--url", url,
                "-m", "benchmarks.strategies", "--", "--worker", spec]  # fmt: skip
         run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         result = Path(tmp) / "result.json"
@@ -145,8 +162,8 @@ def plot(results: dict, path: Path) -> None:
         values = [results["median"][c][name]["samples_per_s"] for c in cases]
         ax.bar([x + i * width for x in range(len(cases))], values, width, label=name)
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(cases))], [f"straggler: {c}" for c in cases])
-    ax.set_ylabel("samples/s (4 ranks)")
-    ax.set_title(f"DDP vs local SGD, one rank slowed 2x ({results['machine'].split(';')[0]})")
+    ax.set_ylabel("samples/s (4 training ranks)")
+    ax.set_title(f"Strategies, one rank slowed 2x ({results['machine'].split(';')[0]})", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -49,8 +49,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from . import checkpoint, elastic, paramserver
 from .channel import ControlChannel
 from .config import env_setting
-from .errors import ChannelClosed, ControlError, PeerLeft, PeerLost, Preempted
-from .process_group import abort_process_group, init_process_group
+from .errors import ChannelClosed, ControlError, ControlTimeout, PeerLeft, PeerLost, Preempted
+from .process_group import abort_process_group, init_process_group, new_gloo_group
 
 log = logging.getLogger(__name__)
 
@@ -430,6 +430,7 @@ class _Trainer:
         #: ``strategy="async_ps"``: this rank's side (a server or a worker's client), the
         #: servers' figures of the last epoch (every rank has them), batches handed out in it.
         self._ps: paramserver.Server | paramserver.Client | None = None
+        self._ps_group: Any = None  # the group its tensors go over (gloo)
         self._served: list[dict[str, Any]] = []
 
     def _take_seat(self, queue: ControlChannel) -> ControlChannel:
@@ -567,6 +568,8 @@ class _Trainer:
                 self._lost = next(iter(lost.values()))
                 log.error("rank %d: %s; aborting the process group", self.rank, self._lost)
                 abort_process_group(self.pg)
+                if self._ps_group is not None and self._ps_group is not self.pg:
+                    abort_process_group(self._ps_group)
                 return
 
     # ------------------------------------------------------------------ the loop
@@ -1186,7 +1189,7 @@ class _Trainer:
         layout = paramserver.Layout.of(params, self.world, self.opts.ps_ranks)
         group = self.pg
         if dist.get_backend(self.pg) != "gloo":
-            group = dist.new_group(backend="gloo")
+            group = new_gloo_group(self.ch, self.opts.collective_timeout)
         self._ps_group = group
         if layout.server_index(self.rank) is None:
             return paramserver.Client(params, layout, group)
@@ -1194,9 +1197,17 @@ class _Trainer:
         if bound is None:
             bound = paramserver.default_staleness(len(layout.workers))
         scheduler = self.scheduler if self.opts.scheduler_interval == "step" else None
-        stepped = scheduler.step if scheduler else lambda: None
         return paramserver.Server(
-            params, layout, self.rank, self.optimizer, stepped, bound, group, self._alive, self.opts.collective_timeout
+            params,
+            layout,
+            self.rank,
+            self.optimizer,
+            scheduler.step if scheduler else lambda: None,
+            bound,
+            group,
+            alive=self._alive,
+            timeout=self.opts.collective_timeout,
+            stopping=lambda: self._signalled is not None,
         )
 
     def _alive(self) -> None:
@@ -1204,42 +1215,71 @@ class _Trainer:
         if self._lost is not None:
             raise RuntimeError(f"rank {self.rank}: {self._lost}")
 
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.ddp.module.parameters() if p.requires_grad]
+    def _trainable(self) -> list[torch.Tensor]:
+        """The parameters the servers hold: the optimizer's that take gradients, in its order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
 
     def _hands_out(self) -> bool:
-        """Whether the first server hands the epoch's batches out (a ``Dataset``, the default
-        sampler) rather than each worker training its own share (a batch source, a sampler)."""
-        return isinstance(self.train_data, Dataset) and self.opts.sampler is None
+        """Whether the first server hands the epoch's batches out (a map-style ``Dataset``, the
+        default sampler) rather than each worker training its own share (a batch source, a
+        sampler)."""
+        return isinstance(self.train_data, Dataset) and isinstance(self.train_data, Sized) and self.opts.sampler is None
 
     def _train_async(self, epoch: int) -> tuple[float, int, int]:
-        """One epoch of ``strategy="async_ps"``: workers train and push, servers serve, then
-        every rank takes the servers' parameters and optimizer state (collectives)."""
+        """One epoch of ``strategy="async_ps"``: workers train and push, servers serve; then
+        every rank waits for the servers to be done (on the control channel, as long as every
+        peer lives: a worker done early waits for the slowest one's last batches) and takes
+        their parameters and optimizer state (collectives)."""
         self.ddp.train()
-        train, start = (0.0, 0, 0), 0
+        train, start, rng = (0.0, 0, 0), 0, None
         if self._partial is not None:  # resumed mid-epoch (a stop signal's checkpoint)
-            train, start = self._partial["train"], self._partial["skip"]
-            _set_rng_state(self._partial["rng"])
+            train, start, rng = self._partial["train"], self._partial["skip"], self._partial["rng"]
             self._partial = None
         self._stopped_at = None
+        served_key = f"dp-ps-served-{epoch}"
         if isinstance(self._ps, paramserver.Server):
+            if rng is not None:
+                _set_rng_state(rng)
             handout = None
             if self._ps.first:
-                dataset = self.train_data if self._hands_out() else None
-                total = paramserver.batches_in(len(dataset), self.batch_size) if isinstance(dataset, Sized) else 0
+                total = self._handout_size() if self._hands_out() else 0
                 handout = paramserver.Handout(start, total, self.grad_accum)
             served = self._ps.serve(self.global_step, handout)
             mine: dict[str, Any] | None = {"served": asdict(served), **self._shard_state()}
+            if self._ps.first:
+                self.ch.set(served_key, b"1")
         else:
-            train = self._work(epoch, start, train)
+            train = self._work(epoch, start, train, rng)
             mine = None
+        self._await_key(served_key)
         handed = self._settle(mine)
         if self._polls_stop() and self._agreed_to_stop(last=True):
             self._stopped_at = handed if self._hands_out() else train[2]
         return train
 
-    def _work(self, epoch: int, start: int, sums: tuple[float, int, int]) -> tuple[float, int, int]:
-        """A worker's epoch: read, train on the batches handed out (or its share), push, read..."""
+    def _await_key(self, key: str) -> None:
+        """Until ``key`` is set on the channel, as long as no peer is lost (a slow peer is
+        waited for; a lost one raises, explained as PeerLost)."""
+        while True:
+            self._alive()
+            try:
+                self.ch.wait([key], timeout=1.0)
+                return
+            except ControlTimeout:
+                continue
+
+    def _handout_size(self) -> int:
+        """How many batches the first server hands out in an epoch (``drop_last`` as the
+        ``loader_options`` say)."""
+        samples = len(self.train_data)  # type: ignore[arg-type]
+        if self.opts.loader_options.get("drop_last"):
+            return samples // self.batch_size
+        return -(-samples // self.batch_size)
+
+    def _work(self, epoch: int, start: int, sums: tuple[float, int, int], rng: str | None) -> tuple[float, int, int]:
+        """A worker's epoch: read, train on the batches handed out (or on its share), push,
+        read... ``start``: the batches of the epoch done before (handed out, or of its share);
+        ``rng``: the RNG state to take once the batches have started."""
         client = self._ps
         if not isinstance(client, paramserver.Client):
             raise RuntimeError("a server does not train")
@@ -1258,23 +1298,26 @@ class _Trainer:
         else:
             workers = len(client.layout.workers)
             shares = itertools.islice(iter(self._batches(self.train_data, epoch, True, workers)), start, None)
+        if rng is not None:
+            _set_rng_state(rng)  # after the loader's start, which draws from it
         answer = client.read(stop=self._signalled is not None)
-        batch = start - 1
+        batch = start - 1  # the last batch trained (of the epoch, or of this worker's share)
         while True:
+            group: Iterable[tuple[int, Batch]]
             if shares is None:
-                group: Iterable[Batch] = (
-                    self._fetch(order, b) for b in range(answer.first, answer.first + answer.count)
-                )
+                handed = range(answer.first, answer.first + answer.count)
+                group = ((b, self._fetch(order, b)) for b in handed)
             else:
-                group = itertools.islice(shares, 0 if answer.stopped else k)
+                group = zip(itertools.count(batch + 1), itertools.islice(shares, 0 if answer.stopped else k))
             loss = None
-            for x, y in group:
+            for b, (x, y) in group:
+                batch = b
                 x, y = _to(x, self.device), _to(y, self.device)
                 with self._autocast():
                     loss = self.loss_fn(module(x), y)
                 (loss / k).backward()
                 n = _count(y)
-                loss_sum, samples, count, batch = loss_sum + float(loss.detach()) * n, samples + n, count + 1, batch + 1
+                loss_sum, samples, count = loss_sum + float(loss.detach()) * n, samples + n, count + 1
                 if bar is not None:
                     bar.update()
             if loss is None:  # nothing handed out, or this worker's share done
@@ -1284,7 +1327,7 @@ class _Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             answer = client.push(stop=self._signalled is not None)
             self.global_step = answer.version
-            self._stepped(epoch, answer.first - 1 if shares is None else batch, loss, lr)
+            self._stepped(epoch, batch, loss, lr)
         client.done()
         if bar is not None:
             bar.close()
@@ -1292,7 +1335,9 @@ class _Trainer:
         return loss_sum, samples, count
 
     def _fetch(self, order: list[int], batch: int) -> Batch:
-        """Batch number ``batch`` of the epoch's ``order`` (a Dataset's), collated."""
+        """Batch number ``batch`` of the epoch's ``order`` (a map-style Dataset's), read and
+        collated in this process (``collate_fn`` from ``loader_options``; loader processes
+        are not used for batches handed out one by one)."""
         from torch.utils.data import default_collate
 
         collate = self.opts.loader_options.get("collate_fn") or default_collate
@@ -1623,7 +1668,18 @@ class _Trainer:
         if self.extra_state is not None and state.get("extra") is not None:
             self.extra_state[1](state["extra"])
         partial = state.get("partial")
-        if partial is not None and partial.get("handed"):
+        handing_out = self._ps is not None and self._hands_out()
+        if partial is not None and (
+            bool(partial.get("handed")) != handing_out or (handing_out and partial.get("batch") != self.batch_size)
+        ):
+            # Batches handed out by a parameter server and a rank's shard are not the same count.
+            log.warning(
+                "resuming from %s, stopped in epoch %d under another strategy or batch size: epoch %d starts "
+                "over (its first %d batches were trained then)",
+                self.opts.checkpoint, partial["epoch"], partial["epoch"], partial["batches"],
+            )  # fmt: skip
+            partial = None
+        if partial is not None and handing_out:  # async_ps: the first server hands out the rest, to any workers
             sums = [sum(t[i] for t in partial["train"]) for i in range(3)] if self.rank == 0 else [0.0, 0, 0]
             rng = state["rng"][self.rank % state["world_size"]]
             self._partial = {"train": tuple(sums), "skip": partial["batches"], "rng": rng}
@@ -1642,7 +1698,7 @@ class _Trainer:
             return
         if partial is None:
             log.warning("resuming from %s after epoch %d", self.opts.checkpoint, state["epoch"])
-        elif self._partial is not None and state["world_size"] == self.world:
+        elif self._partial is not None and (state["world_size"] == self.world or handing_out):
             log.warning(
                 "resuming from %s in epoch %d after %d batches",
                 self.opts.checkpoint,

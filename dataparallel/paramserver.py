@@ -20,9 +20,10 @@ of its shard; every answer is a header then the shard's parameters):
   worker with a read out may push once before any other, so a read is answered only when
   ``outstanding + max(version - read of each outstanding) <= max_staleness`` (the worst case
   of every read out, this one included): the worker too far ahead waits for the slow one's
-  update. Exact on the first server; a worker asks the others only once the first has
-  answered, so on their shards a gradient can be older by the pushes still in flight to
-  them (at most one per worker);
+  update. The other servers answer a read once they have applied as many updates as the
+  first had when it answered (a worker pushes to them before it pushes to the first, so
+  those updates are on their way): a read there is at least as new as the first server's,
+  and as many pushes at most land before the update, so the bound holds on every shard;
 - the first server also hands out the epoch's batches (``grad_accum`` at a time) in its
   answers, so a fast worker trains more of them than a slow one: the epoch ends when its
   batches are done, not when the slowest worker's share is. A stop (a worker's flag) ends
@@ -52,7 +53,9 @@ import torch.distributed as dist
 
 PULL, PUSH, DONE = 0, 1, 2
 STOP = 1  # a header flag: the sender was signalled to stop; no more batches are handed out
-HEADER = 4  # int64 elements: (kind, flags, 0, 0) asked; (version, first batch, batches, stopped) answered
+HEADER = (
+    4  # int64 elements: (kind, flags, version to wait for, 0) asked; (version, first batch, batches, stopped) answered
+)
 TAG_ASK, TAG_GRAD, TAG_ANSWER, TAG_PARAMS = 701, 702, 703, 704
 
 
@@ -168,9 +171,11 @@ class Server:
         group: Any = None,
         alive: Callable[[], None] = lambda: None,
         timeout: float = 300.0,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         """``alive()`` raises once a peer is known lost (checked while no request comes);
-        ``timeout``: the longest wait for a request."""
+        ``timeout``: the longest wait for a request; ``stopping()``: whether this process was
+        signalled to stop (the first server then hands out no more batches)."""
         index = layout.server_index(rank)
         if index is None:
             raise ValueError(f"rank {rank} is not a server of {layout}")
@@ -181,7 +186,7 @@ class Server:
         self.grads = torch.zeros_like(self.shard.buffer)
         self.layout, self.optimizer, self.after_update = layout, optimizer, after_update
         self.max_staleness, self.group = max_staleness, group
-        self.alive, self.timeout = alive, timeout
+        self.alive, self.timeout, self.stopping = alive, timeout, stopping
         self.version = 0
 
     def serve(self, version: int, handout: Handout | None) -> Served:
@@ -189,16 +194,16 @@ class Server:
         self.version = version
         served = Served()
         outstanding: dict[int, int] = {}  # worker -> the version it read
-        waiting: deque[int] = deque()  # workers asking to read, in order
+        waiting: deque[tuple[int, int]] = deque()  # workers asking to read, in order; the version each waits for
         held: dict[int, float] = {}  # those not answered at once: since when
         done: set[int] = set()
-        requests: queue.Queue[tuple[int, int, int] | BaseException] = queue.Queue()
+        requests: queue.Queue[tuple[int, int, int, int] | BaseException] = queue.Queue()
         for worker in self.layout.workers:
             threading.Thread(target=self._listen, args=(worker, requests), daemon=True, name="dp-ps-listen").start()
         while len(done) < len(self.layout.workers):
             request = self._next(requests)
-            src, kind, flags = request
-            if flags & STOP and handout is not None:
+            src, kind, flags, after = request
+            if handout is not None and (flags & STOP or self.stopping()):
                 handout.stopped = True
             if kind == DONE:
                 outstanding.pop(src, None)
@@ -210,35 +215,35 @@ class Server:
                 self._apply()
                 served.updates += 1
             if kind == PULL or (kind == PUSH and self.first):  # a push to the first server asks to read too
-                waiting.append(src)
-            while waiting and (not self.first or self._may_answer(outstanding)):
-                worker = waiting.popleft()
+                waiting.append((src, after))
+            while waiting and self._may_answer(outstanding, waiting[0][1]):
+                worker, _ = waiting.popleft()
                 if worker in held:
                     served.held_back += 1
                     served.held_seconds += time.monotonic() - held.pop(worker)
                 self._answer(worker, handout)
                 outstanding[worker] = self.version
-            for worker in waiting:
+            for worker, _ in waiting:
                 held.setdefault(worker, time.monotonic())
         if handout is not None:
             served.handed, served.stopped = handout.next, handout.stopped
         return served
 
-    def _listen(self, worker: int, requests: queue.Queue[tuple[int, int, int] | BaseException]) -> None:
+    def _listen(self, worker: int, requests: queue.Queue[tuple[int, int, int, int] | BaseException]) -> None:
         """One worker's requests (headers), in order, until it is done: a receive from one rank
         each (one from any rank would not end when a peer is lost and the group aborted)."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         try:
             while True:
                 dist.recv(header, src=worker, group=self.group, tag=TAG_ASK)
-                kind, flags = int(header[0]), int(header[1])
-                requests.put((worker, kind, flags))
+                kind, flags, after = int(header[0]), int(header[1]), int(header[2])
+                requests.put((worker, kind, flags, after))
                 if kind == DONE:
                     return
         except BaseException as err:  # handed to the serving thread, which raises it
             requests.put(err)
 
-    def _next(self, requests: queue.Queue[tuple[int, int, int] | BaseException]) -> tuple[int, int, int]:
+    def _next(self, requests: queue.Queue[tuple[int, int, int, int] | BaseException]) -> tuple[int, int, int, int]:
         """The next request from any worker, raising once a peer is lost or after ``timeout``."""
         deadline = time.monotonic() + self.timeout
         while True:
@@ -254,7 +259,11 @@ class Server:
                 raise request
             return request
 
-    def _may_answer(self, outstanding: dict[int, int]) -> bool:
+    def _may_answer(self, outstanding: dict[int, int], after: int) -> bool:
+        """Whether the next read in line may be answered now: on the first server, within the
+        bound; on the others, once ``after`` updates (the first server's, at its answer) are in."""
+        if not self.first:
+            return self.version >= after
         oldest = max((self.version - read for read in outstanding.values()), default=0)
         return len(outstanding) + oldest <= self.max_staleness
 
@@ -311,24 +320,25 @@ class Client:
         for server in self.layout.servers:
             self._ask(server, DONE, False)
 
-    def _ask(self, server: int, kind: int, stop: bool) -> None:
-        self._header.copy_(torch.tensor([kind, STOP if stop else 0, 0, 0]))
+    def _ask(self, server: int, kind: int, stop: bool, after: int = 0) -> None:
+        self._header.copy_(torch.tensor([kind, STOP if stop else 0, after, 0]))
         dist.send(self._header, dst=server, group=self.group, tag=TAG_ASK)
 
     def _exchange(self, kind: int, stop: bool) -> Answer:
         servers = self.layout.servers
-        if kind == PUSH:  # every shard's gradient first: the servers apply them at once
-            for server, shard, owned in zip(servers, self.shards, self.layout.owned, strict=True):
-                self._ask(server, PUSH, stop)
-                dist.send(shard.gather([self.params[i].grad for i in owned]), dst=server, group=self.group,
-                          tag=TAG_GRAD)  # fmt: skip
+        if kind == PUSH:  # every shard's gradient, the first server's last: they apply them at once
+            for index in [*range(1, len(servers)), 0]:
+                shard, owned = self.shards[index], self.layout.owned[index]
+                self._ask(servers[index], PUSH, stop)
+                grads = shard.gather([self.params[i].grad for i in owned])
+                dist.send(grads, dst=servers[index], group=self.group, tag=TAG_GRAD)
         else:
             self._ask(servers[0], PULL, stop)
         # The first server answers when the bound allows (a push to it asks to read); the
-        # others are asked once it has.
+        # others are asked once it has, for a read at least as new as its.
         answer = self._receive(0)
         for index in range(1, len(servers)):
-            self._ask(servers[index], PULL, stop)
+            self._ask(servers[index], PULL, stop, after=answer.version)
             self._receive(index)
         for p in self.params:
             p.grad = None

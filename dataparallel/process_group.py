@@ -60,16 +60,31 @@ def init_process_group(
         timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         **kwargs,
     )
-    global _gloo
-    _gloo = None
+    _gloo.clear()  # a new default group: the groups of the last are gone
     if "gloo" in backend:
-        control = channel.url.port
-        made = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
-        _gloo = (dist.group.WORLD, {fd: link for fd, link in made.items() if _peer_connection(fd, control)})
+        _gloo[dist.group.WORLD] = _made_since(before, channel.url.port)
 
 
-# The connections gloo opened for the group made last by init_process_group: (group, {fd: link}).
-_gloo: tuple[Any, dict[int, str]] | None = None
+def new_gloo_group(channel: ControlChannel, timeout: timedelta | float) -> Any:
+    """A gloo group of every rank of the default group (called by every rank, as
+    ``torch.distributed.new_group``), whose connections :func:`abort_process_group` shuts
+    down as it does the default group's (a group beside an NCCL one, for CPU tensors)."""
+    before = _sockets()
+    group = dist.new_group(
+        backend="gloo", timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    )
+    _gloo[group] = _made_since(before, channel.url.port)
+    return group
+
+
+def _made_since(before: dict[int, str], control_port: int | None) -> dict[int, str]:
+    """The connections to peers opened since ``before`` (not the control plane's)."""
+    made = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+    return {fd: link for fd, link in made.items() if _peer_connection(fd, control_port)}
+
+
+# The connections gloo opened for the groups made here since the last init_process_group: {group: {fd: link}}.
+_gloo: dict[Any, dict[int, str]] = {}
 
 
 def abort_process_group(group: Any = None) -> None:
@@ -79,7 +94,7 @@ def abort_process_group(group: Any = None) -> None:
 
     ``ProcessGroup.abort()`` does it for NCCL. gloo's abort leaves a collective waiting for
     a peer that is frozen or cut off (its connection stays open) until the group's timeout;
-    so for a group made by :func:`init_process_group` the TCP connections gloo opened are
+    so for a group made by :func:`init_process_group` or :func:`new_gloo_group` the TCP connections gloo opened are
     also shut down, which ends its collectives with gloo's "connection closed" error (as
     when a peer dies). gloo's listening socket is left alone: gloo ends the process if its
     ``accept`` fails."""
@@ -88,11 +103,7 @@ def abort_process_group(group: Any = None) -> None:
         return
     with contextlib.suppress(Exception):
         group.abort()
-    global _gloo
-    if _gloo is None or _gloo[0] is not group:
-        return
-    connections, _gloo = _gloo[1], None
-    for fd, link in connections.items():
+    for fd, link in _gloo.pop(group, {}).items():
         with contextlib.suppress(OSError):
             if os.readlink(f"/proc/self/fd/{fd}") == link:  # still gloo's (an fd number is reused)
                 _with_socket(fd, lambda s: s.shutdown(socket.SHUT_RDWR))

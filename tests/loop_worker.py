@@ -28,11 +28,14 @@ def data() -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def model(dropout: float) -> torch.nn.Module:
+def model(dropout: float, norm: bool = False) -> torch.nn.Module:
+    """The MLP; ``norm``: with batch normalisation after the first layer (buffers: running
+    statistics, a batch count)."""
     torch.manual_seed(7)
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)
-    )
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)]
+    if norm:
+        layers.insert(1, torch.nn.BatchNorm1d(16))
+    return torch.nn.Sequential(*layers)
 
 
 def uneven_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -132,7 +135,7 @@ def main(cfg: dict) -> None:
         ps_ranks=cfg.get("ps_ranks", 1),
         max_staleness=cfg.get("max_staleness"),
     )
-    net = model(cfg.get("dropout", 0.0))
+    net = model(cfg.get("dropout", 0.0), cfg.get("norm", False))
     loss_fn = torch.nn.functional.mse_loss
     trained = net
     if cfg.get("tuple"):  # the shape of a language model's forward: (prediction, extra)

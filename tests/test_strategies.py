@@ -78,6 +78,14 @@ def test_async_ps_with_one_worker_is_sequential_sgd_bit_for_bit(tmp_path):
     run_job(tmp_path, "zmq", 2, "first", epochs=2, checkpoint=ckpt, **ASYNC)
     resumed = run_job(tmp_path, "zmq", 2, "resumed", checkpoint=ckpt, resume=True, **ASYNC)
     assert_same_params(single, resumed, rtol=0, atol=0)
+    # Batch normalisation (its statistics and batch count go from the worker to every rank),
+    # accumulation (two batches a push), clipping on the worker, a scheduler stepped by the
+    # servers at every update: still one process's run.
+    more = {"norm": True, "accum": 2, "clip": 0.5, "scheduler_interval": "step"}
+    single = run_job(tmp_path, "zmq", 1, "single_more", batch=4, lr=0.01, **more)
+    sharded = run_job(tmp_path, "zmq", 3, "ps2_more", ps_ranks=2, **ASYNC, **more)
+    assert_same_params(single, sharded, rtol=0, atol=0)
+    assert sharded["epochs"][-1]["train_batches_per_rank"] == [24, 0, 0]
 
 
 @pytest.mark.timeout(300)
@@ -115,11 +123,25 @@ def test_async_ps_a_slowed_worker_is_waited_for_only_at_the_staleness_bound(tmp_
         assert epoch["held_back"] == 0, epoch
         assert min(fast) >= 2 * slow, epoch["train_batches_per_rank"]
         assert epoch["staleness"] <= 30 and epoch["train_samples"] == 96
-    bound = run_job(tmp_path, "zmq", 4, "bound", max_staleness=2, **slowed)
+    # Two servers: the bound holds on both shards (the staleness reported is the larger).
+    bound = run_job(tmp_path, "zmq", 5, "bound", max_staleness=2, ps_ranks=2, **slowed)
     for epoch in bound["epochs"]:
         assert epoch["held_back"] > 0, epoch
         assert epoch["staleness"] == 2, epoch
         assert epoch["train_samples"] == 96
+    # 0: one worker at a time, on every shard.
+    sequential = run_job(tmp_path, "zmq", 4, "sequential", max_staleness=0, ps_ranks=2, **slowed)
+    assert [e["staleness"] for e in sequential["epochs"]] == [0, 0], sequential["epochs"]
+
+
+@pytest.mark.timeout(300)
+def test_async_ps_workers_with_shares_wait_for_the_slowest_beyond_the_collective_timeout(tmp_path):
+    """A sampler gives each worker its share: one that is done waits for the slow one's last
+    batches at the epoch's end, longer than the collective timeout (3 s here) as long as it
+    lives, and the epoch ends with every share trained."""
+    run = run_job(tmp_path, "zmq", 3, "shares", epochs=1, sampler="half", step_sleep=[0, 0.7, 0],
+                  collective_timeout=3, **ASYNC)  # fmt: skip
+    assert run["epochs"][0]["train_batches_per_rank"] == [6, 6, 0]
 
 
 @pytest.mark.timeout(300)

@@ -156,15 +156,17 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases, names = list(results["median"]), list(STRATEGIES)
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [results["median"][c][name]["samples_per_s"] for c in cases]
-        ax.bar([x + i * width for x in range(len(cases))], values, width, label=name)
+        bars = ax.bar([x + i * width for x in range(len(cases))], values, width, label=name)
+        ratios = [results["median"][c][name]["x_ddp"] for c in cases]
+        ax.bar_label(bars, [f"{r:.2f}x" for r in ratios], fontsize=7)
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(cases))], [f"straggler: {c}" for c in cases])
     ax.set_ylabel("samples/s (4 training ranks)")
     ax.set_title(f"Strategies, one rank slowed 2x ({results['machine'].split(';')[0]})", fontsize=10)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(names), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

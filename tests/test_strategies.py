@@ -78,6 +78,13 @@ def test_async_ps_with_one_worker_is_sequential_sgd_bit_for_bit(tmp_path):
     run_job(tmp_path, "zmq", 2, "first", epochs=2, checkpoint=ckpt, **ASYNC)
     resumed = run_job(tmp_path, "zmq", 2, "resumed", checkpoint=ckpt, resume=True, **ASYNC)
     assert_same_params(single, resumed, rtol=0, atol=0)
+    # A checkpoint of one strategy resumes under the other: they write the same state.
+    ddp_ckpt = str(tmp_path / "ddp.ckpt")
+    run_job(tmp_path, "zmq", 1, "ddp_first", epochs=2, checkpoint=ddp_ckpt, batch=4, lr=0.01)
+    crossed = run_job(tmp_path, "zmq", 2, "crossed", checkpoint=ddp_ckpt, resume=True, **ASYNC)
+    assert_same_params(single, crossed, rtol=0, atol=0)
+    back = run_job(tmp_path, "zmq", 1, "back", checkpoint=ckpt, resume=True, batch=4, lr=0.01)
+    assert_same_params(single, back, rtol=0, atol=0)
     # Batch normalisation (its statistics and batch count go from the worker to every rank),
     # accumulation (two batches a push), clipping on the worker, a scheduler stepped by the
     # servers at every update: still one process's run.
@@ -159,3 +166,25 @@ def test_async_ps_reaches_ddps_accuracy_on_the_digits_example(tmp_path):
         accuracy[strategy] = json.loads(result.read_text())["val_accuracy"]
     assert accuracy["async_ps"] >= accuracy["ddp"] - 0.01, accuracy
     assert accuracy["ddp"] > 0.9, accuracy
+
+
+def test_async_ps_refuses_what_it_cannot_do_saying_why():
+    """Options it cannot honour fail when made, not after an epoch; a world with no worker
+    beside its servers fails with the numbers."""
+    import dataparallel as dp
+    from dataparallel.paramserver import Layout
+
+    with pytest.raises(ValueError, match="without elastic"):
+        dp.TrainOptions(strategy="async_ps", elastic=True)
+    with pytest.raises(ValueError, match="amp='fp16'"):
+        dp.TrainOptions(strategy="async_ps", amp="fp16")
+    with pytest.raises(ValueError, match="ps_ranks must be >= 1"):
+        dp.TrainOptions(strategy="async_ps", ps_ranks=0)
+    with pytest.raises(ValueError, match="max_staleness"):
+        dp.TrainOptions(strategy="async_ps", max_staleness=-1)
+    with pytest.raises(ValueError, match=r"2 ranks, ps_ranks=2"):
+        Layout.of([torch.zeros(3)], world=2, ps_ranks=2)
+    # Whole tensors, the largest first to the lightest server: sizes 10, 7, 5, 3 over two.
+    layout = Layout.of([torch.zeros(n) for n in (3, 10, 5, 7)], world=4, ps_ranks=2)
+    assert layout.servers == [2, 3] and layout.workers == [0, 1]
+    assert layout.owned == [[0, 1], [2, 3]]  # 10+3 and 7+5

@@ -63,6 +63,8 @@ MAX_POLL_STRIDE = 64
 #: A stop signal repeated within this many seconds is the same stop (delivered twice, by
 #: srun to every process of a step and by a launcher forwarding it); later, it acts at once.
 REPEAT_SECONDS = 5.0
+#: Under ``strategy="async_ps"``: the key a rank that fails on an error of its own sets ("RANK why").
+PS_FAILED = "dp-ps-failed"
 LossFn = Callable[[Any, Any], torch.Tensor]  # (model output, targets) -> scalar loss
 BatchSource = Callable[[int, int, int], Iterable[Batch]]
 
@@ -431,6 +433,8 @@ class _Trainer:
         #: servers' figures of the last epoch (every rank has them), batches handed out in it.
         self._ps: paramserver.Server | paramserver.Client | None = None
         self._ps_group: Any = None  # the group its tensors go over (gloo)
+        self._ps_params: list[torch.Tensor] = []  # the parameters the servers hold, in their numbering
+        self._buffers_at_start: list[torch.Tensor] = []  # the module's buffers at the epoch's start
         self._served: list[dict[str, Any]] = []
 
     def _take_seat(self, queue: ControlChannel) -> ControlChannel:
@@ -609,6 +613,9 @@ class _Trainer:
                     if self.ch is regrouped_from:  # the regroup itself gave up (too few left)
                         raise explained from err
                     failure, regrouped_from = explained, self.ch
+        except BaseException as err:
+            self._say_failed(err)
+            raise
         finally:
             for signum, handler in caught.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set from C
@@ -959,6 +966,11 @@ class _Trainer:
             return err
         if isinstance(err, PeerLost):
             return PeerLost(err.rank, err.last_seen, err.reason, during=f"epoch {epoch}")
+        if self._ps is not None:  # a peer that failed on its own ended this one's exchange with it
+            with contextlib.suppress(ControlError):
+                failed = self._failed_peer()
+                if failed is not None:
+                    return failed
         deadline = time.monotonic() + self.ch.liveness_timeout + 2 * self.ch.heartbeat_interval + 1
         while self._lost is None and not self.ch.lost_peers() and time.monotonic() < deadline:
             if isinstance(err, ChannelClosed) or self.ch.failure is not None:
@@ -1155,9 +1167,10 @@ class _Trainer:
                 "train": [p["train"] for p in parsed],
                 "base": self._base,  # the epoch went on mid-way: its samples left then
                 "batch": self.batch_size,
-                # async_ps: the first server handed the epoch's batches out in one order: its
-                # first ``batches`` are done, whoever trained them (any number of ranks resumes).
-                "handed": self._ps is not None and self._hands_out(),
+                # How the epoch's batches were split: ["handed", batch size] (async_ps: the first
+                # server handed them out in one order, its first ``batches`` are done, whoever
+                # trained them) or ["shares", ranks sharing them] (each rank its shard).
+                "layout": self._data_layout(),
             }
             self._save(epoch - 1, [p["rng"] for p in parsed], partial=partial)
         self.ch.barrier(f"dp-stopped-{epoch}", timeout=timeout)  # no rank ends before the file is there
@@ -1185,7 +1198,7 @@ class _Trainer:
         """This rank's part under ``strategy="async_ps"``: a server of its shard (with the
         job's optimizer and scheduler) or a worker's client. The tensors go over a gloo group
         on the CPU (a new one where the job's is NCCL: gloo receives from any rank)."""
-        params = self._trainable()
+        params = self._ps_params = self._trainable()  # the servers' numbering, fixed for the run
         layout = paramserver.Layout.of(params, self.world, self.opts.ps_ranks)
         group = self.pg
         if dist.get_backend(self.pg) != "gloo":
@@ -1211,13 +1224,41 @@ class _Trainer:
         )
 
     def _alive(self) -> None:
-        """Raises once the watchdog has found a peer lost (explained as PeerLost by the loop)."""
+        """Raises once the watchdog has found a peer lost (explained as PeerLost by the loop),
+        or once a peer said it failed on an error of its own (PeerLeft: it will not come,
+        though it may have closed its channel cleanly, which no heartbeat shows)."""
         if self._lost is not None:
             raise RuntimeError(f"rank {self.rank}: {self._lost}")
+        failed = self._failed_peer()
+        if failed is not None:
+            raise failed
+
+    def _failed_peer(self) -> PeerLeft | None:
+        """The peer that said it failed (async_ps), if one did."""
+        if not self.ch.check([PS_FAILED]):
+            return None
+        rank, _, why = self.ch.get(PS_FAILED).decode().partition(" ")
+        return PeerLeft(int(rank), f"async_ps epoch {self._epoch}: it failed ({why})", f"epoch {self._epoch}")
+
+    def _say_failed(self, err: BaseException) -> None:
+        """Under async_ps, this rank's own failure, for the peers that wait on it without a
+        collective (a server for its requests, a worker for the servers): best effort."""
+        if self._ps is None or isinstance(err, (PeerLost, ChannelClosed, Preempted)):
+            return  # (not this rank's own failure, or the others know already)
+        with contextlib.suppress(Exception):
+            self.ch.compare_set(PS_FAILED, b"", f"{self.rank} {type(err).__name__}: {err}"[:500].encode())
 
     def _trainable(self) -> list[torch.Tensor]:
         """The parameters the servers hold: the optimizer's that take gradients, in its order."""
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def _data_layout(self) -> list[Any]:
+        """How an epoch's batches are split: handed out (``async_ps``, a ``Dataset``), or
+        shares among the ranks that train (all, or the workers)."""
+        if self._ps is not None and self._hands_out():
+            return ["handed", self.batch_size]
+        workers = self._ps.layout.workers if self._ps is not None else range(self.world)
+        return ["shares", len(workers)]
 
     def _hands_out(self) -> bool:
         """Whether the first server hands the epoch's batches out (a map-style ``Dataset``, the
@@ -1236,6 +1277,7 @@ class _Trainer:
             train, start, rng = self._partial["train"], self._partial["skip"], self._partial["rng"]
             self._partial = None
         self._stopped_at = None
+        self._buffers_at_start = [b.detach().cpu().clone() for b in self.ddp.module.buffers()]
         served_key = f"dp-ps-served-{epoch}"
         if isinstance(self._ps, paramserver.Server):
             if rng is not None:
@@ -1252,7 +1294,7 @@ class _Trainer:
             train = self._work(epoch, start, train, rng)
             mine = None
         self._await_key(served_key)
-        handed = self._settle(mine)
+        handed = self._settle(mine, train[2] if isinstance(self._ps, paramserver.Client) else 0)
         if self._polls_stop() and self._agreed_to_stop(last=True):
             self._stopped_at = handed if self._hands_out() else train[2]
         return train
@@ -1297,7 +1339,9 @@ class _Trainer:
             order = self._order(epoch, 1, None)
         else:
             workers = len(client.layout.workers)
-            shares = itertools.islice(iter(self._batches(self.train_data, epoch, True, workers)), start, None)
+            shares = iter(self._batches(self.train_data, epoch, True, workers))
+            for _ in itertools.islice(shares, start):  # this worker's batches before a stop
+                pass
         if rng is not None:
             _set_rng_state(rng)  # after the loader's start, which draws from it
         answer = client.read(stop=self._signalled is not None)
@@ -1350,7 +1394,7 @@ class _Trainer:
         server = self._ps
         if not isinstance(server, paramserver.Server):
             raise RuntimeError("only a server has a shard")
-        params = self._trainable()
+        params = self._ps_params
         index = self._ps_indices()
         state = self.optimizer.state_dict()
         mine = {index[id(p)] for p in server.owned}
@@ -1367,15 +1411,17 @@ class _Trainer:
         flat = (p for group in self.optimizer.param_groups for p in group["params"])
         return {id(p): i for i, p in enumerate(flat)}
 
-    def _settle(self, mine: dict[str, Any] | None) -> int:
+    def _settle(self, mine: dict[str, Any] | None, trained: int) -> int:
         """The end of an async epoch, on every rank: the servers' parameters, optimizer state,
-        scheduler and update count everywhere; floating-point buffers (batch-norm statistics)
-        averaged over the workers, the others rank 0's. Returns the batches handed out."""
+        scheduler and update count everywhere; the module's buffers (batch-norm statistics)
+        from the workers, weighted by the batches each trained this epoch (``trained``: this
+        rank's), integer ones (batch counts) advanced by every worker's steps. Returns the
+        batches handed out."""
         shards: list[Any] = [None] * self.world
         dist.all_gather_object(shards, mine, group=self._ps_group)
         shards = [s for s in shards if s is not None]
-        params = self._trainable()
-        merged: dict[int, Any] = {}
+        params = self._ps_params
+        merged = dict(self.optimizer.state_dict()["state"])  # a frozen parameter's state stays
         with torch.no_grad():
             for shard in shards:
                 for i, value in shard["params"].items():
@@ -1385,18 +1431,31 @@ class _Trainer:
         if self.scheduler is not None and shards[0]["scheduler"] is not None:
             self.scheduler.load_state_dict(shards[0]["scheduler"])
         self.global_step = int(shards[0]["version"])
-        workers = self.world - len(shards)
-        for b in self.ddp.module.buffers():
-            if b.is_floating_point():
-                total = (
-                    b.detach().cpu() if isinstance(self._ps, paramserver.Client) else torch.zeros_like(b, device="cpu")
-                )
-                dist.all_reduce(total, group=self._ps_group)
-                b.copy_(total / workers)
-            else:
-                dist.broadcast(b, src=0, group=self.pg)
+        self._settle_buffers(trained)
         self._served = [shard["served"] for shard in shards]
         return int(self._served[0]["handed"] or 0)
+
+    def _settle_buffers(self, trained: int) -> None:
+        """Every rank's buffers: floating-point ones the workers' average weighted by their
+        batches this epoch, integer ones the epoch's start plus every worker's increments
+        (servers and idle workers add nothing)."""
+        buffers = list(self.ddp.module.buffers())
+        if not buffers:
+            return
+        weight = torch.tensor([float(trained)], dtype=torch.float64)
+        dist.all_reduce(weight, group=self._ps_group)
+        with torch.no_grad():
+            for b, start in zip(buffers, self._buffers_at_start, strict=True):
+                mine = b.detach().cpu()
+                if b.is_floating_point():
+                    total = mine.double() * trained
+                    dist.all_reduce(total, group=self._ps_group)
+                    if weight.item() > 0:
+                        b.copy_((total / weight.item()).to(b.dtype))
+                else:
+                    total = mine - start
+                    dist.all_reduce(total, group=self._ps_group)
+                    b.copy_(start + total)
 
     def _uneven(self, epoch: int, batches: Iterable[Batch]) -> bool:
         """Whether ranks may have different numbers of batches this epoch: a batch source may;
@@ -1668,22 +1727,24 @@ class _Trainer:
         if self.extra_state is not None and state.get("extra") is not None:
             self.extra_state[1](state["extra"])
         partial = state.get("partial")
-        handing_out = self._ps is not None and self._hands_out()
-        if partial is not None and (
-            bool(partial.get("handed")) != handing_out or (handing_out and partial.get("batch") != self.batch_size)
-        ):
-            # Batches handed out by a parameter server and a rank's shard are not the same count.
-            log.warning(
-                "resuming from %s, stopped in epoch %d under another strategy or batch size: epoch %d starts "
-                "over (its first %d batches were trained then)",
-                self.opts.checkpoint, partial["epoch"], partial["epoch"], partial["batches"],
+        layout = self._data_layout()
+        # (a checkpoint from before layouts were saved: DDP's shares)
+        saved: list[Any] = (partial or {}).get("layout") or ["shares", state["world_size"]]
+        moved = partial is not None and saved != layout
+        reshardable = saved[0] == layout[0] == "shares" and saved[1] == state["world_size"] and self._reshards()
+        if moved and not reshardable:
+            # Batches handed out and shares, or shares among other ranks: not the same positions.
+            (log.warning if self.rank == 0 else log.info)(
+                "resuming from %s, stopped in epoch %d with its batches split otherwise (%s, now %s): epoch %d "
+                "starts over (its first %d batches were trained then)",
+                self.opts.checkpoint, partial["epoch"], saved, layout, partial["epoch"], partial["batches"],
             )  # fmt: skip
             partial = None
-        if partial is not None and handing_out:  # async_ps: the first server hands out the rest, to any workers
+        if partial is not None and layout[0] == "handed":  # async_ps: the rest handed out, to any workers
             sums = [sum(t[i] for t in partial["train"]) for i in range(3)] if self.rank == 0 else [0.0, 0, 0]
             rng = state["rng"][self.rank % state["world_size"]]
             self._partial = {"train": tuple(sums), "skip": partial["batches"], "rng": rng}
-        elif partial is not None and state["world_size"] == self.world:
+        elif partial is not None and not moved:
             train = partial["train"][self.rank]
             self._base = partial.get("base")
             # In an epoch that went on mid-way every rank's shard of its samples left is as long:
@@ -1698,7 +1759,7 @@ class _Trainer:
             return
         if partial is None:
             log.warning("resuming from %s after epoch %d", self.opts.checkpoint, state["epoch"])
-        elif self._partial is not None and (state["world_size"] == self.world or handing_out):
+        elif self._partial is not None and (state["world_size"] == self.world or layout[0] == "handed"):
             log.warning(
                 "resuming from %s in epoch %d after %d batches",
                 self.opts.checkpoint,

@@ -192,17 +192,30 @@ def main(cfg: dict) -> None:
                     os.kill(os.getpid(), sig)
 
         hooks.setdefault("step_callbacks", []).append(die)
-    result = dp.fit(
-        ch,
-        trained,
-        loss_fn,
-        optimizer,
-        train,
-        data(),
-        options=options,
-        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA),
-        **hooks,
-    )
+    if cfg.get("raise_at"):  # [rank, step]: that rank's step callback raises there (the script's own error)
+        rank_at, step_at = cfg["raise_at"]
+
+        def fail(info: dp.StepInfo) -> None:
+            if info.rank == rank_at and info.step >= step_at:
+                raise RuntimeError(f"rank {rank_at} fails on purpose at step {info.step}")
+
+        hooks.setdefault("step_callbacks", []).append(fail)
+    try:
+        result = dp.fit(
+            ch,
+            trained,
+            loss_fn,
+            optimizer,
+            train,
+            data(),
+            options=options,
+            scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA),
+            **hooks,
+        )
+    except BaseException:
+        if cfg.get("raise_at"):  # as `with dp.connect() as ch:` does: the channel closed, cleanly
+            ch.close()
+        raise
     if result.rank == 0:  # the driver at the end
         summary = {
             "epochs": [vars(m) for m in result.epochs],

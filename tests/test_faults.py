@@ -155,6 +155,30 @@ def test_async_ps_server_or_worker_killed_mid_epoch(victim, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_async_ps_a_worker_that_fails_ends_the_others_while_they_wait_for_it(tmp_path):
+    """strategy="async_ps", each worker its share: worker 1's own code raises at its third
+    step and its channel closes cleanly (no heartbeat goes missing: not a loss). The server
+    waiting for its requests and worker 0 waiting at the epoch's end for the server end too,
+    with PeerLeft naming the rank that left, within the bound; nobody waits forever."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    job = Job(url, tmp_path, world=3, strategy="async_ps", raise_at=[1, 3])
+    try:
+        started = time.monotonic()
+        code, err, _ = job.finish(1, timeout=90)
+        assert code != 0 and "fails on purpose" in err, err[-3000:]
+        failed = time.monotonic()
+        for rank in (2, 0):
+            code, err, done = job.finish(rank)
+            assert code != 0
+            named = "PeerLeft" in err and "peer rank 1 closed" in err and "fails on purpose" in err
+            assert named or (rank == 2 and "ChannelClosed" in err), err[-3000:]
+            assert done - failed < BOUND, f"rank {rank} took {done - failed:.1f}s after rank 1 failed"
+        assert time.monotonic() - started < 60
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
 def test_driver_killed_mid_epoch(job_url, tmp_path):
     job = Job(job_url, tmp_path)
     try:

@@ -39,7 +39,6 @@ message cost page faults: ~5x the time of a reused one here).
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -358,7 +357,3 @@ def default_staleness(workers: int) -> int:
     """The bound when none is given: 4 per worker (a worker 3x slower than the others is not
     waited for; at equal speeds the updates are about ``workers - 1`` old)."""
     return 4 * workers
-
-
-def batches_in(samples: int, batch_size: int) -> int:
-    return math.ceil(samples / batch_size)

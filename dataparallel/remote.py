@@ -119,7 +119,7 @@ class CoordinatorLiveness(Liveness):
                 continue
             last_answer = time.monotonic()
             if reply.status == pb.CLOSED and session == ch._session:  # not a session left for another run
-                ch._fail(ChannelClosed(f"coordinator dropped this session: {reply.error}"))
+                ch._fail(_session_closed(ch.rank, "a heartbeat", reply.error))
                 return
             if reply.HasField("lost"):
                 self.note(reply.lost)
@@ -321,10 +321,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
             # The session is gone for good: this rank was declared lost (frozen or cut off past
             # the liveness timeout) and fenced, or the coordinator restarted. Every later call
             # says so at once.
-            broken = ChannelClosed(
-                f"coordinator closed the session during {what}: {error} (rank {self.rank} was declared lost "
-                "and cut off, or the coordinator restarted)"
-            )
+            broken = _session_closed(self.rank, what, error)
             self._fail(broken)
             raise broken
         raise ControlError(f"{what} failed: {error}")
@@ -481,3 +478,12 @@ def _bytes(value: bytes) -> bytes:
     if not isinstance(value, bytes | bytearray | memoryview):
         raise TypeError(f"value must be bytes, got {type(value).__name__}")
     return bytes(value)
+
+
+def _session_closed(rank: int | None, what: str, error: str) -> ChannelClosed:
+    """The coordinator answered CLOSED (to a call, or to the heartbeat, whichever saw it
+    first): the session is gone for good."""
+    return ChannelClosed(
+        f"coordinator closed the session during {what}: {error} (rank {rank} was declared lost and cut off, "
+        "or the coordinator restarted)"
+    )

@@ -149,7 +149,6 @@ class Served:
     updates: int = 0
     staleness: int = 0  # the largest, over its updates
     held_back: int = 0  # reads answered later than asked, to keep the bound (first server only)
-    held_seconds: float = 0.0
     handed: int | None = None  # batches handed out (first server only)
     stopped: bool = False
 
@@ -194,7 +193,7 @@ class Server:
         served = Served()
         outstanding: dict[int, int] = {}  # worker -> the version it read
         waiting: deque[tuple[int, int]] = deque()  # workers asking to read, in order; the version each waits for
-        held: dict[int, float] = {}  # those not answered at once: since when
+        held: set[int] = set()  # those not answered at once
         done: set[int] = set()
         requests: queue.Queue[tuple[int, int, int, int] | BaseException] = queue.Queue()
         for worker in self.layout.workers:
@@ -218,12 +217,11 @@ class Server:
             while waiting and self._may_answer(outstanding, waiting[0][1]):
                 worker, _ = waiting.popleft()
                 if worker in held:
+                    held.discard(worker)
                     served.held_back += 1
-                    served.held_seconds += time.monotonic() - held.pop(worker)
                 self._answer(worker, handout)
                 outstanding[worker] = self.version
-            for worker, _ in waiting:
-                held.setdefault(worker, time.monotonic())
+            held.update(worker for worker, _ in waiting)
         if handout is not None:
             served.handed, served.stopped = handout.next, handout.stopped
         return served

@@ -37,7 +37,7 @@ from typing import Any, Generic, TypeVar
 from . import procinfo
 from .errors import AuthError, BadMessage
 from .keyspace import KeySpace
-from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, open_frame, pb
+from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, Misdirected, open_frame, pb
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,8 @@ class Coordinator(Generic[R]):
         ``conn``: the connection it came in on (see :meth:`connection_closed`), if known."""
         try:
             request = open_frame(key, frame, pb.Request)
+        except Misdirected:
+            return None  # a reply sent back to us: no client waits for an answer to it
         except AuthError as err:
             return pb.Reply(status=pb.AUTH_FAILED, error=str(err))
         except BadMessage as err:
@@ -192,12 +194,15 @@ class Coordinator(Generic[R]):
         """Serve one authenticated request; never raises for bad input (it becomes a reply)."""
         with self._lock:
             try:
-                return self._dispatch(route, request, conn)
+                reply = self._dispatch(route, request, conn)
             except BadMessage as err:
-                return _reply(request.id, pb.BAD_MESSAGE, str(err))
+                reply = _reply(request.id, pb.BAD_MESSAGE, str(err))
             except Exception as err:  # a bug must not take the coordinator down
                 log.exception("coordinator failed on a request")
-                return _reply(request.id, pb.FAILED, f"coordinator error: {err}")
+                reply = _reply(request.id, pb.FAILED, f"coordinator error: {err}")
+            if reply is not None:
+                reply.answers = request.hello.nonce if request.HasField("hello") else request.session
+            return reply
 
     def sweep(self) -> float:
         """Expire parked requests, declare silent ranks lost, drop idle sessions; return the
@@ -577,6 +582,7 @@ class Coordinator(Generic[R]):
         self._parked.discard(parked)
         session = parked.session
         session.parked.pop(parked.request_id, None)
+        reply.answers = session.id
         if parked.remember:
             self._remember(session, reply)
         if send:

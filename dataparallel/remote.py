@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import math
 import os
 import socket
@@ -28,7 +29,9 @@ from .coordinator import Coordinator
 from .errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLeft, PeerLost
 from .liveness import Liveness, LostPeer
 from .registry import ChannelURL
-from .wire import PROTOCOL_VERSION, open_frame, pb
+from .wire import PROTOCOL_VERSION, Misdirected, open_frame, pb
+
+log = logging.getLogger(__name__)
 
 #: Extra seconds a client waits beyond the coordinator's own deadline before giving up on it.
 REPLY_GRACE = 5.0
@@ -193,10 +196,13 @@ class RemoteChannel(ControlChannel, abc.ABC):
 
     def _open_reply(self, frame: bytes) -> pb.Reply:
         """A reply frame, verified: :class:`AuthError` if it is not sealed with this job's key
-        (the coordinator was started with another token, or something else answers)."""
+        (the coordinator was started with another token, or something else answers),
+        :class:`~dataparallel.wire.Misdirected` if it is a request sealed with it."""
         host, port = self._address
         try:
             return open_frame(self._frame_key, frame, pb.Reply)
+        except Misdirected:
+            raise
         except AuthError:
             raise AuthError(
                 f"the coordinator at {host}:{port} does not know this job's token (its reply is not "
@@ -204,6 +210,42 @@ class RemoteChannel(ControlChannel, abc.ABC):
             ) from None
         except BadMessage as err:
             raise BadMessage(f"garbled reply from the coordinator at {host}:{port}: {err}") from None
+
+    def _reply_to(self, frame: bytes, request_id: int, binding: bytes) -> pb.Reply | None:
+        """``frame`` as the reply to this channel's request ``request_id`` whose binding (see
+        :func:`binding`) is ``binding``; None for a late reply to another of its requests,
+        or for a frame refused (:meth:`_refuse`). Raises as :meth:`_open_reply`."""
+        try:
+            reply = self._open_reply(frame)
+        except Misdirected as err:
+            self._refuse(str(err))
+            return None
+        if reply.id != request_id:
+            return None
+        if reply.answers != binding:
+            self._refuse(f"a reply to request {reply.id} of another session, run or job (replayed)")
+            return None
+        return reply
+
+    #: Frames sealed with this job's key that this channel's requests refused: a request of
+    #: its own bounced back to it, or a reply bound to another session, run or job (replayed).
+    #: Each is dropped, and the request it reached waits on for its true reply.
+    refused_frames: int = 0
+
+    def _refuse(self, what: str) -> None:
+        with _refused_lock:
+            self.refused_frames += 1
+            count = self.refused_frames
+        host, port = self._address
+        log.log(
+            logging.WARNING if count == 1 else logging.DEBUG,
+            "refused a frame from %s:%s that is not a reply to the request it reached: %s (%d so far; someone on the "
+            "path bounces or replays traffic signed with this job's token); waiting on for the true reply",
+            host,
+            port,
+            what,
+            count,
+        )
 
     #: The coordinator server this process hosts, if any (``.coordinator``, ``.port``, ``.stop()``).
     _server: Any = None
@@ -457,6 +499,13 @@ class RemoteChannel(ControlChannel, abc.ABC):
         return self._collect(f"allgather/{name}/{seq}", f"all_gather {name!r}", timeout, want=True, value=_bytes(value))
 
 
+def binding(request: pb.Request) -> bytes:
+    """What a reply to ``request`` must carry in ``answers``: the request's session, or for a
+    hello (which has none yet) its nonce, fresh for every hello."""
+    return request.hello.nonce if request.HasField("hello") else request.session
+
+
+_refused_lock = threading.Lock()
 _probes_lock = threading.Lock()
 _probes: dict[tuple, tuple[threading.Lock, list[float], list]] = {}
 

@@ -75,21 +75,28 @@ ROUND_ENV = "DP_RDZV_ROUND"
 URL_ENV = "DP_RDZV_URL"
 
 #: The stored state: magic, format version, generation (one more than that of the state it
-#: replaced), state length, the state, HMAC-SHA256 of all before.
+#: replaced), state length, the state, HMAC-SHA256 of the place it is stored at (job and key,
+#: not stored) and all before: a state signed for another run or job does not open here.
 STATE_MAGIC = b"DPRZ"
-STATE_VERSION = 2  # 2: the generation
+STATE_VERSION = 3  # 2: the generation; 3: the place under the MAC
 _HEADER = struct.Struct(">4sBQI")
 _MAC = 32
 
 
-def frame_state(state: bytes, key: bytes, generation: int) -> bytes:
+def _state_mac(key: bytes, place: bytes, body: bytes) -> bytes:
+    mac = hmac.new(key, struct.pack(">I", len(place)) + place, "sha256")
+    mac.update(body)
+    return mac.digest()
+
+
+def frame_state(state: bytes, key: bytes, generation: int, place: bytes) -> bytes:
     body = _HEADER.pack(STATE_MAGIC, STATE_VERSION, generation, len(state)) + state
-    return body + hmac.digest(key, body, "sha256")
+    return body + _state_mac(key, place, body)
 
 
-def unframe_state(stored: bytes, key: bytes) -> tuple[int, bytes]:
+def unframe_state(stored: bytes, key: bytes, place: bytes) -> tuple[int, bytes]:
     """The generation and the state inside ``stored``; :class:`RendezvousStateError` if this
-    backend (with this token) did not write it."""
+    backend (with this token) did not write it at ``place``."""
     if len(stored) < _HEADER.size + _MAC:
         raise RendezvousStateError(f"the stored rendezvous state ({len(stored)} bytes) is not one this backend wrote")
     magic, version, generation, length = _HEADER.unpack_from(stored)
@@ -98,8 +105,11 @@ def unframe_state(stored: bytes, key: bytes) -> tuple[int, bytes]:
             f"the stored rendezvous state is not one this backend wrote (magic {magic!r}, version {version}, "
             f"length {length} of {len(stored)} bytes)"
         )
-    if not hmac.compare_digest(stored[-_MAC:], hmac.digest(key, stored[:-_MAC], "sha256")):
-        raise RendezvousStateError("the stored rendezvous state is not signed with this job's token")
+    if not hmac.compare_digest(stored[-_MAC:], _state_mac(key, place, stored[:-_MAC])):
+        raise RendezvousStateError(
+            "the stored rendezvous state is not signed with this job's token for this run (another token, or "
+            "a state of another run or job copied here)"
+        )
     return generation, stored[_HEADER.size : -_MAC]
 
 
@@ -120,6 +130,7 @@ class ChannelRendezvousBackend(RendezvousBackend):
         self._name = name
         self._key = f"torch.rendezvous.{run_id}.state"
         self._mac_key = purpose_key(channel.token, "rendezvous-state")
+        self._place = f"{channel.job}\x00{self._key}".encode()
         self._seen = 0  # the highest generation read or written
 
     @property
@@ -141,13 +152,13 @@ class ChannelRendezvousBackend(RendezvousBackend):
         if token is not None and not isinstance(token, bytes):
             current = self.get_state()  # a token from elsewhere: report the state, change nothing
             return None if current is None else (*current, False)
-        framed = frame_state(state, self._mac_key, self._seen + 1)
+        framed = frame_state(state, self._mac_key, self._seen + 1, self._place)
         expected = token if token else b""  # b"": only if no state exists yet
         stored = self._call(lambda: self._channel.compare_set(self._key, expected, framed))
         return self._open(stored), stored, stored == framed
 
     def _open(self, stored: bytes) -> bytes:
-        generation, state = unframe_state(stored, self._mac_key)
+        generation, state = unframe_state(stored, self._mac_key, self._place)
         if generation < self._seen:
             raise RendezvousStateError(
                 f"the stored rendezvous state is of generation {generation}, older than generation "

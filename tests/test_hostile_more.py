@@ -264,11 +264,12 @@ def rendezvous(etcd, monkeypatch):
 def test_a_forged_rendezvous_state_is_refused_and_never_loaded(rendezvous):
     handler, intruder, key = rendezvous
     wrong_key = purpose_key("not-the-token", "rendezvous-state")
+    place = f"{intruder.job}\x00{key}".encode()
     forged = [
         b"garbage",
         bytes(200),
-        frame_state(pickle.dumps(_Payload()), wrong_key, 2**63),  # another token's signature
-        frame_state(pickle.dumps(_Payload()), wrong_key, 1)[:-MAC_SIZE] + bytes(MAC_SIZE),
+        frame_state(pickle.dumps(_Payload()), wrong_key, 2**63, place),  # another token's signature
+        frame_state(pickle.dumps(_Payload()), wrong_key, 1, place)[:-MAC_SIZE] + bytes(MAC_SIZE),
     ]
     for state in forged:
         intruder.set(key, state)
@@ -278,6 +279,27 @@ def test_a_forged_rendezvous_state_is_refused_and_never_loaded(rendezvous):
     intruder.delete(key)
     info = handler.next_rendezvous()  # the store cleaned up: the rendezvous goes ahead
     assert (info.rank, info.world_size) == (0, 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_genuine_rendezvous_state_of_another_run_is_refused(rendezvous, etcd):
+    """The intruder copies a state signed with the job's token for another run (another run
+    id, the same token) into this run's key: it must not open here."""
+    handler, intruder, key = rendezvous
+    other_run = f"rdzv{free_port()}"
+    params = RendezvousParameters(
+        "dp-etcd", f"127.0.0.1:{etcd.client_port}", other_run, 1, 1, read_timeout="10", join_timeout="30"
+    )
+    other = create_rdzv_handler("etcd", params)
+    try:
+        other.next_rendezvous()
+        genuine = other.channel.get(f"torch.rendezvous.{other_run}.state", timeout=5)
+    finally:
+        other.shutdown()
+        other.channel.close()
+    intruder.set(key, genuine)
+    with pytest.raises(RendezvousStateError, match="another run or job"):
+        handler.next_rendezvous()
 
 
 @pytest.mark.timeout(120)

@@ -76,7 +76,7 @@ class GrpcChannel(RemoteChannel):
             busy=(OSError, RuntimeError),
         )
         self._target = f"{host}:{port}"
-        self._stream = FrameStream(lambda: self._open_channel(url), self._target, self._open_reply)
+        self._stream = FrameStream(lambda: self._open_channel(url), self._target, self._open_reply, self._refuse)
         try:
             self._init_remote()
         except BaseException:

@@ -23,8 +23,8 @@ import grpc
 from dataparallel.control.v1 import control_pb2_grpc
 from dataparallel.errors import BadMessage, ChannelClosed, ControlError
 from dataparallel.eventloop import client_loop
-from dataparallel.remote import Exchange
-from dataparallel.wire import MAX_FRAME, pb
+from dataparallel.remote import Exchange, binding
+from dataparallel.wire import MAX_FRAME, Misdirected, pb
 
 #: Seconds between attempts to open the stream while the coordinator cannot be reached.
 REOPEN_PAUSE = 0.1
@@ -34,10 +34,10 @@ _END = object()  # ends a stream's outgoing frames: the client half-closes it
 class Pending:
     """A request on the stream, until its reply or a failure that resending cannot mend."""
 
-    __slots__ = ("answered", "error", "frame", "reply", "retry")
+    __slots__ = ("answered", "binding", "error", "frame", "reply", "retry")
 
-    def __init__(self, frame: bytes, retry: bool) -> None:
-        self.frame, self.retry = frame, retry
+    def __init__(self, frame: bytes, retry: bool, binding: bytes) -> None:
+        self.frame, self.retry, self.binding = frame, retry, binding
         self.reply: pb.Reply | bytes | None = None  # bytes: a frame this job's key does not open
         self.error: ControlError | None = None
         self.answered = threading.Event()
@@ -52,14 +52,20 @@ class FrameStream:
 
     ``open_channel`` makes the ``grpc.aio`` channel (called on the loop, which owns it);
     ``open_reply`` verifies and parses a reply frame, raising :class:`ControlError` when it is
-    not sealed with this job's key."""
+    not sealed with this job's key; ``refuse`` is told of each frame sealed with it that is no
+    reply to the request it names (a request bounced back, a reply replayed)."""
 
     def __init__(
-        self, open_channel: Callable[[], grpc.aio.Channel], target: str, open_reply: Callable[[bytes], pb.Reply]
+        self,
+        open_channel: Callable[[], grpc.aio.Channel],
+        target: str,
+        open_reply: Callable[[bytes], pb.Reply],
+        refuse: Callable[[str], None],
     ) -> None:
         self._loop = client_loop()
         self._target = target
         self._open_reply = open_reply
+        self._refuse = refuse
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._closed = False
@@ -74,8 +80,8 @@ class FrameStream:
         #: Why the last stream ended, for the message when no reply comes.
         self.reason = ""
 
-    def send(self, request_id: int, frame: bytes, retry: bool) -> Pending:
-        pending = Pending(frame, retry)
+    def send(self, request_id: int, frame: bytes, retry: bool, binding: bytes) -> Pending:
+        pending = Pending(frame, retry, binding)
         with self._lock:
             if self._closed:
                 raise ChannelClosed(f"channel to the coordinator at {self._target} is closed")
@@ -168,6 +174,9 @@ class FrameStream:
     def _deliver(self, sealed: bytes) -> None:
         try:
             reply = self._open_reply(sealed)
+        except Misdirected as err:
+            self._refuse(str(err))
+            return
         except ControlError:
             # Not sealed with this job's key: whoever answers does not know the token, and every
             # request waiting on it says so (each opens the frame itself, raising its own error).
@@ -177,13 +186,13 @@ class FrameStream:
                 pending.settle(sealed)
             return
         with self._lock:
-            if reply.id:
-                addressed = self._pending.get(reply.id)
-                waiting = [addressed] if addressed is not None else []  # else: given up on already
-            else:  # the coordinator could not read a frame of ours (its id unknown)
-                waiting = list(self._pending.values())
-        for pending in waiting:
-            pending.settle(reply)
+            addressed = self._pending.get(reply.id) if reply.id else None
+        if addressed is None:  # given up on already, or bound to no request of ours (id 0)
+            return
+        if reply.answers != addressed.binding:
+            self._refuse(f"a reply to request {reply.id} of another session, run or job (replayed)")
+            return
+        addressed.settle(reply)
 
     def _broken(self, err: Exception | None) -> None:
         """The stream ended: requests that cannot be resent fail, the rest wait for the next one."""
@@ -221,7 +230,8 @@ class GrpcExchange(Exchange):
         if len(frame) > MAX_FRAME:
             raise BadMessage(f"request of {len(frame)} bytes exceeds the limit of {MAX_FRAME}")
         self._stream, self._id, self._open_reply = stream, request.id, open_reply
-        self._pending = stream.send(request.id, frame, retry=request.WhichOneof("op") not in ("heartbeat", "leave"))
+        retry = request.WhichOneof("op") not in ("heartbeat", "leave")
+        self._pending = stream.send(request.id, frame, retry, binding(request))
 
     @property
     def reason(self) -> str:  # type: ignore[override]

@@ -23,7 +23,7 @@ import zmq.utils.monitor
 
 from dataparallel.errors import AuthError, ChannelClosed, ConfigError, ControlError
 from dataparallel.registry import ChannelURL
-from dataparallel.remote import Exchange, RemoteChannel
+from dataparallel.remote import Exchange, RemoteChannel, binding
 from dataparallel.wire import pb, seal, token_key
 
 from .server import ZmqCoordinatorServer, curve_server_keys
@@ -155,7 +155,7 @@ class ZmqExchange(Exchange):
     after ``resend_after`` seconds unanswered (a reconnect may have lost it)."""
 
     def __init__(self, channel: ZmqChannel, sock: zmq.Socket, request: pb.Request) -> None:
-        self._ch, self._sock, self._id = channel, sock, request.id
+        self._ch, self._sock, self._id, self._binding = channel, sock, request.id, binding(request)
         self._frame = seal(channel._frame_key, request)
         self._resend_at = 0.0
         self._send()
@@ -176,10 +176,10 @@ class ZmqExchange(Exchange):
                     self._send()  # the coordinator answers a resent id only once
                 left = min(end, self._resend_at) - now
                 if self._sock.poll(int(1000 * max(left, 0)) + 1):
-                    reply = self._ch._open_reply(self._sock.recv())
-                    if reply.id == self._id:
+                    reply = self._ch._reply_to(self._sock.recv(), self._id, self._binding)
+                    if reply is not None:
                         return reply
-                    continue  # a late answer to a request this thread gave up on
+                    continue  # a late answer to a request this thread gave up on, or a refused frame
                 if time.monotonic() >= end:
                     return None
         except zmq.ZMQError as err:

@@ -185,7 +185,7 @@ class LostPeer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., last_seen: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("id", "status", "error", "value", "number", "flag", "values", "session", "lost", "arrived")
+    __slots__ = ("id", "status", "error", "value", "number", "flag", "values", "session", "lost", "arrived", "answers")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class Reply(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
     id: int
     status: Status
     error: str
@@ -206,7 +207,8 @@ class Reply(_message.Message):
     session: bytes
     lost: LostPeer
     arrived: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., flag: _Optional[bool] = ..., values: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ..., lost: _Optional[_Union[LostPeer, _Mapping]] = ..., arrived: _Optional[_Iterable[int]] = ...) -> None: ...
+    answers: bytes
+    def __init__(self, id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., flag: _Optional[bool] = ..., values: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ..., lost: _Optional[_Union[LostPeer, _Mapping]] = ..., arrived: _Optional[_Iterable[int]] = ..., answers: _Optional[bytes] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("sealed",)

@@ -1,5 +1,6 @@
 """What every benchmark shares: the machine a result was measured on, a free port, percentiles,
-and one resolver set-up for every run (:func:`run_main`)."""
+one resolver set-up for every run (:func:`run_main`), and when a target counts as met
+(:func:`verdict`, :func:`ratio_interval`, :func:`quantile_verdict`)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,58 @@ def percentile(samples: list[float], q: float) -> float:
     """The ``q``-th percentile (nearest rank): with fewer than 100 samples, p99 is the largest."""
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+#: Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; a df between two
+#: entries takes the smaller one's (wider) value, beyond the last the normal's.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}  # fmt: skip
+
+#: A target's verdicts: "met" only where the 95% interval lies within it, "missed" where it
+#: lies wholly outside, "not established" otherwise (or with no repeats to take one from).
+MET, MISSED, UNKNOWN = "met", "missed", "not established"
+
+
+def ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """The mean of per-repeat ratios ``a / b`` (each repeat measured both sides, interleaved)
+    and its two-sided 95% t interval: (mean, low, high). None with fewer than 2 repeats."""
+    ratios = [a / b for a, b in pairs]
+    n = len(ratios)
+    if n < 2:
+        return None
+    mean = sum(ratios) / n
+    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1))
+    t = T_975[max(df for df in T_975 if df <= n - 1)] if n - 1 <= 30 else 1.96
+    half = t * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def verdict(interval: tuple[float, float, float] | None, limit: float, at_most: bool = True) -> str:
+    """Whether a 95% interval lies within ``<= limit`` (``at_most``) or ``>= limit``."""
+    if interval is None:
+        return UNKNOWN
+    _, low, high = interval
+    inside, outside = (high <= limit, low > limit) if at_most else (low >= limit, high < limit)
+    return MET if inside else MISSED if outside else UNKNOWN
+
+
+def _tail(n: int, k: int, q: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, q)."""
+    return sum(math.comb(n, i) * q**i * (1 - q) ** (n - i) for i in range(k, n + 1))
+
+
+def quantile_verdict(samples: list[float], limit: float, q: float = 0.99) -> str:
+    """Whether the ``q`` quantile of what ``samples`` were drawn from is ``<= limit``, at 95%
+    (one-sided, exact binomial): met only where so few samples lie above ``limit`` that more
+    than ``1 - q`` of the distribution above it is unlikely (no sample above needs >= 299 for
+    p99), missed where so many do that ``1 - q`` or less is unlikely."""
+    n, above = len(samples), sum(s > limit for s in samples)
+    share = 1 - q
+    if above and _tail(n, above, share) < 0.05:
+        return MISSED
+    if 1 - _tail(n, above + 1, share) < 0.05:  # P(X <= above) at a share of exactly 1 - q
+        return MET
+    return UNKNOWN
 
 
 def tree_cpu_s(pid: int) -> float:

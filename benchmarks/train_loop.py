@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "backend": backend,
         "world_size": args.nprocs,
+        # epoch_s holds each side's epochs repeat after repeat (epochs - 1 each; dp.fit+stop: epochs - 2)
+        "repeats": args.repeats,
+        "epochs": args.epochs,
         "epoch_s": epochs,
         "median_s": summary,
         "p99_s": p99s,

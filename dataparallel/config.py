@@ -98,7 +98,8 @@ SETTINGS: dict[str, Setting] = {
     "port": Setting(
         int,
         "DP_PORT",
-        f"none; mpirun: {DEFAULT_PORT}, srun: 15000 + the job id's last 4 digits",
+        f"none; mpirun: {DEFAULT_PORT}, srun: the step's reserved port, else 15000 + (job id mod 1024) x 16 + "
+        "step id mod 16",
         "coordinator (or etcd) port",
     ),
     "options": Setting(
@@ -438,8 +439,7 @@ def _cluster(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     ``mpirun -np N python train.py``: the environment says it all, no mpi4py). The coordinator
     is the configuration's, else ``MASTER_ADDR``/``MASTER_PORT`` (torchrun's layer reads them),
     else what the launcher tells (``__cluster``): with every rank on this host, loopback; under
-    Slurm, the step's first node, at a port derived from the job id (15000 + its last 4
-    digits, as Lightning does: two jobs sharing a first node do not collide)."""
+    Slurm, the step's first node, at :func:`slurm_port`."""
     for found in CLUSTER:
         if not found.detects(env):
             continue
@@ -452,17 +452,40 @@ def _cluster(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             out["local_rank"] = (env[local_rank], local_rank)
         host, port = None, DEFAULT_PORT
         nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-        job_id = env.get("SLURM_JOB_ID", "")
         if local_size and env.get(local_size, "") == env[size]:
             host = "127.0.0.1"
         elif launcher == "srun" or nodes:  # srun, or mpirun in an allocation: rank 0 on its first node
             host = "127.0.0.1" if len(nodes) <= 1 else nodes[0]
-            port = 15000 + int(job_id[-4:]) if job_id.isdigit() else DEFAULT_PORT
+            port = slurm_port(env)
         local = host == "127.0.0.1"
         where = f"{launcher} ({'every rank on this host' if local else 'the first node, SLURM_STEP_NODELIST'})"
         out["__cluster"] = ({"launcher": launcher, "host": host, "port": port, "where": where}, size)
         return out
     return {}
+
+
+#: Derived Slurm ports: 15000 + (job id mod 1024) x 16 + step id mod 16, within
+#: 15000-31383 (below Linux's ephemeral ports, 32768 on).
+SLURM_PORT_BASE, SLURM_JOBS, SLURM_STEPS = 15000, 1024, 16
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The coordinator's port for a Slurm step: the first of the ports Slurm reserved for the
+    step (``SLURM_STEP_RESV_PORTS``, ``srun --resv-ports`` with ``MpiParams=ports=...``: no
+    other step on the node holds them), else one derived from the job id and the step id,
+    ``15000 + (job id mod 1024) x 16 + step id mod 16``. Two derived ports are the same only
+    where both job ids are equal mod 1024 and both step ids mod 16: two steps of one job
+    differ when their ids differ by less than 16, two jobs when their ids differ by less
+    than 1024 (or not by a multiple of it); beyond that they can meet on a shared first node,
+    where a reserved port or ``DP_PORT`` is the way out. No job id: ``DEFAULT_PORT``."""
+    reserved = env.get("SLURM_STEP_RESV_PORTS", "").split(",")[0].split("-")[0].strip()
+    if reserved.isdigit():
+        return int(reserved)
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
+    if not job.isdigit():
+        return DEFAULT_PORT
+    step_number = int(step) if step.isdigit() else 0  # "batch", "extern": not a step srun starts
+    return SLURM_PORT_BASE + (int(job) % SLURM_JOBS) * SLURM_STEPS + step_number % SLURM_STEPS
 
 
 def _agree(
@@ -487,7 +510,7 @@ def _agree(
 def describe_launch(config: JobConfig, env: Mapping[str, str] | None = None) -> str:
     """One line: which launcher started this process and its place in the job, as ``dataparallel
     check --env`` reports it, e.g. ``Slurm job 42 (srun), rank 3 of 8, local rank 1,
-    coordinator zmq://node01:15042``."""
+    coordinator zmq://node01:15672``."""
     env = os.environ if env is None else env
     source = config.origin.get("rank", "")
     found = next((e for e in LAUNCH_ENVIRONMENTS if e.rank == source and e.detects(env)), None)

@@ -128,11 +128,11 @@ class TrainOptions:
     #: evenly is rounded down, said in the log.
     keep_global_batch: bool = False
     #: Elastic: besides each epoch's start, keep the state every this many optimizer steps
-    #: (in memory, every rank: a copy of model and optimizer state, and one all-reduce of the
-    #: epoch's loss sums), so that a loss redoes only the steps since then: the samples of
-    #: the epoch not yet trained are resharded over the survivors. Needs a ``Dataset`` with
-    #: the default sampler and ``strategy="ddp"``; elsewhere the epoch's start is kept. None:
-    #: at epoch starts only.
+    #: (in memory, every rank: a copy of model and optimizer state, one all-reduce of the
+    #: epoch's loss sums and one all-gather of every rank's RNG state), so that a loss redoes
+    #: only the steps since then: the samples of the epoch not yet trained are resharded over
+    #: the survivors. Needs a ``Dataset`` with the default sampler and ``strategy="ddp"``;
+    #: elsewhere the epoch's start is kept. None: at epoch starts only.
     snapshot_every: int | None = None
     #: How the replicas agree. ``"ddp"``: gradients are averaged every optimizer step
     #: (DistributedDataParallel). ``"local_sgd"``: every rank steps its own optimizer on its
@@ -683,12 +683,23 @@ class _Trainer:
 
     def _keep(self, epoch: int, position: dict[str, Any] | None) -> None:
         """Keep the state now as the one a regroup goes back to (``position``: where in
-        ``epoch``; None: its start). The collective ``position`` needed is behind it (a loss
-        there leaves the last snapshot in place); the old copy goes before the new one is made."""
+        ``epoch``; None: its start), with every rank's RNG state there, by rank (what a
+        checkpoint written there holds). The collectives these need come first (a loss there
+        leaves the last snapshot in place); the old copy goes before the new one is made."""
+        rngs = self._every_rng(position["rng"] if position is not None else _rng_state())
         self._snapshot = None
         self._snapshot = self._state_now(epoch)
+        self._snapshot["rngs"] = rngs
         if position is not None:
             self._snapshot["position"] = position
+
+    def _every_rng(self, mine: str) -> list[str]:
+        """Every rank's RNG state (``mine``: this rank's, encoded), by rank: one all-gather
+        (a CPU generator's state has the same size on every rank)."""
+        raw = torch.frombuffer(bytearray(base64.b64decode(mine)), dtype=torch.uint8).to(self.device)
+        every = [torch.empty_like(raw) for _ in range(self.world)]
+        dist.all_gather(every, raw, group=self.pg)
+        return [base64.b64encode(state.cpu().numpy().tobytes()).decode() for state in every]
 
     def _position(self, batches: int, sums: Any, rng: str | None = None) -> dict[str, Any]:
         """Where the current epoch is, after ``batches`` batches of every rank's shard (since
@@ -765,7 +776,10 @@ class _Trainer:
     def _regroup(self, failure: PeerLost) -> int:
         """Carry on without the lost ranks: agree on the survivors through the old channel,
         open the next generation's channel and process group, go back to the state of the
-        current epoch's start. Returns the epoch to redo."""
+        current epoch's start (or its last snapshot). Returns the epoch to redo. New rank r
+        takes the RNG state old rank r had there, as a job resumed on the survivors from a
+        checkpoint written there gives rank r the saved state of rank r (not the survivor's
+        own: where rank 0 or a middle rank is lost, the survivors' ranks move down)."""
 
         started = time.monotonic()
         log.warning("rank %d: %s; regrouping without it", self.rank, failure)
@@ -791,11 +805,13 @@ class _Trainer:
         if snapshot is None:  # _can_regroup saw one
             raise failure
         self._restore(snapshot)
+        rng = snapshot["rngs"][self.rank]
+        _set_rng_state(rng)
         self._resize()
         self._base, self._partial = None, None
         position = snapshot.get("position")
         if position is not None:  # kept mid-epoch: only the samples not yet trained are left
-            self._go_on_from(int(snapshot["epoch"]), position, position["rng"])
+            self._go_on_from(int(snapshot["epoch"]), position, rng)
         self._form_group(new, generation)
         epoch = int(snapshot["epoch"])
         seconds = time.monotonic() - started

@@ -136,6 +136,8 @@ def main(cfg: dict) -> None:
         max_staleness=cfg.get("max_staleness"),
     )
     net = model(cfg.get("dropout", 0.0), cfg.get("norm", False))
+    if cfg.get("rank_seed"):  # each rank its own RNG stream from here (dropout masks differ by rank)
+        torch.manual_seed(100 + (ch.rank if ch.rank is not None else 99))
     loss_fn = torch.nn.functional.mse_loss
     trained = net
     if cfg.get("tuple"):  # the shape of a language model's forward: (prediction, extra)

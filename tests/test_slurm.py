@@ -35,17 +35,39 @@ def cluster(tmp_path_factory):
 @pytest.mark.parametrize(
     ("env", "url", "rank", "world"),
     [
-        ({**STEP, "SLURM_STEP_NODELIST": "n[01-02]"}, "zmq://n01:18456", 2, 4),  # the first node, 15000 + id's last 4
-        ({**STEP, "SLURM_STEP_NODELIST": "n07"}, "zmq://127.0.0.1:18456", 2, 4),  # one node: loopback
+        # the first node, 15000 + (123456 mod 1024) x 16 + step 0
+        ({**STEP, "SLURM_STEP_NODELIST": "n[01-02]"}, "zmq://n01:24216", 2, 4),
+        ({**STEP, "SLURM_STEP_NODELIST": "n07"}, "zmq://127.0.0.1:24216", 2, 4),  # one node: loopback
+        ({**STEP, "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_RESV_PORTS": "12000-12003"}, "zmq://n1:12000", 2, 4),
         ({**STEP, "SLURM_STEP_NODELIST": "n[1-2]", "DP_URL": "grpc://10.0.0.1:9"}, "grpc://10.0.0.1:9", 2, 4),
         ({**STEP, "SLURM_STEP_NODELIST": "n[1-2]", "DP_PORT": "7000"}, "zmq://n1:7000", 2, 4),
-        ({**STEP, "SLURM_STEP_NODELIST": "n[1-2]", "DP_RANK": "0"}, "zmq://n1:18456", 0, 4),
+        ({**STEP, "SLURM_STEP_NODELIST": "n[1-2]", "DP_RANK": "0"}, "zmq://n1:24216", 0, 4),
     ],
 )
 def test_an_srun_steps_environment_gives_the_ranks_and_the_coordinator(env, url, rank, world):
     config = load_config(env=env)
     assert (config.url, config.rank, config.world_size, config.local_rank) == (url, rank, world, 0)
     assert in_worker(env)
+
+
+def slurm_port_of(job: int, step: int, **extra: str) -> int:
+    env = {**STEP, "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step), "SLURM_STEP_NODELIST": "n[1-2]", **extra}
+    config = load_config(env=env)
+    assert config.url is not None
+    return int(config.url.rsplit(":", 1)[1])
+
+
+def test_two_jobs_or_two_steps_sharing_a_first_node_get_different_ports():
+    """Jobs 10042 and 20042, and two steps of one job, once all met on 15000 + the job id's
+    last four digits; the port is derived from the job id and the step id, and the limit the
+    docs state is exact: the same port only for job ids equal mod 1024 and step ids mod 16."""
+    assert slurm_port_of(10042, 0) != slurm_port_of(20042, 0)
+    ports = {slurm_port_of(job, step) for job in range(5000, 5000 + 1024) for step in range(16)}
+    assert len(ports) == 1024 * 16 and min(ports) >= 15000 and max(ports) < 32768  # below ephemeral ports
+    assert slurm_port_of(7, 3) == slurm_port_of(7 + 1024, 3) and slurm_port_of(7, 3) == slurm_port_of(7, 3 + 16)
+    # srun --resv-ports: ports no other step on the node holds, the first taken
+    assert slurm_port_of(10042, 0, SLURM_STEP_RESV_PORTS="12000-12003") == 12000
+    assert slurm_port_of(10042, 1, SLURM_STEP_RESV_PORTS="12004,12005") == 12004
 
 
 def test_a_batch_script_itself_is_not_a_worker():
@@ -127,7 +149,7 @@ def test_the_innermost_launcher_gives_the_rank(env, rank, world):
     config = load_config(env={"SLURM_STEP_NODELIST": "n1", **env})
     assert (config.rank, config.world_size) == (rank, world)
     if "PMI_RANK" in env and env["PMI_RANK"] == env["SLURM_PROCID"]:
-        assert config.url == "zmq://n1:18456"
+        assert config.url == "zmq://n1:24216"
 
 
 @pytest.mark.parametrize(

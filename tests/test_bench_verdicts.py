@@ -1,0 +1,33 @@
+"""A benchmark target counts as met only where the 95% interval over its repeats lies within
+it (``benchmarks.common``); the summary of the committed result files says so row by row."""
+
+from __future__ import annotations
+
+from benchmarks.__main__ import RESULTS, summarize
+from benchmarks.common import MET, MISSED, UNKNOWN, quantile_verdict, ratio_interval, verdict
+
+
+def test_a_ratio_inside_the_runs_spread_is_not_established():
+    spread = [(1.026, 1), (0.878, 1), (1.223, 1), (0.937, 1), (1.245, 1), (1.092, 1), (1.113, 1), (0.897, 1)]
+    interval = ratio_interval(spread)
+    assert interval is not None and interval[1] < 1.02 < interval[2]
+    assert verdict(interval, 1.02) == UNKNOWN
+    assert verdict(ratio_interval([(1.70, 1), (1.75, 1), (1.66, 1)]), 1.5, at_most=False) == MET
+    assert verdict(ratio_interval([(1.10, 1), (1.11, 1), (1.11, 1)]), 1.5, at_most=False) == MISSED
+    assert verdict(ratio_interval([(1.0, 1)]), 1.5) == UNKNOWN  # one repeat: no interval
+
+
+def test_a_p99_target_needs_enough_samples_to_be_met():
+    assert quantile_verdict([1.0] * 20, 2.0) == UNKNOWN  # all under, but 20 cannot establish a p99
+    assert quantile_verdict([1.0] * 298, 2.0) == UNKNOWN
+    assert quantile_verdict([1.0] * 299, 2.0) == MET
+    assert quantile_verdict([12.0] * 4 + [10.0] * 6, 11.0) == MISSED
+
+
+def test_the_summary_of_the_result_files_meets_a_target_only_within_its_interval():
+    rows = {row["target"]: row for row in summarize(RESULTS)["targets"]}
+    assert rows["dp.fit epoch <= 1.02x plain DDP (CPU, 2 ranks)"]["verdict"] == UNKNOWN
+    for row in rows.values():
+        assert row["met"] is {MET: True, MISSED: False}.get(row["verdict"])
+        if "one run" in row["measured"]:
+            assert row["verdict"] == UNKNOWN, row

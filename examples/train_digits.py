@@ -140,7 +140,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     if in_worker():  # started by `dataparallel launch` or torchrun
-        train(args.epochs, args.checkpoint, args.result, args.kill, args.strategy)
+        try:
+            train(args.epochs, args.checkpoint, args.result, args.kill, args.strategy)
+        except dp.ControlError as err:  # no coordinator there, a peer lost...: its one line says what
+            print(f"dataparallel: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            return 1
         return 0
     # Started by hand: become the launcher of a local job (zmq unless configured otherwise).
     return relaunch(

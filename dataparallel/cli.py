@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
+import os
 import signal
+import socket
 import sys
 from typing import Any
 
 from . import __version__
 from .config import CHOICES, SETTINGS, flag_of
-from .errors import ConfigError
+from .errors import ConfigError, ControlError
 from .registry import resolve
 
 EXAMPLES = """\
@@ -96,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
     serve = getattr(cls, "serve", None)
     if serve is None:
         raise ConfigError(f"transport {url.scheme!r} has no standalone coordinator to serve")
+    _can_listen(url.host, url.port)
     # SIGTERM ends the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
@@ -112,6 +116,22 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _can_listen(host: str, port: int | None) -> None:
+    """A ControlError, in a line, where the coordinator could not listen at host:port (the
+    port taken, the address not this machine's), before its server says so in a traceback."""
+    if not port:
+        return
+    try:
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            pass
+    except OSError as err:
+        taken = (
+            " (another coordinator, or another program: choose another port)" if err.errno == errno.EADDRINUSE else ""
+        )
+        said = os.strerror(err.errno) if err.errno else str(err)
+        raise ControlError(f"cannot listen on {host}:{port}: {said}{taken}") from None
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -209,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"dataparallel: {err}", file=sys.stderr)
         return 2
+    except ControlError as err:  # an expected condition, said in one line (no traceback)
+        print(f"dataparallel: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

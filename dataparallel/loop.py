@@ -100,6 +100,9 @@ class TrainOptions:
     #: batches train that epoch under ``Join`` (said once; it costs a collective per step).
     sampler: Callable[..., Any] | None = None
     collective_timeout: float = 300.0
+    #: The driver prints one line per epoch (loss, accuracy, samples, seconds), with a tqdm bar
+    #: during the epoch on a terminal (none in a log). False: neither; print your own from a
+    #: callback.
     progress: bool = True
     #: Survive a lost rank without a restart: the survivors (at least ``min_world_size``)
     #: regroup as a new generation of the job and redo the current epoch from its start (or
@@ -403,8 +406,8 @@ class _Trainer:
         self._bar: Any = None  # the driver's progress bar during an epoch
         self._told_uneven = False
         self._ran_uneven = False  # the last epoch's ranks had different batch counts (under Join)
-        # Output to a log, not a terminal: one line per epoch ("text", or "json" as
-        # `dataparallel launch --log-format json` asks) in place of a progress bar. None: a bar.
+        # Output to a log, not a terminal: no progress bar, only the epoch's line ("text", or
+        # "json" as `dataparallel launch --log-format json` asks). None: a bar, then the line.
         self._lines: str | None = "json" if env_setting("log_format") == "json" else None
         if self._lines is None and not sys.stderr.isatty():
             self._lines = "text"
@@ -1643,11 +1646,11 @@ class _Trainer:
                 self._save(epoch, [state.decode() for state in rng_states])
 
     def _print_epoch(self, m: EpochMetrics) -> None:
-        """The epoch's line, where output goes to a log rather than a terminal (no progress bar
-        there: a file would get every redraw): JSON under ``DP_LOG_FORMAT=json``."""
+        """The epoch's one line (JSON under ``DP_LOG_FORMAT=json``): on a terminal where the
+        epoch's bar was (it leaves none), in a log in its place (a file would get every redraw)."""
         if self._lines == "json":
             print(json.dumps({"event": "epoch", **asdict(m)}), flush=True)
-        elif self._lines == "text" and self.opts.progress:
+        elif self.opts.progress:
             val = "" if m.val_loss is None else f", val loss {m.val_loss:.4f}"
             accuracy = "" if m.val_accuracy is None else f", val accuracy {m.val_accuracy:.1%}"
             print(

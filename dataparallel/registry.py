@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
 from .errors import ConfigError
+from .nativelog import quiet_grpc_log
 
 if TYPE_CHECKING:
     from .channel import ControlChannel
@@ -258,6 +259,7 @@ def _import_target(scheme: str, target: str) -> type[ControlChannel]:
     when it is not what the entry point meant (a local file or folder of the same name
     shadowing the installed package is the usual cause)."""
     module_name, _, attr = target.partition(":")
+    quiet_grpc_log()  # before a transport's library (gRPC under grpc and etcd) is first imported
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -64,13 +64,6 @@ def train(
     torch.manual_seed(0)
     train_set, val_set = digits()
 
-    def log(m: dp.EpochMetrics) -> None:
-        print(
-            f"epoch {m.epoch:2d}  train loss {m.train_loss:.4f}  val loss {m.val_loss:.4f}  "
-            f"val accuracy {m.val_accuracy:.3f}  ({m.train_samples} samples, {m.seconds:.1f}s)",
-            flush=True,
-        )
-
     options = dp.TrainOptions(
         epochs=epochs,
         batch_size=32,
@@ -86,6 +79,8 @@ def train(
             print(f"rank {kill}: killed mid-epoch (--kill)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    # dp.fit prints one line per epoch on the driver (after the epoch's bar, on a terminal):
+    # callbacks=[f] would run f(dp.EpochMetrics) there too, for anything else to do per epoch.
     outcome = dp.fit(
         ch,
         model,
@@ -95,7 +90,6 @@ def train(
         val_set,
         options=options,
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs),
-        callbacks=[log],
         step_callbacks=[die] if kill is not None else [],
     )
     if outcome.rank == 0:  # the driver at the end (elastic: another process, where the first was lost)
@@ -146,7 +140,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     if in_worker():  # started by `dataparallel launch` or torchrun
-        train(args.epochs, args.checkpoint, args.result, args.kill, args.strategy)
+        try:
+            train(args.epochs, args.checkpoint, args.result, args.kill, args.strategy)
+        except dp.ControlError as err:  # no coordinator there, a peer lost...: its one line says what
+            print(f"dataparallel: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            return 1
         return 0
     # Started by hand: become the launcher of a local job (zmq unless configured otherwise).
     return relaunch(

@@ -14,26 +14,22 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.mark.timeout(300)
-def test_digits_training_job_learns(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            EXAMPLES / "train_digits.py",
-            "--nprocs",
-            "2",
-            "--epochs",
-            "4",
-            "--checkpoint",
-            tmp_path / "digits.ckpt",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    accuracy = float(re.search(r"final validation accuracy ([0-9.]+)", run.stdout).group(1))
-    assert accuracy > 0.8, run.stdout
+def test_digits_training_job_learns_and_logs_one_line_per_epoch(tmp_path):
+    """README's main job with its output to a file, as a new user's first log: it learns, and
+    each epoch is one line (the driver's), never two."""
+    argv = [sys.executable, EXAMPLES / "train_digits.py", "--nprocs", "2", "--epochs", "4"]
+    with open(tmp_path / "out.log", "w") as out:
+        run = subprocess.run(
+            [*argv, "--checkpoint", tmp_path / "digits.ckpt"], stdout=out, stderr=subprocess.STDOUT, timeout=280
+        )
+    log = (tmp_path / "out.log").read_text()
+    assert run.returncode == 0, log[-3000:]
+    accuracy = float(re.search(r"final validation accuracy ([0-9.]+)", log).group(1))
+    assert accuracy > 0.8, log
     assert (tmp_path / "digits.ckpt").exists()
+    epochs = [line for line in log.splitlines() if re.search(r"\bepoch\s+\d", line)]
+    assert [line.split(": train loss ")[0] for line in epochs] == [f"[rank 0] epoch {n}" for n in range(4)], log
+    assert "\r" not in log, log
 
 
 @pytest.mark.timeout(120)

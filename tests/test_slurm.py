@@ -215,7 +215,7 @@ def test_scancel_signal_term_checkpoints_and_the_job_started_again_resumes(clust
     job = srun("dp-preempted", "--checkpoint", ckpt, "--result", result)
     assert job.stdout is not None
     for line in job.stdout:  # the driver's line for epoch 0: training is in epoch 1 now
-        if line.startswith("epoch  0"):
+        if line.startswith("epoch 0:"):
             break
     cancel = subprocess.run(
         ["scancel", "--signal=TERM", "--name", "dp-preempted"], capture_output=True, text=True, env=env, timeout=30

@@ -13,6 +13,10 @@ would never return: when the channel fails (its heartbeats unanswered for the li
 timeout), it shuts down its own connections' sockets, found by their local ports, and the
 blocked calls return with the channel's failure; a connection being made (whose answer
 torch waits for without a bound too) is waited for on a thread of its own.
+
+Every call into TCPStore runs under :func:`~dataparallel.nativelog.quiet_torch_log`: what it
+would log in C++ on the way (a refused connection retried, a wait expired, a coordinator
+gone), the channel reports as its own one-line error.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.distributed as dist
 
 from dataparallel.channel import ControlChannel
 from dataparallel.errors import ChannelClosed, ConfigError, ControlError
+from dataparallel.nativelog import quiet_torch_log
 from dataparallel.registry import ChannelURL
 
 T = TypeVar("T")
@@ -104,13 +109,15 @@ class TCPStoreChannel(ControlChannel):
         wait = timedelta(seconds=self.timeout)
         if self.rank in (None, 0) and self.may_host and not _torchrun_agent_store(host, port):
             try:
-                store = dist.TCPStore(host, port, is_master=True, timeout=wait, wait_for_workers=False)
+                with quiet_torch_log():
+                    store = dist.TCPStore(host, port, is_master=True, timeout=wait, wait_for_workers=False)
                 self._hosting = True
                 return _connection(store)
             except (dist.DistNetworkError, RuntimeError):
                 pass  # the port is taken: a store is already served there (another job's, or standalone)
         try:
-            return _connection(dist.TCPStore(host, port, is_master=False, timeout=wait))
+            with quiet_torch_log():
+                return _connection(dist.TCPStore(host, port, is_master=False, timeout=wait))
         except (dist.DistError, RuntimeError) as err:
             raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {self.timeout:g}s: {err}") from err
 
@@ -153,7 +160,8 @@ class TCPStoreChannel(ControlChannel):
                 with _lock_for(self._peer):  # the socket that appears meanwhile is the clone's
                     before = _connections_to(*self._peer)
                     try:
-                        made.append(root.clone())
+                        with quiet_torch_log():
+                            made.append(root.clone())
                     finally:
                         ports.update(_connections_to(*self._peer).keys() - before.keys())
             except BaseException as err:
@@ -203,7 +211,8 @@ class TCPStoreChannel(ControlChannel):
         while True:
             self._raise_failure()
             try:
-                return op(self._client())
+                with quiet_torch_log():
+                    return op(self._client())
             except dist.DistStoreError:
                 raise
             except dist.DistNetworkError as err:
@@ -315,7 +324,7 @@ class TCPStoreChannel(ControlChannel):
         self._acked(lambda s: s.append(full, value), full)
 
     def _close(self) -> None:
-        with self._lock:
+        with self._lock, quiet_torch_log():
             # Dropping the last reference to the hosting store stops its server.
             self._clients.clear()
             self._root = None

@@ -168,6 +168,9 @@ def main(cfg: dict) -> None:
         epoch, release = cfg["hold"]
 
         def hold(info: dp.StepInfo) -> None:
+            if info.epoch == epoch:  # PATH.held.RANK: this rank waits there (the epoch before has ended)
+                held = Path(f"{release}.held.{info.rank}")
+                held.exists() or held.touch()
             deadline = time.monotonic() + 60
             while info.epoch == epoch and not Path(release).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -209,8 +209,10 @@ def test_a_process_started_later_joins_at_the_next_epoch_and_trains_as_a_resumed
     procs = [spawn({**cfg, "rank": r}) for r in range(3)]
     newcomer = None
     try:
-        deadline = time.monotonic() + 60
-        while not all(Path(f"{cfg['started']}.{r}").exists() for r in range(3)):
+        # Every rank waits at epoch 1's first step: the boundary after epoch 0 has passed, so the
+        # newcomer is seated at the next one, after epoch 1, however slowly the job started.
+        deadline = time.monotonic() + 90
+        while not all(Path(f"{release}.held.{r}").exists() for r in range(3)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
             time.sleep(0.1)
         newcomer = spawn({**cfg, "rank": None, "started": None})
@@ -364,8 +366,8 @@ def test_a_newcomer_seated_but_never_arriving_holds_the_members_up_only_so_long(
     procs = [spawn({**cfg, "rank": r}) for r in range(3)]
     seats: list = []
     try:
-        deadline = time.monotonic() + 60
-        while not all(Path(f"{cfg['started']}.{r}").exists() for r in range(3)):
+        deadline = time.monotonic() + 90  # every rank waits at epoch 1's first step: seated after epoch 1
+        while not all(Path(f"{release}.held.{r}").exists() for r in range(3)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
             time.sleep(0.1)
         parsed, cls = resolve(url, None)

@@ -274,10 +274,9 @@ def test_an_elastic_job_carries_on_without_a_host_cut_off_for_good(net, transpor
     ]  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not all(Path(f"{started}.{r}").exists() for r in range(3)):
+        while not all(Path(f"{release}.held.{r}").exists() for r in range(3)):  # each waits at epoch 1
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
             time.sleep(0.2)
-        time.sleep(2)  # epoch 0 is a few steps: every rank now waits at epoch 1's first step
         net.cut(FOLLOWERS[1])
         release.touch()
         survivors = [p.communicate(timeout=120) for p in procs[:2]]

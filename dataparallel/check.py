@@ -16,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import AuthError, ConfigError, ControlError
-from .registry import ChannelURL, resolve
+from .registry import ChannelURL, mask_url, resolve
 
 CHECK_JOB = "__dp-check"
 
 
 @dataclass
 class CheckReport:
+    #: The URL checked, as output shows it (its secrets masked).
     url: str
     lines: list[str] = field(default_factory=list)
     #: What is wrong, or None when everything worked.
@@ -42,10 +43,9 @@ def check(
     url: str, *, token: str | None = None, timeout: float = 5.0, rounds: int = 20, where: str | None = None
 ) -> CheckReport:
     """Diagnose the channel at ``url`` (which came from ``where``, if given); see the module docstring."""
-    report = CheckReport(url)
+    report = CheckReport(mask_url(url))
     try:
         parsed, cls = resolve(url, token, where=where)
-        report.url = parsed.shown
     except ConfigError as err:
         report.problem = str(err)
         return report
@@ -60,7 +60,7 @@ def check(
         report.lines.append(text)
         reachable += ok
     if endpoints and not reachable:
-        report.problem = report.lines[-1] if len(endpoints) == 1 else f"no endpoint of {url} is reachable"
+        report.problem = report.lines[-1] if len(endpoints) == 1 else f"no endpoint of {parsed.shown} is reachable"
         return report
     problems = [str(problem) for problem in cls.diagnose(parsed, timeout, token)]
     if problems:

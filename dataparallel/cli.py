@@ -105,7 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         print(
-            f"dataparallel {__version__}: serving {url.raw} on port {port} (token {'set' if token else 'not set'})",
+            f"dataparallel {__version__}: serving {url.shown} on port {port} (token {'set' if token else 'not set'})",
             f"security: {cls.security(url, token)}",
             sep="\n",
             flush=True,
@@ -143,7 +143,7 @@ def _check(args: argparse.Namespace) -> int:
         print(describe_launch(config), flush=True)
         for name in ("rank", "world_size", "local_rank", "url", "job"):
             if getattr(config, name) is not None:
-                print(f"  {name} = {getattr(config, name)} (from {config.origin.get(name, 'default')})", flush=True)
+                print(f"  {name} = {config.shown(name)} (from {config.origin.get(name, 'default')})", flush=True)
         return 0
     timeout = float(args.timeout) if args.timeout else 5.0
     report = check(

@@ -45,6 +45,7 @@ Every bad value raises :class:`ConfigError` naming the setting and where it came
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -54,7 +55,7 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError
-from .registry import locate
+from .registry import MASK, is_secret_option, locate, mask_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -284,6 +285,22 @@ class JobConfig:
     def describe(self, name: str) -> str:
         return f"{name} (from {self.origin.get(name, 'default')})"
 
+    def shown(self, name: str) -> str:
+        """Setting ``name``'s value as output shows it: the URL's secrets masked
+        (:func:`dataparallel.registry.mask_url`), the token never."""
+        value = getattr(self, name)
+        if name == "token":
+            return MASK if value else "none"
+        return mask_url(value) if name == "url" and value is not None else str(value)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{f.name}={self.shown(f.name) if f.name == 'url' and self.url else getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.repr
+        )
+        return f"JobConfig({fields})"
+
     def require(self, name: str) -> Any:
         """The value of ``name``; :class:`ConfigError` saying how to set it when it is unset."""
         value = getattr(self, name)
@@ -297,15 +314,26 @@ class JobConfig:
         return value
 
 
+#: A value in :func:`load_config`'s ``flags`` that says "given, as none": no lower layer
+#: supplies that setting (``dp.connect(rank=None)`` asks for a rank to be assigned, whatever
+#: ``DP_RANK`` says).
+NONE: Any = object()
+
+
 def load_config(
     flags: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     file: str | os.PathLike | None = None,
+    *,
+    given_by: str | None = None,
 ) -> JobConfig:
-    """Resolve the configuration. ``flags`` holds explicit values (``None`` = not given);
-    ``env`` defaults to ``os.environ``; ``file`` to ``flags['config']``, ``DP_CONFIG`` or
-    ``./dataparallel.toml`` when present."""
-    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    """Resolve the configuration. ``flags`` holds explicit values (``None`` = not given,
+    :data:`NONE` = given as none); ``env`` defaults to ``os.environ``; ``file`` to
+    ``flags['config']``, ``DP_CONFIG`` or ``./dataparallel.toml`` when present. ``given_by``
+    names the call whose arguments ``flags`` are (``dp.connect``: a value's origin reads
+    ``dp.connect(rank=...)``); by default they are command-line flags."""
+    cleared = {k for k, v in (flags or {}).items() if v is NONE}
+    flags = {k: v for k, v in (flags or {}).items() if v is not None and v is not NONE}
     env = os.environ if env is None else env
     path, path_origin = _config_path(flags.pop("config", None) or file, env)
     layers: list[tuple[str, dict[str, Any]]] = []  # lowest precedence first
@@ -316,7 +344,10 @@ def load_config(
     layers.append(("cluster", cluster))
     layers.append(("torchrun", torchrun))
     layers.append(("env", _environment(env)))
-    layers.append(("flag", _check_keys(flags, "argument")))
+    given = _check_keys(flags, "argument")
+    if given_by is not None:
+        given = {name: (value, f"{given_by}({name}=...)") for name, (value, _) in given.items()}
+    layers.append(("flag", given))
 
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -336,6 +367,9 @@ def load_config(
             if source != "torchrun" and name in ("url", "transport", "host", "port"):
                 # An explicitly chosen transport is not re-pointed at torchrun's store.
                 values.pop("__torchrun_store", None)
+    for name in cleared:
+        values.pop(name, None)
+        origin.pop(name, None)
     token, origin["token"] = _token(values, origin, env)
     _hosts(values, origin)
     url = _url(values, origin, options)
@@ -661,6 +695,23 @@ def _hosts(values: dict[str, Any], origin: dict[str, str]) -> None:
         }
 
 
+def load_token(env: Mapping[str, str] | None = None, file: str | os.PathLike | None = None) -> tuple[str | None, str]:
+    """The job token and where it came from, resolved as :func:`load_config` resolves it
+    (``DP_TOKEN``, else the configuration file's ``token_file``) without reading any other
+    setting: for the torchrun backends, whose agent is no rank of a job and takes the rest
+    from torchrun's own flags. (None, "default") when none is configured."""
+    env = os.environ if env is None else env
+    path, path_origin = _config_path(file, env)
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if path is not None:
+        data = _read_file(path, path_origin)
+        if "token_file" in data:
+            raw, where = data["token_file"]
+            values["token_file"], origin["token_file"] = _coerce("token_file", raw, where), where
+    return _token(values, origin, env)
+
+
 def _token(values: dict[str, Any], origin: dict[str, str], env: Mapping[str, str]) -> tuple[str | None, str]:
     # Flags > environment > file: --token-file beats DP_TOKEN, which beats the file's token_file.
     path = values.get("token_file")
@@ -731,14 +782,15 @@ def _as_options(raw: Any, where: str) -> dict[str, str]:
         for item in raw:
             key, sep, value = str(item).partition("=")
             if not sep or not key:
-                raise ConfigError(f"option {item!r} (from {where}) must be KEY=VALUE")
+                raise ConfigError(f"option {key or MASK!r} (from {where}) must be KEY=VALUE")
             items.append((key, value))
     else:
         raise ConfigError(f"options (from {where}) must be a table of KEY = VALUE, got {raw!r}")
     out = {}
     for key, value in items:
         if not isinstance(value, str | int | float):  # bool is an int: true -> "1"
-            raise ConfigError(f"option {key!r} (from {where}) must be a string or number, got {value!r}")
+            shown = MASK if is_secret_option(str(key)) else repr(value)
+            raise ConfigError(f"option {key!r} (from {where}) must be a string or number, got {shown}")
         out[str(key)] = str(int(value)) if isinstance(value, bool) else str(value)
     return out
 
@@ -789,7 +841,7 @@ def _url(values: dict[str, Any], origin: dict[str, str], options: dict[str, str]
     parsed, _ = locate(url, f"url (from {origin['url']})")
     for _, port in parsed.hosts:
         if port is not None and not 1 <= port <= 65535 and parsed.scheme != "memory":
-            raise ConfigError(f"url {url!r} (from {origin['url']}): port must be 1..65535, got {port}")
+            raise ConfigError(f"url {mask_url(url)!r} (from {origin['url']}): port must be 1..65535, got {port}")
     return url
 
 

@@ -35,8 +35,12 @@ def connect(
 
     Whatever is not passed comes from the configuration (:func:`dataparallel.config.load_config`:
     ``DP_*`` variables set by ``dataparallel launch``, torchrun's variables,
-    ``dataparallel.toml``), so ``dp.connect()`` in a script works under ``dataparallel launch``
-    and torchrun unchanged. Raises :class:`ConfigError` for a bad URL or setting (the message
+    ``dataparallel.toml``), whichever arguments are given: the token too (``DP_TOKEN``, the
+    file's ``token_file``), so a coordinator this call hosts is never less protected than the
+    configuration asks. ``url``, ``rank`` and ``world_size`` given stand above the
+    configuration as flags do (the configured URL options, ``DP_OPTIONS``, join a ``url``
+    given, its own query winning). ``dp.connect()`` in a script works under ``dataparallel
+    launch`` and torchrun unchanged. Raises :class:`ConfigError` for a bad URL or setting (the message
     names it and where it came from), :class:`AuthError` for a token that does not match the
     job's, and :class:`ControlError` when the rank is taken or the job is full.
 
@@ -47,24 +51,25 @@ def connect(
     job's driver lives, until the driver seats it at an epoch boundary, then trains with the
     job (``rank`` and ``world_size`` given here are not used).
     """
-    where = None
-    if url is None or rank is _FROM_CONFIG or world_size is None:
-        from .config import load_config  # not imported (TOML parser and all) when all is given
+    from .config import NONE, load_config
 
-        config = load_config()
-        if url is None:
-            url, where = config.require("url"), config.describe("url")
-        rank = config.rank if rank is _FROM_CONFIG else rank
-        world_size = world_size if world_size is not None else config.require("world_size")
-        job = job if job is not None else config.job
-        token = token if token is not None else config.token
-        timeout = timeout if timeout is not None else config.timeout
+    # The configuration is read whatever is given: what is not given (the token above all)
+    # comes from it, so a DP_TOKEN or token_file is never silently dropped.
+    given = {"url": url, "world_size": world_size, "rank": NONE if rank is None else rank}
+    if rank is _FROM_CONFIG:
+        del given["rank"]
+    config = load_config(given, given_by="dp.connect")
+    where = config.describe("url") if url is None else None
+    url, world_size = config.require("url"), config.require("world_size")
+    rank = config.rank
+    job = job if job is not None else config.job
+    token = token if token is not None else config.token
+    timeout = timeout if timeout is not None else config.timeout
     parsed, cls = resolve(url, token, where=where)
     if elastic is None:
         from .config import env_setting
 
         elastic = bool(env_setting("elastic"))
-    job, timeout = job if job is not None else "default", timeout if timeout is not None else 300.0
     with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
         # A follower never hosts the coordinator: it may ask the join queue before it makes a
         # channel of the job's first generation (whose rank and size a newcomer's need not fit).

@@ -31,7 +31,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from .config import CLUSTER, LAUNCH_ENVIRONMENTS, JobConfig
 from .errors import ConfigError
-from .registry import locate, resolve
+from .registry import locate, mask_url, resolve
 
 if TYPE_CHECKING:
     from .ssh import SshOptions
@@ -197,7 +197,7 @@ def launch(
         )
     print(
         f"[launch] node {config.node_rank}/{config.nodes}: ranks {base}..{base + nprocs - 1} of {world} "
-        f"on {url} (job {config.job!r})",
+        f"on {mask_url(url)} (job {config.job!r})",
         file=log,
         flush=True,
     )

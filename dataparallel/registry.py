@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit
 
 from .errors import ConfigError
 from .nativelog import quiet_grpc_log
@@ -36,12 +36,43 @@ _INSTALL_HINTS = {
     "etcd": "pip install 'dataparallel[etcd]'",
 }
 
+#: The words that make a URL option's value secret wherever they occur in its name
+#: (``password=``, etcd's; ``key=``, a private key's file; ``api_token=``...): every message,
+#: log line, report and ``repr`` shows such a value as ``***`` (:func:`mask_url`).
+SECRET_WORDS = ("password", "passwd", "secret", "token", "key", "credential")
+MASK = "***"
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether URL option ``name``'s value is never shown (see :data:`SECRET_WORDS`)."""
+    lowered = name.lower()
+    return any(word in lowered for word in SECRET_WORDS)
+
+
+def mask_url(url: str) -> str:
+    """``url`` as every message, log line and report shows it: the value of each secret
+    option (:func:`is_secret_option`, its name read as a URL decodes it) and a password
+    before ``@`` replaced by ``***``. Any text is taken, a malformed URL too (the message
+    about it must not show what it hides). The one masking of URLs: everything that shows
+    one calls it (or :attr:`ChannelURL.shown`)."""
+    # scheme://user:PASSWORD@host, to the last @ before the query: a password may hold a '/'.
+    url = re.sub(r"(?<=://)([^/?@:]*):[^?]*@", rf"\1:{MASK}@", url)
+    head, sep, query = url.partition("?")
+    if not sep:
+        return url
+    items = []  # to the end: a channel URL has no fragment, and a '#' may be a secret's
+    for item in query.split("&"):
+        name, eq, _ = item.partition("=")
+        items.append(f"{name}={MASK}" if eq and is_secret_option(unquote_plus(name)) else item)
+    return f"{head}?{'&'.join(items)}"
+
+
 _lock = threading.Lock()
 _registry: dict[str, type[ControlChannel] | str] = {}
 _entry_points_loaded = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ChannelURL:
     """A parsed channel URL: ``scheme://[HOST[:PORT][,HOST[:PORT]...]][/PATH][?OPTIONS]``.
 
@@ -69,8 +100,11 @@ class ChannelURL:
 
     @property
     def shown(self) -> str:
-        """``raw`` for messages and logs: a ``password=`` option's value masked."""
-        return re.sub(r"(?<=[?&]password=)[^&]*", "***", self.raw)
+        """``raw`` for messages and logs, its secrets masked (:func:`mask_url`)."""
+        return mask_url(self.raw)
+
+    def __repr__(self) -> str:
+        return f"ChannelURL({self.shown!r})"
 
     def require_port(self) -> int:
         if self.port is None:
@@ -105,7 +139,8 @@ class ChannelURL:
         try:
             return Path(path).expanduser().read_bytes()
         except OSError as err:
-            raise ConfigError(f"{self.shown!r}: cannot read {name}={path!r}: {err.strerror or err}") from None
+            given = MASK if is_secret_option(name) else repr(path)
+            raise ConfigError(f"{self.shown!r}: cannot read {name}={given}: {err.strerror or err}") from None
 
     def certificate_files(self) -> None:
         """``cert=`` and ``key=`` come together, and ``ca=``, ``cert=``, ``key=`` are readable."""
@@ -135,11 +170,16 @@ def parse_url(url: str, form: str | None = None) -> ChannelURL:
     scheme = url_scheme(url)
     expected = f" (expected {form})" if form else ""
     parts = urlsplit(url)
+    if "@" in url.partition("?")[0]:
+        raise ConfigError(
+            f"{mask_url(url)!r}: no USER@ or USER:PASSWORD@ in a channel URL: credentials are options "
+            f"(etcd: ?user=NAME&password=SECRET){expected}"
+        )
     hosts = tuple(_split_host_port(url, item, expected) for item in parts.netloc.split(",")) if parts.netloc else ()
     options: dict[str, str] = {}
     for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
         if key in options:
-            raise ConfigError(f"{url!r}: option {key!r} given twice")
+            raise ConfigError(f"{mask_url(url)!r}: option {key!r} given twice")
         options[key] = value
     path = parts.path if parts.path.strip("/") else ""
     return ChannelURL(url, scheme, hosts, path, options)
@@ -150,7 +190,8 @@ def url_scheme(url: str) -> str:
     scheme = urlsplit(url).scheme if isinstance(url, str) and "://" in url else ""
     if not scheme:
         raise ConfigError(
-            f"not a channel URL: {url!r}; expected SCHEME://..., known schemes: {', '.join(known_schemes())}"
+            f"not a channel URL: {mask_url(url) if isinstance(url, str) else url!r}; expected SCHEME://..., "
+            f"known schemes: {', '.join(known_schemes())}"
         )
     return scheme.lower()
 
@@ -197,11 +238,11 @@ def _split_host_port(url: str, item: str, expected: str) -> tuple[str, int | Non
     else:
         host, port_text = item, ""
     if not host:
-        raise ConfigError(f"{url!r}: empty host in {item!r}{expected}")
+        raise ConfigError(f"{mask_url(url)!r}: empty host in {item!r}{expected}")
     if not port_text:
         return host, None
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f"{url!r}: bad port {port_text!r} (an integer 0..65535){expected}")
+        raise ConfigError(f"{mask_url(url)!r}: bad port {port_text!r} (an integer 0..65535){expected}")
     return host, int(port_text)
 
 

@@ -217,6 +217,8 @@ def launch_hosts(
     supervisor = _Hosts(
         max(grace, SIGNALLED_GRACE) + 10, log, tolerate=config.elastic, as_json=config.log_format == "json"
     )
+    # ssh needs none of the job's settings (the token, a URL's password): they stay out of its environment.
+    own_dropped = {name: value for name, value in os.environ.items() if name not in OWN}
     first = 0
     with supervisor.forwarding_signals():
         for node, (host, count) in enumerate(zip(hosts, slots, strict=True)):
@@ -226,7 +228,7 @@ def launch_hosts(
                 command, config, node, first, count, world, grace=grace, ssh=ssh, prefix=prefix, cwd=cwd
             )
             worker = supervisor.start(
-                node, 0, ssh.argv(host, remote), None, prefix, label=address_of(host), stdin=subprocess.PIPE
+                node, 0, ssh.argv(host, remote), own_dropped, prefix, label=address_of(host), stdin=subprocess.PIPE
             )
             assert worker.proc.stdin is not None
             # An ssh that ended at once, or one stopped meanwhile (stdin closed): wait() tells.

@@ -15,11 +15,13 @@ channel with ``compare_set``, the same way torch's ``c10d`` backend does with a 
 - ``--rdzv-endpoint``: ``HOST[:PORT]``; for ``dp-etcd`` a comma-separated list of members.
 - ``--rdzv-conf``: transport options (``curve=1``, ``tls=1``, ``ca=...``, ``liveness_timeout``...)
   go into the channel URL; ``read_timeout`` (seconds > 0, default 60) bounds each call.
-- The token comes from ``DP_TOKEN`` and is checked as ``dataparallel.connect`` checks it: an
-  agent with another token is refused. The state is framed (magic, version, generation,
-  length) and signed with a key derived from the token: a value the backend did not write, or
-  one written without the token, is a ``RendezvousStateError``; so is a state of an older
-  generation than one the agent has seen (an earlier state written back: a replay).
+- The token comes from ``DP_TOKEN``, else the configuration file's ``token_file``
+  (``DP_CONFIG``, else ``./dataparallel.toml``), as for ``dataparallel.connect``, and is checked
+  as ``dataparallel.connect`` checks it: an agent with another token, or none, is refused.
+  The state is framed (magic, version, generation, length) and signed with a key derived
+  from the token: a value the backend did not write, or one written without the token, is a
+  ``RendezvousStateError``; so is a state of an older generation than one the agent has seen
+  (an earlier state written back: a replay).
 - Workers find the rendezvous round in ``DP_RDZV_ROUND``; ``dataparallel.connect()`` in a
   worker names its job after it, so a restarted group never meets the keys of the last one.
 """
@@ -49,6 +51,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from .channel import ControlChannel
+from .config import load_token
 from .errors import AuthError, ControlError
 from .registry import resolve
 from .wire import MAX_FRAME, purpose_key
@@ -185,7 +188,7 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
         hosts.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     options = {key: str(value) for key, value in params.config.items() if key not in TORCH_RDZV_CONF}
     query = urlencode(sorted(options.items()))  # a password may hold & or %
-    token = os.environ.get("DP_TOKEN") or None
+    token, _ = load_token()  # DP_TOKEN, else the configuration file's token_file
     url, cls = resolve(f"{scheme}://{','.join(hosts)}" + (f"?{query}" if query else ""), token, where="--rdzv-conf")
     read_timeout = _read_timeout(params)
     try:

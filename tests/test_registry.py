@@ -3,8 +3,22 @@ import sys
 import pytest
 
 import dataparallel as dp
+from dataparallel import registry
 from dataparallel.registry import parse_url, resolve
 from dataparallel.transports.memory import MemoryChannel
+
+
+@pytest.fixture(autouse=True)
+def _registry_as_it_was():
+    """Schemes a test registers are gone after it: a later test in the same process (the
+    reference pages list every registered transport) never meets them."""
+    registry.known_schemes()  # the entry points loaded, so the copy holds them
+    with registry._lock:
+        saved = dict(registry._registry)
+    yield
+    with registry._lock:
+        registry._registry.clear()
+        registry._registry.update(saved)
 
 
 def test_url_parsing_splits_hosts_ports_path_and_options():

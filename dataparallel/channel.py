@@ -245,6 +245,7 @@ class ControlChannel(Collectives, abc.ABC):
         self.heartbeat_interval = url.seconds("heartbeat", 1.0)
         self.liveness_timeout = url.seconds("liveness_timeout", 10.0)
         self._closed = False
+        self._close_by: float | None = None  # when close() must be done, once it has begun
         self._close_lock = threading.Lock()
         self._broken: ControlError | None = None
         self._liveness: Liveness | None = None
@@ -514,10 +515,12 @@ class ControlChannel(Collectives, abc.ABC):
     def close(self) -> None:
         """Leave the job: stop heartbeats (peers see a clean departure, not a loss) and
         release the connection. Idempotent, and safe from several threads at once (one
-        closes; the others return once it has)."""
+        closes; the others return once it has). Returns within the channel's timeout: the
+        departure's calls get what is left of it (:meth:`_left_to_close`)."""
         with self._close_lock:
             if self._closed:
                 return
+            self._close_by = time.monotonic() + self.timeout
             if self.hosts_coordinator and self._broken is None:
                 # Peers may still be reading their last replies: give them time to leave.
                 self._await_departures(min(self.timeout, self.CLOSE_GRACE))
@@ -530,6 +533,13 @@ class ControlChannel(Collectives, abc.ABC):
             if self._liveness is not None:
                 self._liveness.stop(announce=self._broken is None)
             self._close()
+
+    def _left_to_close(self, at_least: float = 0.0) -> float | None:
+        """Once ``close`` has begun, the seconds left of its timeout (at least ``at_least``):
+        a transport bounds its departure's calls by it, liveness its last wait. None before."""
+        if self._close_by is None:
+            return None
+        return max(self._close_by - time.monotonic(), at_least)
 
     def _await_departures(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for the other ranks to close or be lost."""

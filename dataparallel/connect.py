@@ -111,38 +111,50 @@ def _newcomer(
 
 #: Seconds between two "still connecting" notices.
 NOTICE_EVERY = 5.0
+#: Longest a notice's TCP probe of one endpoint waits.
+PROBE_TIMEOUT = 2.0
+#: Longest the end of a connect waits for the notice thread: it is done at once unless a
+#: probe is in flight (then it ends with the probe, saying nothing more).
+NOTICE_JOIN = 0.1
 
 
 @contextlib.contextmanager
 def _waiting_notice(url: ChannelURL, service: str) -> Iterator[None]:
     """While the body runs (a connect, which may wait up to its timeout for a coordinator or
     a rank), log every ``NOTICE_EVERY`` seconds what it waits for, with the diagnosis
-    ``dataparallel check`` starts with: a TCP probe of each of the URL's endpoints."""
+    ``dataparallel check`` starts with: a TCP probe of each of the URL's endpoints. Nothing is
+    logged once the body has ended: a notice is logged under a lock, and only while the body
+    runs, and the thread is joined as the body ends (not waiting out a probe in flight, whose
+    finding is dropped)."""
     endpoints = [(host, port) for host, port in url.hosts if host and port is not None]
     if not endpoints:  # nothing on the network to wait for
         yield
         return
     done = threading.Event()
+    saying = threading.Lock()
 
     def notify() -> None:
         start = time.monotonic()
         while not done.wait(NOTICE_EVERY):
             from .check import tcp_probe
 
-            findings = "; ".join(tcp_probe(host, port, 2.0, service)[1] for host, port in endpoints)
-            if done.is_set():
-                return
-            log.warning(
-                "still connecting to %s after %.0fs: %s (`dataparallel check %s` diagnoses it)",
-                url.shown,
-                time.monotonic() - start,
-                findings,
-                url.shown,
-            )
+            findings = "; ".join(tcp_probe(host, port, PROBE_TIMEOUT, service)[1] for host, port in endpoints)
+            with saying:
+                if done.is_set():
+                    return
+                log.warning(
+                    "still connecting to %s after %.0fs: %s (`dataparallel check %s` diagnoses it)",
+                    url.shown,
+                    time.monotonic() - start,
+                    findings,
+                    url.shown,
+                )
 
     thread = threading.Thread(target=notify, name="dp-connect-notice", daemon=True)
     thread.start()
     try:
         yield
     finally:
-        done.set()
+        with saying:  # a notice being logged ends first; none starts after
+            done.set()
+        thread.join(NOTICE_JOIN)

@@ -159,9 +159,11 @@ class StoreHeartbeats(Liveness):
 
     def stop(self, announce: bool) -> None:
         self._stop.set()
+        left = self._ch._left_to_close()
         for thread in (self._thread, self._guard_thread):
             if thread.is_alive() and threading.current_thread() is not thread:
-                thread.join(timeout=self._interval * 4)
+                # Not past close's timeout: a beat in flight to a store gone silent ends on its own.
+                thread.join(timeout=self._interval * 4 if left is None else min(self._interval * 4, left))
         if announce:
             try:
                 self._ch._set(self._key(_HB, self._me), _CLOSED)

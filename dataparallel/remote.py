@@ -33,8 +33,12 @@ from .wire import PROTOCOL_VERSION, Misdirected, open_frame, pb
 
 log = logging.getLogger(__name__)
 
-#: Extra seconds a client waits beyond the coordinator's own deadline before giving up on it.
-REPLY_GRACE = 5.0
+#: How a request's wait is shared with the coordinator: a waiting request (a get, a collective)
+#: is parked there up to this much (at most a tenth of the wait) shorter than the caller waits,
+#: and the client gives up on any reply this long after the caller's wait: time for the
+#: coordinator's TIMEOUT answer to arrive first, so a key still missing is a ControlTimeout and
+#: a coordinator gone silent a ChannelClosed. No call outlasts its timeout by more than this.
+REPLY_GRACE = 0.25
 #: Longest a waiting caller goes without looking at the channel's state.
 POLL_SLICE = 0.25
 #: While a session opens: unanswered for this long, look at the server for a
@@ -276,8 +280,9 @@ class RemoteChannel(ControlChannel, abc.ABC):
         """The coordinator's port (the one bound, when this process hosts it on port 0)."""
         return self._address[1]
 
-    def _call(self, request: pb.Request, timeout: float) -> pb.Reply:
-        """Send ``request`` and return its reply within ``timeout`` seconds.
+    def _call(self, request: pb.Request, timeout: float, shown: float | None = None) -> pb.Reply:
+        """Send ``request`` and return its reply within ``timeout`` seconds (``shown``: the
+        caller's timeout, for the message when none comes).
 
         Raises :class:`ChannelClosed` if no reply comes in time (or the channel broke in the
         background, except for heartbeats and the leave), :class:`AuthError` if the
@@ -295,9 +300,9 @@ class RemoteChannel(ControlChannel, abc.ABC):
                     raise self._broken
                 now = time.monotonic()
                 if now >= deadline:
-                    raise ChannelClosed(self._no_reply(timeout, exchange.reason))
+                    raise ChannelClosed(self._no_reply(timeout if shown is None else shown, exchange.reason))
                 if now >= probe_at:
-                    self._raise_misconfiguration()
+                    self._raise_misconfiguration(min(PROBE_EVERY, deadline - now))
                     probe_at = time.monotonic() + PROBE_EVERY
                 reply = exchange.poll(max(min(POLL_SLICE, deadline - now, probe_at - now), 0.0))
                 if reply is not None:
@@ -313,8 +318,8 @@ class RemoteChannel(ControlChannel, abc.ABC):
             f"(is rank 0 / `dataparallel serve` running? {self.MISMATCH_HINT}){last}"
         )
 
-    def _raise_misconfiguration(self) -> None:
-        problems = _diagnosis(type(self), self.url, self.token)
+    def _raise_misconfiguration(self, within: float) -> None:
+        problems = _diagnosis(type(self), self.url, self.token, within)
         if problems:
             problem = problems[0]
             if isinstance(problem, ControlError):
@@ -339,7 +344,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
         request.id = next(self._ids)
         request.session = self._session
         start = time.monotonic()
-        reply = self._call(request, wait + REPLY_GRACE)
+        reply = self._call(request, wait + REPLY_GRACE, shown=wait)
         if reply.status == pb.OK:
             return reply
         return self._raise(reply, what, time.monotonic() - start)
@@ -378,7 +383,8 @@ class RemoteChannel(ControlChannel, abc.ABC):
 
     def _get(self, key: str, timeout: float) -> bytes | None:
         try:
-            return self._request(pb.Request(get=pb.Get(key=key, timeout=timeout)), timeout, f"key {key!r}").value
+            get = pb.Get(key=key, timeout=_parked(timeout))
+            return self._request(pb.Request(get=get), timeout, f"key {key!r}").value
         except ControlTimeout:
             return None
 
@@ -400,7 +406,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
         return hosted.job_state(self.job) if hosted is not None else self._num_keys()
 
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
-        request = pb.Request(multi_get=pb.MultiGet(keys=keys, timeout=timeout))
+        request = pb.Request(multi_get=pb.MultiGet(keys=keys, timeout=_parked(timeout)))
         try:
             return list(self._request(request, timeout, f"keys {list(keys[:3])!r}").values)
         except ControlTimeout:
@@ -425,8 +431,10 @@ class RemoteChannel(ControlChannel, abc.ABC):
 
     def _leave(self, session: bytes) -> None:
         if session and self._broken is None:
+            closing = self._left_to_close(at_least=0.05)  # not past close's timeout
+            wait = 2.0 if closing is None else min(2.0, closing)
             try:
-                self._call(pb.Request(id=next(self._ids), session=session, leave=pb.Empty()), 2.0)
+                self._call(pb.Request(id=next(self._ids), session=session, leave=pb.Empty()), wait)
             except ControlError:
                 pass  # leaving anyway
 
@@ -447,7 +455,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
     ) -> list[bytes]:
         self._raise_if_failed(what)
         budget = self._budget(timeout)
-        op = pb.Collect(name=name, sources=sources, want=want, timeout=budget)
+        op = pb.Collect(name=name, sources=sources, want=want, timeout=_parked(budget))
         if value is not None:
             op.has_value, op.value = True, value
         start = time.monotonic()
@@ -510,17 +518,24 @@ _probes_lock = threading.Lock()
 _probes: dict[tuple, tuple[threading.Lock, list[float], list]] = {}
 
 
-def _diagnosis(cls: type[RemoteChannel], url: ChannelURL, token: str | None) -> list:
+def _diagnosis(cls: type[RemoteChannel], url: ChannelURL, token: str | None, within: float) -> list:
     """``cls.diagnose(url)``, looked at once per ``PROBE_EVERY`` seconds by a whole process:
     hundreds of ranks of one process whose sessions open slowly (a loaded coordinator) would
-    otherwise each probe it every few seconds, and their probes load it further."""
+    otherwise each probe it every few seconds, and their probes load it further. A probe
+    waits at most ``within`` seconds (what is left of the caller's timeout)."""
     with _probes_lock:
         lock, when, found = _probes.setdefault((cls, url.raw, token), (threading.Lock(), [-math.inf], []))
     with lock:  # one probe at a time; the others take its finding
         if time.monotonic() - when[0] >= PROBE_EVERY:
-            found[:] = cls.diagnose(url, PROBE_EVERY, token)
+            found[:] = cls.diagnose(url, max(within, 0.05), token)
             when[0] = time.monotonic()
         return list(found)
+
+
+def _parked(wait: float) -> float:
+    """How long the coordinator parks a request the caller waits ``wait`` seconds for: less,
+    by up to :data:`REPLY_GRACE`, so that its TIMEOUT answer comes back within the wait."""
+    return max(wait - min(REPLY_GRACE, wait / 10), 1e-3)
 
 
 def _bytes(value: bytes) -> bytes:

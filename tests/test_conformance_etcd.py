@@ -1,4 +1,6 @@
+import contextlib
 import itertools
+import types
 
 import pytest
 from etcdserver import EtcdServer, require_etcd
@@ -20,3 +22,16 @@ class TestEtcdChannel(ChannelConformance):
     @pytest.fixture
     def channel_url(self, etcd):
         return f"{etcd.url}/conformance{next(_prefixes)}"
+
+    @pytest.fixture(autouse=True)
+    def _scratch(self, tmp_path):
+        self.scratch = tmp_path
+
+    @contextlib.contextmanager
+    def silenceable_server(self, channel_url):
+        """etcd's store is no rank's: a server of its own, for the timeout tests to freeze or kill."""
+        server = EtcdServer(self.scratch / f"silenced{next(_prefixes)}").start().wait_ready()
+        try:
+            yield types.SimpleNamespace(url=f"{server.url}/silenced", pid=server.proc.pid)
+        finally:
+            server.stop()

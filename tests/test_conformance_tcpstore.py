@@ -24,11 +24,11 @@ def test_a_slow_new_connection_delays_the_join_and_never_costs_a_rank(monkeypatc
     made: dict[int, int] = {}
     real_clone = TCPStoreChannel._clone
 
-    def slow_clone(self):
+    def slow_clone(self, within):
         made[self.rank] = made.get(self.rank, 0) + 1
         if self.rank == 1 and made[1] > 1:  # rank 1's connections after its first: the DNS stall
             time.sleep(3.0)
-        return real_clone(self)
+        return real_clone(self, within)
 
     monkeypatch.setattr(TCPStoreChannel, "_clone", slow_clone)
     url = with_options(f"tcpstore://127.0.0.1:{free_port()}", **FAST_LIVENESS)

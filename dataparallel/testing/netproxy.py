@@ -1,6 +1,8 @@
 """A TCP forwarder for fault injection: sits between clients and a server on 127.0.0.1,
 records the bytes it carries, and can reset every connection at once (a brief network drop)
-or swallow the server's next reply and then reset (a request applied whose answer was lost)."""
+or swallow the server's next reply and then reset (a request applied whose answer was lost),
+or stop answering altogether (:meth:`TcpProxy.blackhole`: connections stay open, and new ones
+are taken, but nothing passes either way, as with a frozen server or a link that went dark)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class TcpProxy:
         self._swallow = threading.Event()
         self._holding = threading.Event()
         self._stopped = threading.Event()
+        self._dark = threading.Event()
         self._hold, self._skip = 0.3, 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -40,6 +43,10 @@ class TcpProxy:
             if not self.accepting:
                 client.close()
                 continue
+            if self._dark.is_set():
+                with self._lock:
+                    self._conns.append(client)  # taken, never answered
+                continue
             try:
                 upstream = socket.create_connection(self._target, timeout=5)
             except OSError:
@@ -56,6 +63,8 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket, from_server: bool) -> None:
         try:
             while data := src.recv(65536):
+                if self._dark.is_set():
+                    continue  # swallowed, both ways
                 if from_server and self._holding.is_set():
                     continue  # the reply to the request lost_next_reply was armed for: dropped
                 if not from_server and self._swallow.is_set():
@@ -101,6 +110,12 @@ class TcpProxy:
     def _end_hold(self) -> None:
         self.drop_connections()
         self._holding.clear()
+
+    def blackhole(self) -> None:
+        """From now on forward nothing, either way, and answer nothing: live connections stay
+        open and new ones are accepted, but no byte passes (a frozen server, a link gone dark
+        without a reset). Until :meth:`close`."""
+        self._dark.set()
 
     def reset_every(self, seconds: float) -> None:
         """Reset every connection each ``seconds`` until :meth:`close`."""

@@ -58,7 +58,7 @@ def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hold(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
-    print(json.dumps({"ready": ch.rank}), flush=True)
+    print(json.dumps({"ready": ch.rank, "hosts": ch.hosts_coordinator}), flush=True)
     deadline = time.monotonic() + args.hold
     while time.monotonic() < deadline:  # until killed or stopped by the test
         time.sleep(0.05)

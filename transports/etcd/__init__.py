@@ -71,6 +71,9 @@ _TXN_OPS = 128
 _KEEP_RECORDS = 256
 #: _cas_loop's "delete the key".
 _REMOVE = object()
+#: A call's answer is waited for this long past its timeout; a wait inside a call ends up to
+#: this much (at most a tenth of it) before: a key still missing is a timeout, not silence.
+ANSWER_GRACE = 0.25
 #: While a session cannot open: look at the server after this many seconds, then this often.
 _PROBE_AFTER, _PROBE_EVERY = 1.0, 2.0
 #: What a restarting member or a broken connection raises: waited out (and failed over) by
@@ -117,8 +120,9 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._op_seq = itertools.count()
         self._releases = ReleaseWatch(self)
         try:
+            start = time.monotonic()
             self._run(self._connect(), self.timeout)
-            self._run(self._open_run(), self.timeout)
+            self._run(self._open_run(), max(start + self.timeout - time.monotonic(), 1e-3))
         except BaseException:
             self._shutdown()
             raise
@@ -218,7 +222,8 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         while time.monotonic() < deadline:
             client = self._new_client()
             try:
-                await asyncio.wait_for(client.get(self._root + b"__dp/ping"), timeout=5)
+                ping = client.get(self._root + b"__dp/ping")
+                await asyncio.wait_for(ping, timeout=min(5, deadline - time.monotonic()))
                 self._client = client
                 return
             except Exception as err:
@@ -229,7 +234,8 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 last = err  # unreachable member: try the next one
                 self._current = (self._current + 1) % len(self._endpoints)
             if time.monotonic() >= probe_at:  # unanswered: a TLS mismatch fails now, not at the timeout
-                problems = await asyncio.to_thread(type(self).diagnose, self.url, _PROBE_EVERY)
+                within = max(min(_PROBE_EVERY, deadline - time.monotonic()), 0.05)
+                problems = await asyncio.to_thread(type(self).diagnose, self.url, within)
                 if problems:
                     raise problems[0]
                 probe_at = time.monotonic() + _PROBE_EVERY
@@ -293,8 +299,10 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the client's loop; errors come out as the channel's. Waits for
-        ``timeout`` (default: the channel's), plus the time ``_call`` may spend failing over."""
-        wait = (timeout or self.timeout) + self.liveness_timeout + 5
+        ``timeout`` (default: the channel's) and :data:`ANSWER_GRACE` more, failing over to
+        another member included; then cancels it: ChannelClosed. (A wait inside ``coro``
+        ends :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.)"""
+        wait = (timeout or self.timeout) + ANSWER_GRACE
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout=wait)
@@ -370,7 +378,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     async def _get_async(self, key: bytes, timeout: float) -> bytes | None:
         """Read ``key``; if missing, watch it from the revision read. A watch broken by a lost
         connection is read and watched again (``_call`` waits out the outage), within ``timeout``."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + _wait_within(timeout)
         while True:
             found = await self._call("get_range", key, key + b"\0")
             if len(found):
@@ -496,7 +504,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         return self._run(self._multi_get_async([self._k(k) for k in keys], timeout), timeout)
 
     async def _multi_get_async(self, keys: list[bytes], timeout: float) -> list[bytes] | None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + _wait_within(timeout)
         while True:
             values = await self._read(keys)
             present = [value for value in values if value is not None]
@@ -567,7 +575,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._stop.set()
         if self._broken is None and self._client is not None:
             try:
-                self._run(self._leave(), 10)
+                self._run(self._leave(), min(10.0, self.timeout))
             except ControlError:
                 pass  # leaving anyway; the lease expires on its own
         self._shutdown()
@@ -597,6 +605,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 self._run(self._etcd.close(), 5)
             except Exception:
                 pass
+
+
+def _wait_within(timeout: float) -> float:
+    """How long a wait inside a call of ``timeout`` seconds lasts (see ``_run``)."""
+    return max(timeout - min(ANSWER_GRACE, timeout / 10), 1e-3)
 
 
 def _lease_gone(err: BaseException) -> bool:

@@ -304,7 +304,9 @@ class EtcdCollectives:
 
     def _who_arrived(self, round_: str, expected: list[int]) -> Any:
         def hint() -> str:
-            arrived = self._run(self._arrived(round_), 5.0)
+            # Read once the wait is over: kept short (the read and its answer's grace) so that
+            # the timeout is not outlived where etcd no longer answers; then no count is given.
+            arrived = self._run(self._arrived(round_), HINT_WITHIN)
             missing = [r for r in expected if r not in arrived]
             shown = f"{missing[:16]}" + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
             return f"{len(expected) - len(missing)}/{len(expected)} ranks had arrived; missing ranks {shown}"
@@ -415,6 +417,11 @@ class EtcdCollectives:
 
         what = f"broadcast {name!r} from rank {src}"
         return self._block(steps(), deadline, what, needs=Needs("bcast", name, seq, (src,), f"{what} round {seq}"))
+
+
+#: Longest the read for a timed-out collective's message (who had arrived) is waited for,
+#: beyond the answer's grace (``EtcdChannel._run``).
+HINT_WITHIN = 0.15
 
 
 def _detail(hint: Any) -> str:

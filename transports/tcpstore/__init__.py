@@ -12,7 +12,9 @@ TCPStore's client waits for a reply without a bound, so a call to a frozen coord
 would never return: when the channel fails (its heartbeats unanswered for the liveness
 timeout), it shuts down its own connections' sockets, found by their local ports, and the
 blocked calls return with the channel's failure; a connection being made (whose answer
-torch waits for without a bound too) is waited for on a thread of its own.
+torch waits for without a bound too) is waited for on a thread of its own. Each call is
+bounded the same way by its own timeout (:class:`_Deadlines`): unanswered by then, its
+connection's sockets are shut down and it raises ChannelClosed.
 
 Every call into TCPStore runs under :func:`~dataparallel.nativelog.quiet_torch_log`: what it
 would log in C++ on the way (a refused connection retried, a wait expired, a coordinator
@@ -72,6 +74,64 @@ class _SentUnanswered(Exception):
     has a reply) was answered: the write may have been applied."""
 
 
+#: Beyond a wait's own timeout, how long a call gives TCPStore's answer to arrive: a wait that
+#: expires at the server is a timeout, one unanswered by then a store gone silent.
+ANSWER_GRACE = 0.2
+
+
+class _Deadlines:
+    """Bounds the torch calls of a channel's threads: a call still unanswered at its deadline
+    has its connection's sockets shut down (the blocked call then raises), one watcher thread
+    for the channel, started on first use."""
+
+    def __init__(self, channel: TCPStoreChannel) -> None:
+        self._ch = weakref.ref(channel)
+        self._cond = threading.Condition()
+        self._due: dict[threading.Thread, float] = {}
+        self.expired: set[threading.Thread] = set()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def arm(self, seconds: float) -> None:
+        with self._cond:
+            self.expired.discard(threading.current_thread())
+            self._due[threading.current_thread()] = time.monotonic() + seconds
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="dp-tcpstore-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def disarm(self) -> bool:
+        """Whether this thread's call expired (its connection is then dead)."""
+        with self._cond:
+            self._due.pop(threading.current_thread(), None)
+            return threading.current_thread() in self.expired
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                late = [t for t, due in self._due.items() if due <= now]
+                for thread in late:
+                    del self._due[thread]
+                    self.expired.add(thread)
+                if not late:
+                    self._cond.wait(min([*self._due.values(), now + 1.0]) - now)
+            ch = self._ch()
+            if ch is None:
+                return
+            if late:
+                ch._shut_down({port for t in late for port in ch._clients.get(t, (None, set()))[1]})
+            del ch
+
+
 class TCPStoreChannel(ControlChannel):
     scheme = "tcpstore"
     # Each timed-out TCPStore wait logs a C++ warning: poll for lost peers less often.
@@ -98,6 +158,7 @@ class TCPStoreChannel(ControlChannel):
         )
         #: A value no rank stores (see _get).
         self._absent = b"\0dp-absent\0" + os.urandom(12)
+        self._deadlines = _Deadlines(self)
 
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
@@ -115,11 +176,23 @@ class TCPStoreChannel(ControlChannel):
                 return _connection(store)
             except (dist.DistNetworkError, RuntimeError):
                 pass  # the port is taken: a store is already served there (another job's, or standalone)
-        try:
-            with quiet_torch_log():
-                return _connection(dist.TCPStore(host, port, is_master=False, timeout=wait))
-        except (dist.DistError, RuntimeError) as err:
-            raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {self.timeout:g}s: {err}") from err
+        # torch's connect overruns its timeout (by a quarter or more, retrying): bounded here.
+        made: list[Connection | BaseException] = []
+
+        def connect() -> None:
+            try:
+                with quiet_torch_log():
+                    made.append(_connection(dist.TCPStore(host, port, is_master=False, timeout=wait)))
+            except BaseException as err:
+                made.append(err)
+
+        helper = threading.Thread(target=connect, name="dp-tcpstore-open", daemon=True)
+        helper.start()
+        helper.join(self.timeout)
+        result = made[0] if made else TimeoutError("no answer")
+        if isinstance(result, BaseException):
+            raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {self.timeout:g}s: {result}") from None
+        return result
 
     @property
     def hosts_coordinator(self) -> bool:
@@ -131,16 +204,23 @@ class TCPStoreChannel(ControlChannel):
             raise ChannelClosed(f"{self!r} is closed")
         return self._root.port
 
-    def _client(self) -> Connection:
+    def _client(self, within: float | None = None) -> Connection:
         thread = threading.current_thread()
         entry = self._clients.get(thread)
         if entry is None:
-            with self._lock:
-                entry = self._clone()
+            within = self.timeout if within is None else within
+            start = time.monotonic()
+            # Another thread's new connection may be waiting on a frozen coordinator: not past ours.
+            if not self._lock.acquire(timeout=within):
+                raise ChannelClosed(f"TCPStore at {self._address}: no new connection within {within:.1f}s")
+            try:
+                entry = self._clone(max(start + within - time.monotonic(), 0.0))
                 self._clients[thread] = entry
+            finally:
+                self._lock.release()
         return entry[0]
 
-    def _clone(self) -> tuple[Connection, set[int]]:
+    def _clone(self, within: float) -> tuple[Connection, set[int]]:
         """A connection of its own and the local ports of its sockets: a clone of the store
         opened at connect, within the channel's timeout. A new TCPStore connection looks the
         peer's address up in DNS (torch's socket logging, on both ends); where the resolver
@@ -148,7 +228,7 @@ class TCPStoreChannel(ControlChannel):
         it into a false failure. torch's clone waits for the server's answer without a bound
         of its own (a frozen coordinator accepts connections in its kernel, never answers),
         so it runs on a thread of its own, and the caller leaves with the channel's failure
-        once there is one."""
+        once there is one, or after ``within`` seconds (its call's timeout)."""
         root = self._root
         if root is None:
             raise ChannelClosed(f"{self!r} is closed")
@@ -169,9 +249,12 @@ class TCPStoreChannel(ControlChannel):
 
         helper = threading.Thread(target=connect, name=f"dp-tcpstore-connect-r{self.rank}", daemon=True)
         helper.start()
+        give_up = time.monotonic() + within
         while helper.is_alive():
             helper.join(0.05)
             self._raise_failure()
+            if helper.is_alive() and time.monotonic() >= give_up:
+                raise ChannelClosed(f"TCPStore at {self._address}: no new connection within {within:.1f}s")
         result = made[0]
         if isinstance(result, (dist.DistError, RuntimeError, OSError)):
             raise ChannelClosed(f"TCPStore at {self._address} unreachable: {result}") from result
@@ -186,7 +269,12 @@ class TCPStoreChannel(ControlChannel):
         super()._fail(error)
         if self._hosting:
             return  # the coordinator is this process: not frozen while this runs
-        mine = {port for _, ports in list(self._clients.values()) for port in ports}
+        self._shut_down({port for _, ports in list(self._clients.values()) for port in ports})
+
+    def _shut_down(self, mine: set[int]) -> None:
+        """Shut down the sockets of this channel's connections with these local ports."""
+        if not mine:
+            return
         for local_port, sock in _connections_to(*self._peer, keep=True).items():
             with sock:
                 if local_port in mine:
@@ -195,7 +283,7 @@ class TCPStoreChannel(ControlChannel):
                     except OSError:
                         pass
 
-    def _call(self, op: Callable[[Connection], T], read: bool = False) -> T:
+    def _call(self, op: Callable[[Connection], T], read: bool = False, within: float | None = None) -> T:
         """Run ``op`` on this thread's connection: the one place TCPStore's errors become the
         channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``; any
         other failure drops the connection (a reply still on its way would otherwise be read
@@ -206,18 +294,29 @@ class TCPStoreChannel(ControlChannel):
         request that never left (its send failed: "Broken pipe"; not so for a write followed
         by a request on the same connection, see :meth:`_acked`). A write whose reply was
         lost may have been applied: ChannelClosed (TCPStore has no request ids to dedupe a
-        re-sent one)."""
-        deadline = time.monotonic() + self.liveness_timeout
+        re-sent one).
+
+        The whole call takes at most ``within`` seconds (default: the channel's timeout): a
+        connection, retries and the answer included; past that, ChannelClosed."""
+        bound = self.timeout if within is None else within
+        closing = self._left_to_close(at_least=0.05)  # the departure, within close's timeout
+        bound = bound if closing is None else min(bound, closing)
+        start = time.monotonic()
+        deadline = start + min(self.liveness_timeout, bound)
         while True:
             self._raise_failure()
+            client = self._client(max(start + bound - time.monotonic(), 0.0))
+            self._deadlines.arm(max(start + bound - time.monotonic(), 0.0))
             try:
                 with quiet_torch_log():
-                    return op(self._client())
+                    return op(client)
             except dist.DistStoreError:
                 raise
             except dist.DistNetworkError as err:
                 self._drop_connection()
                 self._raise_failure()  # a call released by _fail
+                if self._deadlines.disarm():
+                    raise ChannelClosed(f"TCPStore at {self._address}: no answer within {bound:.1f}s") from None
                 unsent = "Broken pipe" in str(err)
                 if not (read or unsent) or time.monotonic() > deadline:
                     raise ChannelClosed(f"TCPStore at {self._address}: connection failed: {err}") from err
@@ -225,13 +324,23 @@ class TCPStoreChannel(ControlChannel):
             except _SentUnanswered as err:
                 self._drop_connection()
                 self._raise_failure()  # released by _fail
+                if self._deadlines.disarm():
+                    raise ChannelClosed(
+                        f"TCPStore at {self._address}: no answer within {bound:.1f}s after a write was sent "
+                        "(it may have been applied)"
+                    ) from None
                 raise ChannelClosed(
                     f"TCPStore at {self._address}: connection failed after a write was sent (it may have "
                     f"been applied): {err.__cause__}"
                 ) from err.__cause__
             except (dist.DistError, RuntimeError) as err:
                 self._drop_connection()
+                if self._deadlines.disarm():
+                    raise ChannelClosed(f"TCPStore at {self._address}: no answer within {bound:.1f}s") from None
                 raise ControlError(f"TCPStore at {self._address}: {err}") from err
+            finally:
+                if self._deadlines.disarm():  # answered as its deadline passed: the connection is shut
+                    self._drop_connection()
 
     def _raise_failure(self) -> None:
         """Raise the channel's failure, if it failed (not its closing: a closing rank still
@@ -265,24 +374,25 @@ class TCPStoreChannel(ControlChannel):
 
     def _wait(self, full: list[str], timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the (prefixed) keys; False on timeout."""
+        wait = timedelta(seconds=max(timeout, 1e-3))
         try:
-            self._call(lambda s: s.wait(full, timedelta(seconds=max(timeout, 1e-3))), read=True)
+            self._call(lambda s: s.wait(full, wait), read=True, within=_answer_within(timeout))
         except dist.DistStoreError:  # TCPStore's error for an expired wait (network: DistNetworkError)
             return False
         return True
 
-    def _read(self, full: str) -> bytes | None:
+    def _read(self, full: str, within: float | None = None) -> bytes | None:
         """The value of a (prefixed) key, None if missing, in one atomic request: compare_set
         with a sentinel nobody stores returns the value, or the sentinel when the key is
         missing (torch's semantics), and writes nothing. (A wait-then-get would return b""
         for a key deleted in between.)"""
-        value = self._call(lambda s: s.compare_set(full, self._absent, self._absent), read=True)
+        value = self._call(lambda s: s.compare_set(full, self._absent, self._absent), read=True, within=within)
         return None if value == self._absent else value
 
     def _get(self, key: str, timeout: float) -> bytes | None:
         full, deadline = self._prefix + key, time.monotonic() + timeout
         while True:
-            value = self._read(full)
+            value = self._read(full, _answer_within(deadline - time.monotonic()))
             if value is not None:
                 return value
             if not self._wait([full], deadline - time.monotonic()):
@@ -290,11 +400,16 @@ class TCPStoreChannel(ControlChannel):
 
     def _add(self, key: str, amount: int) -> int:
         full = self._prefix + key
+        start = time.monotonic()
         try:
             return self._call(lambda s: s.add(full, amount))
-        except ChannelClosed:
-            # TCPStore's server hangs up on an add to a value that is not a number: say so.
-            current = self._read(full)
+        except ChannelClosed as err:
+            # TCPStore's server hangs up on an add to a value that is not a number: say so
+            # (looked at within what is left of the add's timeout).
+            try:
+                current = self._read(full, max(start + self.timeout - time.monotonic(), 0.0))
+            except ControlError:
+                raise err from None
             if current is not None and not current.lstrip(b"-").isdigit():
                 raise ValueError(f"current value {current[:32]!r}") from None
             raise
@@ -313,7 +428,9 @@ class TCPStoreChannel(ControlChannel):
 
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
         full = [self._prefix + k for k in keys]
-        return self._call(lambda s: s.multi_get(full), read=True) if self._wait(full, timeout) else None
+        if not self._wait(full, timeout):
+            return None
+        return self._call(lambda s: s.multi_get(full), read=True, within=_answer_within(0.0))
 
     def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
         keys = [self._prefix + k for k, _ in items]
@@ -324,10 +441,16 @@ class TCPStoreChannel(ControlChannel):
         self._acked(lambda s: s.append(full, value), full)
 
     def _close(self) -> None:
+        self._deadlines.stop()
         with self._lock, quiet_torch_log():
             # Dropping the last reference to the hosting store stops its server.
             self._clients.clear()
             self._root = None
+
+
+def _answer_within(wait: float) -> float:
+    """How long a call that is part of a wait of ``wait`` more seconds may take."""
+    return max(wait, ANSWER_GRACE) + ANSWER_GRACE
 
 
 #: Held while a connection to a coordinator is made (one lock per coordinator address), so

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import random
@@ -1561,10 +1562,12 @@ class LinearizabilityTests(ChannelHarness):
 
 class SilencedServer(Protocol):
     """What :meth:`TimeoutTests.silenceable_server` gives: a coordinator or store in a process
-    of its own, ``url`` to reach it, ``pid`` to freeze or kill it."""
+    of its own, ``url`` to reach it, ``pid`` to freeze or kill it, and ``job``, the job a
+    rank of it joins there."""
 
     url: str
     pid: int
+    job: str
 
 
 class TimeoutTests(ChannelHarness):
@@ -1585,26 +1588,27 @@ class TimeoutTests(ChannelHarness):
     @contextlib.contextmanager
     def silenceable_server(self, channel_url: str) -> Iterator[SilencedServer]:
         """A coordinator (or store) of the transport's in a process of its own, which the test
-        may freeze or kill. Default: a rank 0 of a job, in a worker process, on a port of its
-        own, which must host the coordinator (as zmq://, grpc:// and tcpstore:// ranks 0 do).
-        A transport whose store is no rank's (``etcd://``) overrides it to start a server."""
+        may freeze or kill. Default: a rank 0 of a job of its own, in a worker process, on a
+        port of its own, which must host the coordinator (as zmq://, grpc:// and tcpstore://
+        ranks 0 do). A URL with no HOST:PORT (a store in a file, or a service of the
+        transport's own) is shared: that rank 0 is the peer to freeze or kill there. A
+        transport whose store is no rank's (``etcd://``) overrides it to start a server."""
         port = free_port()
         url, swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
-        if not swapped:
-            pytest.fail(f"{channel_url}: no HOST:PORT to serve on; override silenceable_server for this transport")
-        proc = self.spawn_rank("hold", url, 0, 2, "silenced", "--hold", "120", "--no-rendezvous", "--timeout", "30")
+        job = f"silenced{next(_silenced)}"
+        proc = self.spawn_rank("hold", url, 0, 2, job, "--hold", "120", "--no-rendezvous", "--timeout", "30")
         try:
             stdout = proc.stdout
             assert stdout is not None
             line = stdout.readline()
-            if not line or not json.loads(line).get("hosts"):
+            if not line or (swapped and not json.loads(line).get("hosts")):
                 proc.kill()
                 _, err = proc.communicate(timeout=10)
                 pytest.fail(
                     f"rank 0 at {url} does not host the coordinator ({line.strip()!r}; stderr {err[-2000:]!r}): "
                     "override silenceable_server to start the transport's server"
                 )
-            yield cast(SilencedServer, _Served(url, proc.pid))
+            yield cast(SilencedServer, _Served(url, proc.pid, job))
         finally:
             try:
                 os.kill(proc.pid, signal.SIGCONT)
@@ -1704,7 +1708,8 @@ class TimeoutTests(ChannelHarness):
         forwarding. Every blocking call on each rank, all started at that moment, returns (or
         raises a ControlError) within T plus the slack, and so does ``close`` after them.
         With ranks that are threads of one process (nothing to freeze), the same calls on a
-        job whose rank 0 stopped all contact."""
+        job whose rank 0 stopped all contact. A URL with no HOST:PORT has no network path to
+        go dark: its rank 0 is frozen and killed."""
         t = self.PROMISE
         if not self.cross_process:
             a, b = open_ranks(2, job="silenced", timeout=t)
@@ -1716,18 +1721,29 @@ class TimeoutTests(ChannelHarness):
             self._check_bounds(timings, "rank 0 silent")
             return
         with contextlib.ExitStack() as stack:
-            servers = [stack.enter_context(self.silenceable_server(channel_url)) for _ in range(3)]
-            proxy, dark_url = proxy_in_front(servers[2].url)
-            assert proxy is not None, f"{servers[2].url}: no HOST:PORT to put a proxy in front of"
-            stack.callback(proxy.close)
-            urls = [servers[0].url, servers[1].url, dark_url]
-            channels = run_all([partial(dp.connect, u, rank=1, world_size=2, job="silenced", timeout=t) for u in urls])
+            servers = [stack.enter_context(self.silenceable_server(channel_url)) for _ in range(2)]
+            conditions, urls = ["frozen", "killed"], [servers[0].url, servers[1].url]
+            proxy = None
+            if re.search(r"//[^/?,]*:\d+", channel_url):  # a network path to go dark
+                servers.append(stack.enter_context(self.silenceable_server(channel_url)))
+                proxy, dark_url = proxy_in_front(servers[2].url)
+                assert proxy is not None, f"{servers[2].url}: no HOST:PORT to put a proxy in front of"
+                stack.callback(proxy.close)
+                conditions.append("dark")
+                urls.append(dark_url)
+            jobs = [getattr(server, "job", "silenced") for server in servers]
+            channels = run_all(
+                [
+                    partial(dp.connect, u, rank=1, world_size=2, job=job, timeout=t)
+                    for u, job in zip(urls, jobs, strict=True)
+                ]
+            )
             for ch in channels:
                 stack.callback(_close_quietly, ch)
-            conditions = ["frozen", "killed", "dark"]
             os.kill(servers[0].pid, signal.SIGSTOP)
             os.kill(servers[1].pid, signal.SIGKILL)
-            proxy.blackhole()
+            if proxy is not None:
+                proxy.blackhole()
             calls = {
                 f"{cond}: {name}": call
                 for cond, ch in zip(conditions, channels, strict=True)
@@ -1742,8 +1758,11 @@ class TimeoutTests(ChannelHarness):
 
 
 class _Served:
-    def __init__(self, url: str, pid: int) -> None:
-        self.url, self.pid = url, pid
+    def __init__(self, url: str, pid: int, job: str) -> None:
+        self.url, self.pid, self.job = url, pid, job
+
+
+_silenced = itertools.count()
 
 
 def _connect_and_close(url: str, timeout: float) -> None:

@@ -316,7 +316,7 @@ class TCPStoreChannel(ControlChannel):
                 self._drop_connection()
                 self._raise_failure()  # a call released by _fail
                 if self._deadlines.disarm():
-                    raise ChannelClosed(f"TCPStore at {self._address}: no answer within {bound:.1f}s") from None
+                    raise _Expired(f"TCPStore at {self._address}: no answer within {bound:.1f}s") from None
                 unsent = "Broken pipe" in str(err)
                 if not (read or unsent) or time.monotonic() > deadline:
                     raise ChannelClosed(f"TCPStore at {self._address}: connection failed: {err}") from err
@@ -336,7 +336,7 @@ class TCPStoreChannel(ControlChannel):
             except (dist.DistError, RuntimeError) as err:
                 self._drop_connection()
                 if self._deadlines.disarm():
-                    raise ChannelClosed(f"TCPStore at {self._address}: no answer within {bound:.1f}s") from None
+                    raise _Expired(f"TCPStore at {self._address}: no answer within {bound:.1f}s") from None
                 raise ControlError(f"TCPStore at {self._address}: {err}") from err
             finally:
                 if self._deadlines.disarm():  # answered as its deadline passed: the connection is shut
@@ -379,6 +379,12 @@ class TCPStoreChannel(ControlChannel):
             self._call(lambda s: s.wait(full, wait), read=True, within=_answer_within(timeout))
         except dist.DistStoreError:  # TCPStore's error for an expired wait (network: DistNetworkError)
             return False
+        except _Expired:
+            # No answer by the wait's end, not even torch's own "timed out" (a loaded store
+            # sends it late): the keys did not come within the timeout. A store that is gone
+            # is the liveness watch's to tell; the connection is dropped, so no late answer
+            # is read as another request's.
+            return False
         return True
 
     def _read(self, full: str, within: float | None = None) -> bytes | None:
@@ -392,7 +398,12 @@ class TCPStoreChannel(ControlChannel):
     def _get(self, key: str, timeout: float) -> bytes | None:
         full, deadline = self._prefix + key, time.monotonic() + timeout
         while True:
-            value = self._read(full, _answer_within(deadline - time.monotonic()))
+            try:
+                value = self._read(full, _answer_within(deadline - time.monotonic()))
+            except _Expired:  # unanswered by the wait's end: nothing came within the timeout (see _wait)
+                if time.monotonic() < deadline:
+                    raise
+                return None
             if value is not None:
                 return value
             if not self._wait([full], deadline - time.monotonic()):
@@ -446,6 +457,10 @@ class TCPStoreChannel(ControlChannel):
             # Dropping the last reference to the hosting store stops its server.
             self._clients.clear()
             self._root = None
+
+
+class _Expired(ChannelClosed):
+    """A call that outlived its bound (:class:`_Deadlines` shut its connection down)."""
 
 
 def _answer_within(wait: float) -> float:

@@ -74,7 +74,7 @@ class ControlChannel(Collectives, abc.ABC):
     ``heartbeat`` and ``liveness_timeout`` (:data:`COMMON_OPTIONS`) they are the only ones: any
     other is refused with a :class:`ConfigError` listing the allowed ones and their meanings.
     Flags, each explained where it is defined: ``fences_lost_members``,
-    ``survives_connection_loss``, ``notices_exits``, ``native_auth``, ``liveness_poll``,
+    ``survives_connection_loss``, ``notices_exits``, ``survives_frozen_writers``, ``native_auth``, ``liveness_poll``,
     ``CLOSE_GRACE``; and the property :attr:`hosts_coordinator`.
 
     *The URL* reaches the transport as a :class:`~dataparallel.ChannelURL`: ``url.hosts``
@@ -184,6 +184,11 @@ class ControlChannel(Collectives, abc.ABC):
     #: cut-off peer, whose connections stay open, is still noticed after it). The conformance
     #: suite holds a transport that declares it to that bound.
     notices_exits: ClassVar[bool] = False
+    #: Whether a rank frozen in the middle of a write (SIGSTOP, a paused VM: holding whatever
+    #: lock or transaction it had reached) leaves the others' writes free. Without it (a store
+    #: with one write lock, such as a SQLite file) their writes wait for it up to their timeout,
+    #: then raise ControlTimeout. The conformance suite holds each transport to what it declares.
+    survives_frozen_writers: ClassVar[bool] = False
 
     #: URL scheme this class serves (informational; the registry maps schemes to classes).
     scheme: ClassVar[str] = ""

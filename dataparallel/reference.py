@@ -27,6 +27,7 @@ CAPABILITIES = {
     "notices_exits": "notices a killed peer at once (its connections close)",
     "fences_lost_members": "refuses a lost rank's writes (fencing)",
     "survives_connection_loss": "re-sends a call after a connection reset, applied once",
+    "survives_frozen_writers": "a rank frozen mid-write blocks no other's writes",
 }
 
 

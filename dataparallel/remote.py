@@ -137,6 +137,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
     fences_lost_members: ClassVar[bool] = True  # the coordinator drops a lost rank's session
     survives_connection_loss: ClassVar[bool] = True  # resent with the same id, answered once
     notices_exits: ClassVar[bool] = True  # the server tells the coordinator of closed connections
+    survives_frozen_writers: ClassVar[bool] = True  # a request is applied whole by the coordinator
 
     def _init_remote(self) -> None:
         """Call from the transport's ``__init__`` once it can ``_call``: opens the session."""

@@ -1044,6 +1044,73 @@ class LivenessTests(ChannelHarness):
             assert isinstance(failed["get"], (dp.PeerLost, dp.ChannelClosed)), f"rank {rank}: {done}"
             assert isinstance(failed["barrier"], (dp.PeerLost, dp.ChannelClosed)), f"rank {rank}: {done}"
 
+    @pytest.mark.timeout(180)
+    def test_a_rank_frozen_in_the_middle_of_its_writes_blocks_no_one(
+        self, channel_url: str, open_ranks: OpenRanks
+    ) -> None:
+        """A rank frozen at whatever point of a write it had reached (holding a lock, half
+        through a transaction) does not stop the others' writes to the same key, where the
+        transport ``survives_frozen_writers``; where it does not, their writes raise
+        ControlTimeout within their timeout (plus the slack), never hang. Either way, once it
+        resumes no write is lost or doubled: the counter is the sum of every successful add."""
+        key, freezes = "busy/n", 20
+        if not self.cross_process:  # ranks are threads: nothing to freeze, but the adds still race
+            channels = open_ranks(3, job="busy")
+            self.rendezvous_all(channels)
+            done = run_all([partial(lambda c: [c.add(key, 1) for _ in range(200)], c) for c in channels])
+            assert channels[0].get(key, timeout=STEP_TIMEOUT) == str(sum(len(d) for d in done)).encode()
+            return
+        n, job, timeout = 3, "busy", 3.0
+        proc = self.spawn_rank("busy-adds", channel_url, 2, n, job, "--key", key, "--hold", "150")
+        free = locate(channel_url)[1].survives_frozen_writers
+        # A free add takes milliseconds: 5 s is far past it. A blocked one has its timeout.
+        wait = 5.0 if free else timeout + timeout_slack(timeout)
+        mine, timed_out = 0, 0
+        try:
+            channels = run_all(
+                [partial(dp.connect, channel_url, rank=r, world_size=n, job=job, timeout=timeout) for r in range(n - 1)]
+            )
+            try:
+                self.rendezvous_all(channels)
+                self.read_ready(proc)
+                rng = random.Random(0)
+                for attempt in range(freezes):
+                    time.sleep(rng.uniform(0.01, 0.1))  # a different point of its loop each time
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    try:
+                        box: list[BaseException | None] = []
+                        adder = threading.Thread(target=_add_into, args=(channels[attempt % 2], key, box), daemon=True)
+                        adder.start()
+                        adder.join(wait)
+                        assert box, f"freeze {attempt + 1}: an add waited {wait:g}s behind the frozen rank"
+                        if box[0] is None:
+                            mine += 1
+                        elif free or not isinstance(box[0], dp.ControlTimeout):
+                            raise AssertionError(f"freeze {attempt + 1}: the others' add failed") from box[0]
+                        else:
+                            timed_out += 1
+                    finally:
+                        os.kill(proc.pid, signal.SIGCONT)
+                    if timed_out and box and box[0] is not None:
+                        # The frozen rank blocked the others' heartbeats too: let a few land, or
+                        # freezes back to back would add up to a lost coordinator.
+                        time.sleep(3 * channels[0].heartbeat_interval)
+                channels[0].set(f"{key}/stop", b"1")
+                result = _finish(proc, STEP_TIMEOUT)
+                total = channels[0].get(key, timeout=STEP_TIMEOUT)
+            finally:
+                close_all(channels)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.communicate(timeout=10)
+        assert result["adds"] > 0, result
+        assert total == str(mine + result["adds"]).encode(), (
+            f"the counter is {total!r}; the frozen rank made {result['adds']} adds and the others {mine} "
+            f"({timed_out} timed out)"
+        )
+
     @pytest.mark.timeout(120)
     def test_a_rank_declared_lost_is_cut_off_when_it_resumes(self, channel_url: str, open_ranks: OpenRanks) -> None:
         """A rank frozen past the liveness timeout, then resumed, must not carry on as if
@@ -1459,6 +1526,15 @@ def _check_claims(contenders: list[dict[str, Any]], prefix: str, rounds: int, wh
             f"(winners: {', '.join(winners) or 'none'}; {len(bad)} of {rounds} rounds went wrong). "
             f"What compare_set returned: {told}"
         )
+
+
+def _add_into(ch: dp.ControlChannel, key: str, box: list[BaseException | None]) -> None:
+    """``ch.add(key, 1)``, its outcome appended to ``box`` (None, or the error it raised)."""
+    try:
+        ch.add(key, 1)
+        box.append(None)
+    except BaseException as err:
+        box.append(err)
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:

@@ -86,6 +86,18 @@ def _write(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     return {"rank": ch.rank, "error": None, "last_write": last_write}
 
 
+def _busy_adds(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
+    """Add 1 to ``--key`` as fast as it can until ``{key}/stop`` is set: the rank the tests
+    freeze at whatever point of a write it has reached."""
+    print(json.dumps({"ready": ch.rank}), flush=True)
+    adds = 0
+    deadline = time.monotonic() + args.hold
+    while time.monotonic() < deadline and not ch.check([f"{args.key}/stop"]):
+        ch.add(args.key, 1)
+        adds += 1
+    return {"rank": ch.rank, "adds": adds}
+
+
 def timed_barriers(ch: dp.ControlChannel, rounds: int, timeout: float) -> dict[str, Any]:
     """``rounds`` barriers, each one's entry and exit time recorded (one clock per machine)."""
     times: list[tuple[float, float]] = []
@@ -184,6 +196,7 @@ ROLES = {
     "adds": _adds,
     "crash-mid-run": _crash_mid_run,
     "barriers": _barriers,
+    "busy-adds": _busy_adds,
     "compare-set": _compare_set,
     "gloo": _gloo,
     "hold": _hold,

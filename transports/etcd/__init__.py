@@ -99,6 +99,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     SERVICE = "etcd"
     fences_lost_members = True  # writes are bound to the lease whose expiry declared the rank lost
     survives_connection_loss = True  # a re-sent mutation finds its result record (_once)
+    survives_frozen_writers = True  # each write is one etcd transaction; no client holds a lock
     # Each slice of a blocked get re-reads and re-watches its key: keep them few.
     liveness_poll = 1.0
 

@@ -40,6 +40,7 @@ def _release(name: str, job: str) -> None:
 class MemoryChannel(ControlChannel):
     scheme = "memory"
     URL_FORM = "{scheme}://NAME"
+    survives_frozen_writers = True  # each call holds the space's lock only while it runs
 
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:

@@ -139,6 +139,7 @@ class TCPStoreChannel(ControlChannel):
     # torch's server stops answering while it looks a new client's address up in DNS (up to
     # the resolver's 5 s): not a frozen coordinator.
     store_stall = 5.0
+    survives_frozen_writers = True  # torch's store server applies each request whole
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)

@@ -32,6 +32,8 @@ from .wire import MAX_WORLD_SIZE, purpose_key
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from .config import JobConfig
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -269,6 +271,11 @@ class ControlChannel(Collectives, abc.ABC):
         #: Set by ``dp.connect`` on a newcomer's channel (to the join queue of this elastic
         #: job, which is running): ``dp.fit`` waits through it for a seat in the job.
         self._newcomer_of: str | None = None
+        #: The job's settings as ``dp.connect`` resolved them, once (flags and arguments, the
+        #: ``DP_*`` environment, ``dataparallel.toml``): what ``dp.fit`` falls back on for
+        #: what its options leave unset (``elastic``, world size bounds, log format). None for
+        #: a channel opened without ``dp.connect``: the settings' defaults.
+        self.config: JobConfig | None = None
 
     @classmethod
     def check_url(cls, url: ChannelURL, token: str | None = None, *, serving: bool = False) -> None:

@@ -44,6 +44,9 @@ def connect(
     names it and where it came from), :class:`AuthError` for a token that does not match the
     job's, and :class:`ControlError` when the rank is taken or the job is full.
 
+    The settings resolved here travel with the channel (``channel.config``): ``dp.fit`` takes
+    from them what its options leave unset, and reads no environment itself.
+
     ``elastic`` (None: the ``elastic`` setting, ``DP_ELASTIC``): where the job is already
     training elastically (its driver's mark in the job's join queue moves), this process is
     a newcomer, unless it asks for rank 0: the channel returned holds no rank yet (``rank``
@@ -67,15 +70,14 @@ def connect(
     timeout = timeout if timeout is not None else config.timeout
     parsed, cls = resolve(url, token, where=where)
     if elastic is None:
-        from .config import env_setting
-
-        elastic = bool(env_setting("elastic"))
+        elastic = config.elastic
     with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
         # A follower never hosts the coordinator: it may ask the join queue before it makes a
         # channel of the job's first generation (whose rank and size a newcomer's need not fit).
         if elastic and rank not in (0, None):
             queue = _newcomer(parsed, cls, job, token, timeout)
             if queue is not None:
+                queue.config = config
                 return queue
         channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
         try:
@@ -83,8 +85,10 @@ def connect(
                 queue = _newcomer(parsed, cls, job, token, timeout)
                 if queue is not None:
                     channel.close()
+                    queue.config = config
                     return queue
             channel._join()
+            channel.config = config
         except BaseException:
             channel.close()
             raise

@@ -319,7 +319,7 @@ def security_cost(repeats: int, rtt: dict[str, float]) -> dict[str, float]:
     import hashlib
     import hmac
 
-    from dataparallel.wire import SCRYPT, pb, token_key
+    from dataparallel.control.wire import SCRYPT, pb, token_key
 
     start = time.perf_counter()
     hashlib.scrypt(b"benchmark-token", salt=b"benchmark", dklen=32, maxmem=64 << 20, **SCRYPT)

@@ -31,7 +31,7 @@ from benchmarks.common import free_port, run_main
 
 
 def instrument_store_calls() -> collections.Counter:
-    from dataparallel.store import ChannelStore
+    from dataparallel.control.store import ChannelStore
 
     calls: collections.Counter = collections.Counter()
     for name in (

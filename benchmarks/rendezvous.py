@@ -31,7 +31,7 @@ def worker(kind: str, port: int, rank: int, n: int) -> None:
     import torch.distributed as dist
 
     import dataparallel as dp
-    from dataparallel.registry import transport_class
+    from dataparallel.control.registry import transport_class
 
     if kind != "torch tcp://":
         transport_class(kind)  # imported before the clock starts, as torch's store is

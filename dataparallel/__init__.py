@@ -8,8 +8,10 @@ dp.init_process_group(ch)  # torch.distributed through the channel's store
 
 from typing import Any
 
-from .channel import ControlChannel
 from .connect import connect
+from .control.channel import ControlChannel
+from .control.keyspace import KeySpace
+from .control.registry import ChannelURL, known_schemes, parse_url, register_transport
 from .errors import (
     AuthError,
     BadMessage,
@@ -21,10 +23,7 @@ from .errors import (
     PeerLost,
     Preempted,
 )
-from .keyspace import KeySpace
-from .registry import ChannelURL, known_schemes, parse_url, register_transport
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 # The training loop imports torch: load it on first use, so that `dataparallel serve`
 # and transports that do not need torch stay light.
@@ -38,11 +37,11 @@ _LAZY = {
     "FitResult": "loop",
     "Regroup": "loop",
     "Replicas": "replicas",
-    "init_process_group": "process_group",
-    "abort_process_group": "process_group",
-    "launch": "launcher",
-    "in_worker": "launcher",
-    "relaunch": "launcher",
+    "init_process_group": "control.process_group",
+    "abort_process_group": "control.process_group",
+    "launch": "launching.launcher",
+    "in_worker": "launching.launcher",
+    "relaunch": "launching.launcher",
     "load_config": "config",
     "JobConfig": "config",
 }

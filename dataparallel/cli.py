@@ -12,10 +12,10 @@ import socket
 import sys
 from typing import Any
 
-from . import __version__
 from .config import CHOICES, SETTINGS, flag_of
+from .control.registry import resolve
 from .errors import ConfigError, ControlError
-from .registry import resolve
+from .version import __version__
 
 EXAMPLES = """\
 examples:
@@ -68,8 +68,8 @@ def _load(args: argparse.Namespace):
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .launcher import launch, read_line, worker_command
-    from .ssh import SshOptions
+    from .launching.launcher import launch, read_line, worker_command
+    from .launching.ssh import SshOptions
 
     target = list(args.target)
     if target and target[0] == "--":
@@ -135,8 +135,8 @@ def _can_listen(host: str, port: int | None) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .check import check
     from .config import describe_launch
+    from .control.check import check
 
     config = _load(args)
     if args.env:

@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .channel import ControlChannel
-from .elastic import open_queue, running
-from .registry import ChannelURL, resolve
+from .control.channel import ControlChannel
+from .control.membership import open_queue, running
+from .control.registry import ChannelURL, resolve
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _newcomer(
     url: ChannelURL, cls: type[ControlChannel], job: str, token: str | None, timeout: float
 ) -> ControlChannel | None:
     """Where ``job`` is training elastically: a channel to its join queue, through which
-    ``dp.fit`` waits for a seat (see :mod:`dataparallel.elastic`). None: it is not running."""
+    ``dp.fit`` waits for a seat (see :mod:`dataparallel.control.membership`). None: it is not running."""
     queue = open_queue(url, cls, job, token, timeout)
     try:
         if running(queue):
@@ -140,7 +140,7 @@ def _waiting_notice(url: ChannelURL, service: str) -> Iterator[None]:
     def notify() -> None:
         start = time.monotonic()
         while not done.wait(NOTICE_EVERY):
-            from .check import tcp_probe
+            from .control.check import tcp_probe
 
             findings = "; ".join(tcp_probe(host, port, PROBE_TIMEOUT, service)[1] for host, port in endpoints)
             with saying:

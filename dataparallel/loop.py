@@ -16,7 +16,7 @@ Failure: a watchdog thread on every rank watches the channel's liveness; when a 
 lost it aborts the process group so that no rank sits in a collective, and the loop
 raises :class:`PeerLost` naming the rank and the epoch. With ``elastic=True`` a lost
 follower does not end the job: every rank keeps the state of the current epoch's start in
-memory, and the survivors move to a new generation of the job (:mod:`dataparallel.elastic`:
+memory, and the survivors move to a new generation of the job (:mod:`dataparallel.control.membership`:
 a new channel and process group over the survivors), restore that state and redo the epoch
 on the smaller group, resharded; no process restarts and no file is read.
 """
@@ -46,11 +46,12 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import checkpoint, elastic, paramserver
-from .channel import ControlChannel
+from . import checkpoint, paramserver
 from .config import env_setting
+from .control import membership as elastic
+from .control.channel import ControlChannel
+from .control.process_group import abort_process_group, init_process_group, new_gloo_group
 from .errors import ChannelClosed, ControlError, ControlTimeout, PeerLeft, PeerLost, Preempted
-from .process_group import abort_process_group, init_process_group, new_gloo_group
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import errors
-from .channel import COMMON_OPTIONS, ControlChannel
 from .config import CHOICES, SETTINGS, flag_of
-from .registry import known_schemes, transport_class
+from .control.channel import COMMON_OPTIONS, ControlChannel
+from .control.registry import known_schemes, transport_class
 
 #: The class attributes a transport declares about itself, as the transports table names them.
 CAPABILITIES = {

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import dataparallel as dp
-from dataparallel.launcher import in_worker, relaunch
+from dataparallel.launching import in_worker, relaunch
 
 
 def worker() -> None:

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dataparallel as dp
-from dataparallel.launcher import in_worker, relaunch
+from dataparallel.launching import in_worker, relaunch
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:

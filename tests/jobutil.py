@@ -125,7 +125,7 @@ def grpc_stream(channel, bodies: list[bytes], timeout: float = 5) -> list[bytes]
 
 def grpc_call(channel, sealed: bytes, timeout: float = 5) -> bytes:
     """One sealed request on a gRPC stream of its own: its sealed reply."""
-    from dataparallel.wire import pb
+    from dataparallel.control.wire import pb
 
     [reply] = grpc_stream(channel, [pb.Frame(sealed=sealed).SerializeToString()], timeout)
     return pb.Frame.FromString(reply).sealed

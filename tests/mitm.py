@@ -29,7 +29,7 @@ import grpc
 import zmq
 
 from dataparallel.control.v1 import control_pb2_grpc
-from dataparallel.wire import MAC_SIZE, pb
+from dataparallel.control.wire import MAC_SIZE, pb
 
 
 class Attacker:

@@ -12,7 +12,7 @@ from etcdserver import EtcdServer, require_etcd
 from pki import make_pki, tls_url
 
 import dataparallel as dp
-from dataparallel.check import check
+from dataparallel.control.check import check
 from dataparallel.testing import free_port, with_options
 
 

@@ -23,9 +23,9 @@ import torch
 from etcdserver import EtcdServer, require_etcd
 from test_loop import WORKER, assert_same_params, run_ranks, spawn
 
-from dataparallel.elastic import open_queue
+from dataparallel.control.membership import open_queue
+from dataparallel.control.registry import resolve
 from dataparallel.errors import ControlError
-from dataparallel.registry import resolve
 from dataparallel.testing import free_port, with_options
 
 FAST = {"heartbeat": 0.2, "liveness_timeout": 2}
@@ -357,7 +357,7 @@ def test_a_newcomer_seated_but_never_arriving_holds_the_members_up_only_so_long(
     takes the seat and does nothing with it): the members, moved to the larger generation,
     wait for it at most max(30 s, 3 x liveness_timeout), then carry on without it from that
     boundary, on three ranks, as the generation after."""
-    from dataparallel.elastic import await_admission
+    from dataparallel.control.membership import await_admission
 
     url = with_options(f"zmq://127.0.0.1:{free_port()}", **FAST)
     out, release = str(tmp_path / "absent.pt"), tmp_path / "release"

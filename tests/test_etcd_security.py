@@ -19,7 +19,7 @@ from jobutil import FAST, open_job
 from pki import make_pki
 
 import dataparallel as dp
-from dataparallel.check import check
+from dataparallel.control.check import check
 from dataparallel.testing import close_all, run_all, with_options
 from dataparallel.transports.etcd.client import EtcdClient
 
@@ -236,7 +236,7 @@ def test_check_names_each_misconfiguration_and_the_fix(tls_etcd, auth_etcd, pki)
 def test_torchrun_backend_passes_tls_and_credentials_to_etcd(tls_etcd, auth_etcd, pki, monkeypatch):
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
 
-    from dataparallel.torchrun import create_rdzv_handler
+    from dataparallel.launching.torchrun import create_rdzv_handler
 
     monkeypatch.setenv("DP_TOKEN", "t")
 

@@ -16,10 +16,10 @@ import pytest
 from jobutil import expect
 
 import dataparallel as dp
-from dataparallel import procinfo
-from dataparallel.coordinator import Coordinator
+from dataparallel.control import procinfo
+from dataparallel.control.coordinator import Coordinator
+from dataparallel.control.wire import PROTOCOL_VERSION, pb
 from dataparallel.testing import close_all, free_port, run_all, with_options
-from dataparallel.wire import PROTOCOL_VERSION, pb
 
 SCHEMES = ["zmq", "grpc"]
 LIVENESS = {"heartbeat": 0.5, "liveness_timeout": 6}

@@ -37,9 +37,9 @@ from hypothesis.stateful import (
 )
 from jobutil import rss_mb, standalone
 
-from dataparallel.coordinator import READ_ONLY, Coordinator, CoordinatorLimits
+from dataparallel.control.coordinator import READ_ONLY, Coordinator, CoordinatorLimits
+from dataparallel.control.wire import MAC_SIZE, MAX_FRAME, MAX_WORLD_SIZE, PROTOCOL_VERSION, pb, seal, token_key
 from dataparallel.testing import free_port
-from dataparallel.wire import MAC_SIZE, MAX_FRAME, MAX_WORLD_SIZE, PROTOCOL_VERSION, pb, seal, token_key
 
 LIMITS = CoordinatorLimits()  # the real bounds, not shrunk ones
 WINDOW = LIMITS.replay_window
@@ -1078,7 +1078,7 @@ def test_coordinator_state_machine_over_zmq(served):
 def test_a_resent_hello_gets_its_session_again_and_leaves_nothing_behind():
     """A hello whose reply was lost is resent with its nonce: it gets the same session, so
     when the rank leaves no orphan session keeps the job (and its keys) alive."""
-    from dataparallel.coordinator import Coordinator
+    from dataparallel.control.coordinator import Coordinator
 
     coordinator = Coordinator(lambda route, reply: None)
     hello = pb.Hello(protocol=PROTOCOL_VERSION, job="j", world_size=1, liveness_timeout=5, nonce=b"n" * 16)

@@ -13,9 +13,9 @@ from jobutil import exercise, grpc_stream, open_job
 from pki import make_pki, tls_url
 
 import dataparallel as dp
+from dataparallel.control.wire import MAC_SIZE, open_frame, pb, seal
 from dataparallel.testing import close_all, free_port, with_options
 from dataparallel.transports.grpc import frame_key
-from dataparallel.wire import MAC_SIZE, open_frame, pb, seal
 
 
 @pytest.fixture(scope="module")

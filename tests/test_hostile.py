@@ -22,12 +22,21 @@ from jobutil import Bystander, exercise, mutate, open_job, rss_mb, standalone
 from pki import make_pki, tls_url
 
 import dataparallel as dp
+from dataparallel.control.coordinator import CoordinatorLimits
+from dataparallel.control.registry import parse_url
 from dataparallel.control.v1 import control_pb2_grpc
-from dataparallel.coordinator import CoordinatorLimits
-from dataparallel.registry import parse_url
+from dataparallel.control.wire import (
+    MAC_SIZE,
+    MAX_WORLD_SIZE,
+    PROTOCOL_VERSION,
+    open_frame,
+    pb,
+    purpose_key,
+    seal,
+    token_key,
+)
 from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.transports.zmq.server import ZmqCoordinatorServer
-from dataparallel.wire import MAC_SIZE, MAX_WORLD_SIZE, PROTOCOL_VERSION, open_frame, pb, purpose_key, seal, token_key
 
 TOKEN = "fuzz-token"
 KEY = token_key(TOKEN)

@@ -20,13 +20,13 @@ from jobutil import Bystander, exercise, mutate, open_job, rss_mb, standalone
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters, RendezvousStateError
 
 import dataparallel as dp
-from dataparallel.channel import RESERVED_PREFIX
-from dataparallel.registry import parse_url
+from dataparallel.control.channel import RESERVED_PREFIX
+from dataparallel.control.registry import parse_url
+from dataparallel.control.wire import MAC_SIZE, PROTOCOL_VERSION, open_frame, pb, purpose_key, seal, token_key
+from dataparallel.launching.torchrun import ROUND_ENV, create_rdzv_handler, frame_state
 from dataparallel.testing import close_all, free_port, run_all, with_options
-from dataparallel.torchrun import ROUND_ENV, create_rdzv_handler, frame_state
 from dataparallel.transports.etcd import EtcdChannel
 from dataparallel.transports.zmq.server import curve_server_keys
-from dataparallel.wire import MAC_SIZE, PROTOCOL_VERSION, open_frame, pb, purpose_key, seal, token_key
 
 TOKEN = "hostile-token"
 OPTS = {"heartbeat": 0.2, "liveness_timeout": 4}

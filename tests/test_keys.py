@@ -12,8 +12,18 @@ import zmq
 from jobutil import grpc_call, open_job
 
 import dataparallel as dp
+from dataparallel.control.wire import (
+    PROTOCOL_VERSION,
+    PURPOSES,
+    SCRYPT,
+    open_frame,
+    pb,
+    purpose_key,
+    root_key,
+    seal,
+    token_key,
+)
 from dataparallel.testing import close_all, free_port
-from dataparallel.wire import PROTOCOL_VERSION, PURPOSES, SCRYPT, open_frame, pb, purpose_key, root_key, seal, token_key
 
 
 def test_the_root_key_is_scrypt_with_the_documented_parameters():
@@ -116,7 +126,7 @@ def test_the_root_key_is_computed_once_however_many_threads_ask(monkeypatch):
     32 threads computing it at once took seconds of CPU before any rank could connect."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dataparallel import wire
+    from dataparallel.control import wire
 
     calls, scrypt = [], hashlib.scrypt
 

@@ -17,9 +17,9 @@ from pki import make_pki
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 import dataparallel as dp
-from dataparallel.check import check
+from dataparallel.control.check import check
+from dataparallel.launching.torchrun import create_rdzv_handler
 from dataparallel.testing import free_port
-from dataparallel.torchrun import create_rdzv_handler
 
 
 @pytest.fixture(scope="module")

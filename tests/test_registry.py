@@ -3,8 +3,8 @@ import sys
 import pytest
 
 import dataparallel as dp
-from dataparallel import registry
-from dataparallel.registry import parse_url, resolve
+from dataparallel.control import registry
+from dataparallel.control.registry import parse_url, resolve
 from dataparallel.transports.memory import MemoryChannel
 
 
@@ -84,7 +84,7 @@ def test_registering_a_taken_scheme_is_refused_unless_replace():
 
     with pytest.raises(dp.ConfigError, match=r"already registered.*replace=True"):
         dp.register_transport("zmq", Other)
-    assert dp.registry.transport_class("zmq").__name__ == "ZmqChannel"
+    assert registry.transport_class("zmq").__name__ == "ZmqChannel"
     dp.register_transport("zmq", "dataparallel.transports.zmq:ZmqChannel")  # the same target: harmless
 
     class First(MemoryChannel):
@@ -98,14 +98,14 @@ def test_registering_a_taken_scheme_is_refused_unless_replace():
     with pytest.raises(dp.ConfigError, match="already registered"):
         dp.register_transport("twice", Second)
     dp.register_transport("twice", Second, replace=True)
-    assert dp.registry.transport_class("twice") is Second
+    assert registry.transport_class("twice") is Second
 
 
 def test_install_hints_name_extras_that_exist():
     import re
     from importlib.metadata import metadata
 
-    from dataparallel.registry import _INSTALL_HINTS
+    from dataparallel.control.registry import _INSTALL_HINTS
 
     extras = set(metadata("dataparallel").get_all("Provides-Extra") or [])
     named = {m for hint in _INSTALL_HINTS.values() for m in re.findall(r"dataparallel\[([^\]]+)\]", hint)}
@@ -120,7 +120,7 @@ def test_dp_launch_stays_the_function_after_every_submodule_is_imported():
     for info in pkgutil.walk_packages(dp.__path__, "dataparallel."):
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
-    assert callable(dp.launch) and dp.launch.__module__ == "dataparallel.launcher"
+    assert callable(dp.launch) and dp.launch.__module__ == "dataparallel.launching.launcher"
     assert callable(dp.in_worker) and callable(dp.relaunch)
 
 

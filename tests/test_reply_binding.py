@@ -18,9 +18,9 @@ import pytest
 from mitm import GrpcMitm, ZmqMitm
 
 import dataparallel as dp
-from dataparallel.coordinator import Coordinator
+from dataparallel.control.coordinator import Coordinator
+from dataparallel.control.wire import Misdirected, open_frame, pb, seal, token_key
 from dataparallel.testing import close_all, free_port, run_all
-from dataparallel.wire import Misdirected, open_frame, pb, seal, token_key
 
 TOKEN = "shared-token"
 MITMS = {"zmq": ZmqMitm, "grpc": GrpcMitm}

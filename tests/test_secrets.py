@@ -35,7 +35,7 @@ from etcdserver import EtcdServer, require_etcd
 from pki import make_pki
 
 import dataparallel as dp
-from dataparallel import registry
+from dataparallel.control import registry
 from dataparallel.testing import free_port, with_options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -413,7 +413,7 @@ def test_launch_gives_its_workers_the_configured_token(secrets, source, tmp_path
 AGENT = """\
 import sys, time
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
-from dataparallel.torchrun import create_rdzv_handler
+from dataparallel.launching.torchrun import create_rdzv_handler
 params = RendezvousParameters("dp-zmq", sys.argv[1], "run", 1, 2, read_timeout="10")
 handler = create_rdzv_handler("zmq", params)  # the agent that binds the endpoint hosts the coordinator
 print("hosting", flush=True)

@@ -17,7 +17,7 @@ from slurmcluster import SlurmCluster, missing
 
 import dataparallel as dp
 from dataparallel.config import expand_hostlist, load_config
-from dataparallel.launcher import in_worker
+from dataparallel.launching import in_worker
 
 STEP = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "123456"}
 

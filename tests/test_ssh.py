@@ -23,7 +23,7 @@ from test_multihost import EPOCHS, SAME_THREADS, SCRIPT, _assert_same_model
 from test_multihost import one_host as one_host  # the one-host run to compare with (a fixture)
 
 from dataparallel.config import load_config
-from dataparallel.ssh import SshOptions, _with_host, remote_command
+from dataparallel.launching.ssh import SshOptions, _with_host, remote_command
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = "10.77.0.1:1,10.77.0.2:1,10.77.0.3:1"

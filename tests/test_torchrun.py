@@ -21,8 +21,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 import dataparallel as dp
+from dataparallel.launching.torchrun import ROUND_ENV, URL_ENV, ChannelRendezvousBackend, create_rdzv_handler
 from dataparallel.testing import free_port
-from dataparallel.torchrun import ROUND_ENV, URL_ENV, ChannelRendezvousBackend, create_rdzv_handler
 
 
 @pytest.fixture(autouse=True)
@@ -124,6 +124,22 @@ def test_handlers_are_registered_with_torch():
 
     for name in ("dp-etcd", "dp-zmq", "dp-grpc"):
         assert rendezvous_handler_registry._registry.get(name) is not None, name
+
+
+@pytest.mark.parametrize("first", ["dataparallel.launching.torchrun", "torch.distributed.run"])
+def test_the_backends_load_whichever_is_imported_first(first, tmp_path):
+    """torch loads every ``torchrun.handlers`` entry point on the first import of its
+    rendezvous package, which our backends' module makes itself: no entry point may be
+    found half-initialised then (torch logged a traceback for each)."""
+    probe = (
+        f"import {first}\n"
+        "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as r\n"
+        "print(sorted(n for n in r._registry if n.startswith('dp-')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == "['dp-etcd', 'dp-grpc', 'dp-zmq']", run.stdout
+    assert "Exception while registering" not in run.stderr, run.stderr[-2000:]
 
 
 def _params(backend: str, endpoint: str, **config) -> RendezvousParameters:

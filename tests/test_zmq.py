@@ -14,10 +14,10 @@ import zmq
 from jobutil import exercise, open_job, spawn
 
 import dataparallel as dp
+from dataparallel.control.wire import MAC_SIZE, MAX_FRAME, PROTOCOL_VERSION, pb, seal, token_key
 from dataparallel.testing import close_all, free_port, run_all, with_options
 from dataparallel.testing.netproxy import TcpProxy
 from dataparallel.transports.zmq import ZmqChannel, curve_handshake, zmtp_mechanism
-from dataparallel.wire import MAC_SIZE, MAX_FRAME, PROTOCOL_VERSION, pb, seal, token_key
 
 
 def raw_dealer(port: int) -> zmq.Socket:
@@ -95,7 +95,7 @@ def _mac(key: bytes, body: bytes) -> bytes:
     """``body`` sealed as a request (the request direction under the MAC), whatever it holds."""
     import hmac
 
-    from dataparallel.wire import DIRECTIONS
+    from dataparallel.control.wire import DIRECTIONS
 
     return hmac.digest(key, DIRECTIONS[pb.Request] + body, "sha256") + body
 

@@ -34,19 +34,20 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlsplit
 
 import pytest
 
 import dataparallel as dp
-from dataparallel.registry import locate
+from dataparallel.control.registry import locate
 
+from .common import count_multi_gets, held_rank, with_options
 from .netproxy import proxy_in_front
 
 if TYPE_CHECKING:
@@ -74,12 +75,6 @@ def timeout_slack(timeout: float) -> float:
     """How far past its timeout a blocking call may return: 0.5 s or a tenth of it, whichever
     is larger (docs/howto/channel.md, "Timeouts")."""
     return max(0.5, timeout / 10)
-
-
-def with_options(url: str, **options: Any) -> str:
-    """``url`` with query-string options added."""
-    sep = "&" if "?" in url else "?"
-    return f"{url}{sep}{urlencode(options)}"
 
 
 def run_all(fns: Sequence[Callable[[], T]], timeout: float = STEP_TIMEOUT) -> list[T]:
@@ -557,7 +552,7 @@ class MembershipTests(ChannelHarness):
         n = 4
         channels = run_all([lambda: dp.connect(channel_url, world_size=n, job="auto", timeout=30) for _ in range(n)])
         try:
-            assert sorted(_held_rank(c) for c in channels) == list(range(n))
+            assert sorted(held_rank(c) for c in channels) == list(range(n))
             self.rendezvous_all(channels)
         finally:
             close_all(channels)
@@ -687,7 +682,7 @@ class CollectiveTests(ChannelHarness):
         progress = [0] * len(channels)
 
         def body(ch: dp.ControlChannel) -> None:
-            rank = _held_rank(ch)
+            rank = held_rank(ch)
             for r in range(rounds):
                 progress[rank] = r + 1
                 ch.barrier("loop", timeout=20)
@@ -1004,7 +999,7 @@ class LivenessTests(ChannelHarness):
                 ("get", lambda: ch.get("frozen0/never", timeout=STEP_TIMEOUT)),
                 ("barrier", lambda: ch.barrier("frozen0/b", timeout=STEP_TIMEOUT)),
             ]
-            mine = outcomes.setdefault(_held_rank(ch), [])
+            mine = outcomes.setdefault(held_rank(ch), [])
             for name, call in steps:
                 try:
                     call()
@@ -1026,7 +1021,7 @@ class LivenessTests(ChannelHarness):
                 for t in threads:
                     t.join(max(0.0, since + bound + 5 - time.monotonic()))
                 hung = {
-                    _held_rank(c): outcomes.get(_held_rank(c), [])
+                    held_rank(c): outcomes.get(held_rank(c), [])
                     for c, t in zip(channels, threads, strict=True)
                     if t.is_alive()
                 }
@@ -1252,7 +1247,7 @@ class RunTests(ChannelHarness):
         joined = time.monotonic() - start
         try:
             assert joined < bound, f"the rerun joined after {joined:.1f}s"
-            assert sorted(_held_rank(c) for c in again) == list(range(n))
+            assert sorted(held_rank(c) for c in again) == list(range(n))
             assert not any(c.check([f"leftover/{r}"]) for c in again for r in range(n)), "the old run's keys show"
             self.rendezvous_all(again)
             run_all([partial(c.barrier, "unfinished", timeout=STEP_TIMEOUT) for c in again])
@@ -1378,7 +1373,7 @@ class StoreTests(ChannelHarness):
         from torch.distributed.distributed_c10d import PrefixStore
 
         channels = open_ranks(n, job="gloo")
-        counted = _count_multi_gets(channels)
+        counted = count_multi_gets(channels)
 
         def gloo(store: Store, rank: int) -> _GlooBackend:
             # torch's stubs declare these collectives on ProcessGroup only; Backend (ProcessGroupGloo's base)
@@ -1387,7 +1382,7 @@ class StoreTests(ChannelHarness):
 
         def body(ch: dp.ControlChannel) -> dict[str, Any]:
             ch.rendezvous(timeout=STEP_TIMEOUT)
-            rank = _held_rank(ch)
+            rank = held_rank(ch)
             store = PrefixStore("pg0/", ch.as_store())
             pg = gloo(store, rank)
             summed = torch.tensor([float(rank + 1), 2.0**rank])
@@ -1451,38 +1446,12 @@ def _as_bound(store: Store) -> _BoundStore:
     return cast("_BoundStore", store)
 
 
-def _held_rank(ch: dp.ControlChannel) -> int:
-    """``ch.rank``, which a channel that ``dp.connect`` returned holds."""
-    if ch.rank is None:
-        pytest.fail(f"{ch!r} holds no rank: dp.connect returned it before its rank was assigned")
-    return ch.rank
-
-
 def _stop_liveness(ch: dp.ControlChannel) -> None:
     """Stop ``ch``'s liveness without announcing a departure: to its peers, the rank was
     killed or froze (where ranks are threads of one process)."""
     if ch._liveness is None:
         pytest.fail(f"{ch!r} has no liveness to stop: dp.connect returned it before it joined")
     ch._liveness.stop(announce=False)
-
-
-def _count_multi_gets(channels: Sequence[dp.ControlChannel]) -> dict[int, int]:
-    """Count each channel's multi_get calls (wrapping the bound method, nothing else)."""
-    counted = {_held_rank(ch): 0 for ch in channels}
-    for ch in channels:
-
-        def counting(
-            keys: Iterable[str],
-            timeout: float | None = None,
-            _rank: int = _held_rank(ch),
-            _call: Callable[[Iterable[str], float | None], list[bytes]] = ch.multi_get,
-        ) -> list[bytes]:
-            counted[_rank] += 1
-            return _call(keys, timeout)
-
-        # Set on the instance, in front of the class's method: mypy refuses a plain assignment to a method.
-        setattr(ch, "multi_get", counting)  # noqa: B010
-    return counted
 
 
 def _check_adds(values: list[int], final: bytes, where: str) -> None:
@@ -1698,7 +1667,7 @@ class TimeoutTests(ChannelHarness):
         it takes none)."""
         from datetime import timedelta
 
-        from dataparallel.torchrun import ChannelRendezvousBackend
+        from dataparallel.launching.torchrun import ChannelRendezvousBackend
 
         t = self.PROMISE
         store = ch.as_store()
@@ -1756,7 +1725,7 @@ class TimeoutTests(ChannelHarness):
         bound. A URL with no network endpoint has nothing to be absent: it connects at once."""
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-        from dataparallel.torchrun import create_rdzv_handler
+        from dataparallel.launching.torchrun import create_rdzv_handler
 
         t = self.PROMISE
         with socket.create_server(("127.0.0.1", 0)) as mute:

@@ -377,7 +377,7 @@ def run_workload(
 
     import dataparallel as dp
 
-    from .conformance import with_options
+    from .common import with_options
     from .netproxy import proxy_in_front
 
     faults = faults or Faults()

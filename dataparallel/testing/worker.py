@@ -25,10 +25,10 @@ def _gloo(ch: dp.ControlChannel, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from .conformance import _count_multi_gets, _held_rank
+    from .common import count_multi_gets, held_rank
 
-    counted = _count_multi_gets([ch])
-    rank = _held_rank(ch)
+    counted = count_multi_gets([ch])
+    rank = held_rank(ch)
 
     dist.init_process_group(
         "gloo", store=ch.as_store(), rank=rank, world_size=ch.world_size, timeout=timedelta(seconds=60)

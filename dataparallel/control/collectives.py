@@ -1,0 +1,235 @@
+"""Collectives built once on the channel primitives.
+
+Every rank must call a collective with the same ``name`` in the same order (as with MPI);
+the channel keeps a per-name sequence number so a name can be reused round after round.
+Keys are cleaned up by the last rank through, so a long job does not grow the key space.
+A transport may override any of these to save round trips; the conformance suite proves
+the override equivalent. After a collective raises, its name is in an undefined state:
+use a new name (or a new channel) to retry.
+
+A rank that closes its channel leaves a record of how far it went in every collective
+(``__dp/departure/RANK``, its rank appended to ``__dp/departed``). A rank waiting in a
+collective that needs a departed rank which never entered that round raises
+:class:`~dataparallel.PeerLeft` within a slice, instead of waiting out its timeout.
+Transports with collectives of their own see departures in their own way and override
+:meth:`Collectives._depart`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ControlError, PeerLeft
+
+_C = "__dp/c/"
+_DEPARTED = "__dp/departed"
+_DEPARTURE = "__dp/departure/"
+#: Most (kind, name) rounds a departure record lists (the latest used); a collective whose
+#: name a partial record leaves out is waited for as before.
+MAX_RECORDED = 4096
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a wait needs to complete: each of ``ranks`` entering round ``seq`` of the
+    collective ``kind``/``name`` (``what`` names it in messages)."""
+
+    kind: str
+    name: str
+    seq: int
+    ranks: tuple[int, ...]
+    what: str
+
+
+@dataclass(frozen=True)
+class Departure:
+    """How far a departed rank went: rounds entered per (kind, name)."""
+
+    entered: dict[tuple[str, str], int]
+    partial: bool  # more names than MAX_RECORDED: those left out are unknown
+
+    def missed(self, needs: Needs) -> bool:
+        entered = self.entered.get((needs.kind, needs.name))
+        if entered is None:
+            return not self.partial
+        return entered <= needs.seq
+
+
+class Collectives:
+    """Mixin of :class:`~dataparallel.ControlChannel`: rendezvous, barrier, broadcast, gather."""
+
+    if TYPE_CHECKING:  # what the mixin uses of ControlChannel (declared for the type checker only)
+        rank: int | None
+        world_size: int
+        _seq: dict[tuple[str, str], int]
+        _seq_lock: threading.Lock
+        _departed: dict[int, Departure]
+
+        def _usable(self) -> None: ...
+        def _next_seq(self, kind: str, name: str) -> int: ...
+        def _scoped(self, key: str) -> str: ...
+        def _set(self, key: str, value: bytes) -> None: ...
+        def _get(self, key: str, timeout: float) -> bytes | None: ...
+        def _add(self, key: str, amount: int) -> int: ...
+        def _append(self, key: str, value: bytes) -> None: ...
+        def _check(self, keys: Sequence[str]) -> bool: ...
+        def _delete(self, key: str) -> bool: ...
+        def _await(
+            self, key: str, timeout: float | None, what: str, hint: Any = None, needs: Needs | None = None
+        ) -> bytes: ...
+
+    def rendezvous(self, timeout: float | None = None) -> None:
+        """Block until all ``world_size`` ranks have connected.
+
+        Liveness does not wait for it: each rank is watched from the moment it joined.
+        """
+        self.barrier("__rendezvous", timeout=timeout)
+
+    def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
+        """Block until every rank has entered barrier ``name`` for this round.
+
+        Two round trips per rank (add, then get); reusable forever.
+        """
+        self._usable()
+        seq = self._next_seq("barrier", name)
+        base = self._scoped(f"{_C}barrier/{name}")
+        arrived = self._add(f"{base}/count", 1)
+        round_, position = divmod(arrived - 1, self.world_size)
+        done = f"{base}/done/{round_}"
+        if position == self.world_size - 1:
+            self._set(done, b"1")
+            if round_:
+                # Everyone has left the previous round: they are all in this one.
+                self._delete(f"{base}/done/{round_ - 1}")
+            return
+
+        def progress() -> str:
+            try:
+                now = int(self._get(f"{base}/count", 1.0) or b"0") - round_ * self.world_size
+            except (ControlError, ValueError):
+                return ""
+            return f"{min(now, self.world_size)}/{self.world_size} ranks had arrived"
+
+        what = f"barrier {name!r} round {round_}"
+        others = tuple(r for r in range(self.world_size) if r != self.rank)
+        self._await(done, timeout, what, progress, Needs("barrier", name, seq, others, what))
+
+    def broadcast(
+        self,
+        name: str,
+        value: bytes | None = None,
+        src: int = 0,
+        timeout: float | None = None,
+    ) -> bytes:
+        """Return ``src``'s ``value`` on every rank (``value`` is ignored elsewhere).
+
+        ``src`` returns at once; the others block until it has published.
+        """
+        self._usable()
+        self._check_rank(src, "src")
+        seq = self._next_seq("bcast", name)
+        base = self._scoped(f"{_C}bcast/{name}/{seq}")
+        if self.rank == src:
+            if value is None:
+                raise TypeError(f"broadcast {name!r}: rank {src} is the source and must pass a value")
+            if self.world_size > 1:
+                self._set(f"{base}/value", _value(value))
+            return bytes(value)
+        what = f"broadcast {name!r} from rank {src}"
+        got = self._await(
+            f"{base}/value", timeout, what, needs=Needs("bcast", name, seq, (src,), f"{what} round {seq}")
+        )
+        if self._add(f"{base}/acks", 1) == self.world_size - 1:
+            self._delete(f"{base}/value")
+            self._delete(f"{base}/acks")
+        return got
+
+    def gather(self, name: str, value: bytes, dst: int = 0, timeout: float | None = None) -> list[bytes] | None:
+        """Collect every rank's ``value`` on ``dst`` (a list indexed by rank); None elsewhere.
+
+        Only ``dst`` blocks.
+        """
+        self._usable()
+        self._check_rank(dst, "dst")
+        seq = self._next_seq("gather", name)
+        base = self._scoped(f"{_C}gather/{name}/{seq}")
+        if self.rank != dst:
+            self._set(f"{base}/{self.rank}", _value(value))
+            return None
+        out = []
+        for rank in range(self.world_size):
+            if rank == dst:
+                out.append(_value(value))
+                continue
+            what = f"gather {name!r}: value of rank {rank}"
+            needs = Needs("gather", name, seq, (rank,), f"gather {name!r} round {seq}")
+            out.append(self._await(f"{base}/{rank}", timeout, what, needs=needs))
+            self._delete(f"{base}/{rank}")
+        return out
+
+    def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
+        """Every rank's ``value`` on every rank, as a list indexed by rank."""
+        self._usable()
+        seq = self._next_seq("allgather", name)
+        base = self._scoped(f"{_C}allgather/{name}/{seq}")
+        self._set(f"{base}/{self.rank}", _value(value))
+        out = [
+            self._await(
+                f"{base}/{rank}",
+                timeout,
+                f"all_gather {name!r}: value of rank {rank}",
+                needs=Needs("allgather", name, seq, (rank,), f"all_gather {name!r} round {seq}"),
+            )
+            for rank in range(self.world_size)
+        ]
+        if self._add(f"{base}/read", 1) == self.world_size:
+            for rank in range(self.world_size):
+                self._delete(f"{base}/{rank}")
+            self._delete(f"{base}/read")
+        return out
+
+    # ------------------------------------------------------------------ departures
+    def _depart(self) -> None:
+        """Called by ``close`` (a clean departure): record how far this rank went in every
+        collective, so that a rank waiting in one this rank never entered fails at once."""
+        with self._seq_lock:
+            counts = list(self._seq.items())
+        record = {"entered": [[k, n, c] for (k, n), c in counts[-MAX_RECORDED:]], "partial": len(counts) > MAX_RECORDED}
+        self._set(self._scoped(f"{_DEPARTURE}{self.rank}"), json.dumps(record).encode())
+        self._append(self._scoped(_DEPARTED), f"{self.rank},".encode())
+
+    def _departures(self) -> dict[int, Departure]:
+        """The departure records of the ranks that have closed (read again only when the
+        list of departed ranks grew)."""
+        key = self._scoped(_DEPARTED)
+        raw = self._get(key, 1e-3) if self._check([key]) else None
+        ranks = {int(r) for r in (raw or b"").decode().split(",") if r}
+        for rank in ranks - set(self._departed):
+            record = json.loads(self._get(self._scoped(f"{_DEPARTURE}{rank}"), 1.0) or b"{}")
+            entered = {(k, n): c for k, n, c in record.get("entered", [])}
+            self._departed[rank] = Departure(entered, bool(record.get("partial")))
+        return self._departed
+
+    def _raise_if_departed(self, needs: Needs, during: str) -> None:
+        """PeerLeft if a rank ``needs`` names has closed without entering its round."""
+        departed = self._departures()
+        for rank in needs.ranks:
+            record = departed.get(rank)
+            if record is not None and record.missed(needs):
+                raise PeerLeft(rank, needs.what, during)
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{what} must be a rank in 0..{self.world_size - 1}, got {rank!r}")
+
+
+def _value(value: bytes) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"value must be bytes, got {type(value).__name__} (encode str values first)")

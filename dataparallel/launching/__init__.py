@@ -1,0 +1,6 @@
+"""Launching a job's processes: a node's workers under one supervisor (``dataparallel launch``),
+a whole job over ssh, torchrun's rendezvous backends."""
+
+from .launcher import in_worker, launch, relaunch
+
+__all__ = ["in_worker", "launch", "relaunch"]

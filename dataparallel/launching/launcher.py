@@ -1,0 +1,308 @@
+"""``dataparallel launch``: start this node's workers and supervise them.
+
+Each worker is the user's script with its place in the job in its environment (``DP_URL``,
+``DP_RANK``, ``DP_LOCAL_RANK``, ``DP_WORLD_SIZE``, ``DP_JOB``, ``DP_TIMEOUT``, ``DP_TOKEN``,
+and torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``), so that ``dataparallel.connect()`` needs no
+arguments and a torchrun script's ``init_process_group()`` works unchanged. Output lines are prefixed with the rank.
+The first worker to fail ends the node's group (the others get SIGTERM, then SIGKILL after
+a grace period) and its exit code is returned; SIGINT/SIGTERM/SIGHUP to the launcher are
+forwarded to every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+
+from ..config import CLUSTER, LAUNCH_ENVIRONMENTS, JobConfig
+from ..control.registry import locate, mask_url, resolve
+from ..errors import ConfigError
+from .ssh import SshOptions, launch_hosts
+from .supervisor import DEFAULT_GRACE, JsonLines, Log, Supervisor, Worker
+
+
+def default_nprocs() -> int:
+    """One worker per visible GPU, else one."""
+    try:
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    except Exception:
+        return 1
+
+
+def local_url() -> str:
+    """A ZeroMQ URL on a free loopback port: the single-node default (rank 0 hosts it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"zmq://127.0.0.1:{s.getsockname()[1]}"
+
+
+def plan(config: JobConfig, first_rank: int | None = None) -> tuple[str, int, int]:
+    """(url, nprocs, world_size) of this node's part of the job, validated. With
+    ``first_rank`` (nodes of different sizes, as a host file gives them) the world size is
+    the configuration's and this node's ranks are ``first_rank .. first_rank + nprocs - 1``."""
+    nprocs = config.nprocs or default_nprocs()
+    world = config.nodes * nprocs
+    if first_rank is not None:
+        world = config.require("world_size")
+        if not 0 <= first_rank <= world - nprocs:
+            raise ConfigError(f"ranks {first_rank}..{first_rank + nprocs - 1} do not fit a world of {world}")
+    elif config.world_size is not None and config.world_size != world:
+        raise ConfigError(
+            f"{config.describe('world_size')} = {config.world_size} does not match nodes x nprocs = "
+            f"{config.nodes} x {nprocs} = {world}; set one or the other"
+        )
+    url = config.url
+    if url is None:
+        if config.nodes > 1:
+            raise ConfigError(
+                "a job on several nodes needs a transport every node can reach: set url (or transport, "
+                "host and port), e.g. --url zmq://DRIVER_HOST:29500 (the driver node's address)"
+            )
+        url = local_url()
+    resolve(url, config.token, where=config.describe("url"))
+    return url, nprocs, world
+
+
+def worker_command(target: Sequence[str], module: bool = False, no_python: bool = False) -> list[str]:
+    if not target:
+        raise ConfigError("nothing to launch: give a script (or -m MODULE) and its arguments")
+    if no_python:
+        return list(target)
+    return [sys.executable, "-u", *(["-m"] if module else []), *target]
+
+
+def launch(
+    command: Sequence[str],
+    config: JobConfig,
+    *,
+    grace: float = DEFAULT_GRACE,
+    prefix: bool = True,
+    log: Log | None = None,
+    first_rank: int | None = None,
+    lifeline: int | None = None,
+    ssh: SshOptions | None = None,
+) -> int:
+    """Run this node's workers of ``command`` (a full argv) until they all exit.
+
+    Returns 0, the exit code of the first worker that failed (128 + N for a signal N), or
+    128 + N when the launcher itself was sent signal N. With ``config.max_restarts`` a failed
+    group is restarted (all of it, as job ``JOB.attemptK``) that many times: a script that
+    checkpoints and resumes (``TrainOptions(checkpoint=..., resume=True)``) carries on from
+    its last epoch. On several nodes a lost peer fails every node's group, so the nodes'
+    attempts stay in step. With ``config.elastic`` a worker that fails stops nothing: the
+    others carry on (``dp.fit`` regroups without it, or fails where it cannot, as when the
+    coordinator went with rank 0), a follower is started again (it rejoins at an epoch
+    boundary) while ``max_restarts`` allows, and the node's exit code is that of the first
+    failure only if no worker of the node ended well.
+
+    With ``config.hosts`` it starts this function on every host over ssh instead
+    (:func:`dataparallel.launching.ssh.launch_hosts`, reaching them as ``ssh`` says). ``lifeline``: a
+    file descriptor whose end stops the workers as SIGTERM does (a host's launcher started
+    over ssh reads its stdin: when the connection to the launcher that started it goes, so
+    do its workers).
+    """
+    if config.hosts and lifeline is None:
+        return launch_hosts(command, config, grace=grace, prefix=prefix, log=log, ssh=ssh)
+    config = _node_of_cluster(config)
+    url, nprocs, world = plan(config, first_rank)
+    log = log or sys.stderr
+    if lifeline is not None:
+        threading.Thread(target=_on_end, args=(lifeline,), daemon=True).start()
+    as_json = config.log_format == "json"
+    if as_json:  # every line out of this launcher a JSON object, its own included
+        log, prefix = JsonLines(log, source="launch"), True
+    base = config.node_rank * nprocs if first_rank is None else first_rank
+    env = dict(os.environ)
+    stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
+    for name in (*stale, "DP_RDZV_ROUND", "DP_HOSTS", "DP_HOSTFILE"):
+        env.pop(name, None)  # the URL says it all (no torchrun agent's round applies, no hosts list)
+    env.update(
+        DP_URL=url,
+        DP_WORLD_SIZE=str(world),
+        DP_JOB=config.job,
+        DP_TIMEOUT=f"{config.timeout:g}",
+        DP_NODES=str(config.nodes),
+        DP_NODE_RANK=str(config.node_rank),
+        DP_NPROCS=str(nprocs),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        GROUP_RANK=str(config.node_rank),
+        PYTHONUNBUFFERED="1",
+    )
+    if config.token:
+        env["DP_TOKEN"] = config.token
+    if config.elastic:
+        env["DP_ELASTIC"] = "1"
+    for bound in ("min_world_size", "max_world_size"):  # read by TrainOptions
+        if getattr(config, bound) is not None:
+            env[f"DP_{bound.upper()}"] = str(getattr(config, bound))
+    if as_json:
+        env["DP_LOG_FORMAT"] = "json"  # dp.fit's per-epoch lines become JSON objects too
+    master = _master_address(url, config.nodes)
+    if master is not None:  # for scripts that call init_process_group() with env://, as under torchrun
+        env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), TORCHELASTIC_RUN_ID=config.job)
+    threads = _omp_threads(env, nprocs)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        print(
+            f"[launch] OMP_NUM_THREADS={threads} for each worker ({_cores()} cores / {nprocs} workers on this node; "
+            "set OMP_NUM_THREADS to choose)",
+            file=log,
+            flush=True,
+        )
+    print(
+        f"[launch] node {config.node_rank}/{config.nodes}: ranks {base}..{base + nprocs - 1} of {world} "
+        f"on {mask_url(url)} (job {config.job!r})",
+        file=log,
+        flush=True,
+    )
+    restarts = config.max_restarts
+    # Restarts of the group (the same count on every node, so the nodes' attempts stay in
+    # step) and, elastic, of lost followers (this node's own), each up to max_restarts.
+    left, attempt, replaced = restarts, 0, 0
+    stdin = subprocess.DEVNULL if lifeline is not None else None  # the lifeline is the launcher's
+
+    def start(supervisor: Supervisor, rank: int, local: int) -> None:
+        worker_env = {
+            **env,
+            "DP_RANK": str(rank),
+            "DP_LOCAL_RANK": str(local),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local),
+        }
+        supervisor.start(rank, local, list(command), worker_env, prefix, stdin=stdin)
+
+    def replace(supervisor: Supervisor, lost: Worker) -> bool:
+        """Elastic: start a lost follower again; it joins the running job at an epoch boundary."""
+        nonlocal replaced
+        if replaced >= restarts or lost.rank == 0:  # the first driver's rank is never queued again
+            return False
+        if any(w.rank == 0 and w.proc.returncode not in (None, 0) for w in supervisor.workers):
+            return False  # the job may have ended with its driver (a coordinator hosted by it): nothing to join
+
+        replaced += 1
+        print(
+            f"[launch] starting {lost.label} again (restart {replaced} of {restarts}): it joins the job "
+            "at its next epoch boundary (elastic)",
+            file=log,
+            flush=True,
+        )
+        start(supervisor, lost.rank, lost.local_rank)
+        return True
+
+    while True:
+        if attempt:
+            # A new job name: the restarted group never meets the failed group's keys.
+            env["DP_JOB"] = f"{config.job}.attempt{attempt}"
+            env["DP_RESTART_COUNT"] = str(attempt)
+        supervisor = Supervisor(grace, log, tolerate=config.elastic, as_json=as_json, replace=replace)
+        with supervisor.forwarding_signals():
+            for local in range(nprocs):
+                start(supervisor, base + local, local)
+            code = supervisor.wait()
+        if code == 0 or supervisor.signalled is not None or left <= 0:
+            return code
+        left, attempt = left - 1, attempt + 1
+        print(
+            f"[launch] worker group failed (exit code {code}); restarting it, attempt {attempt} of {restarts}",
+            file=log,
+            flush=True,
+        )
+
+
+def _node_of_cluster(config: JobConfig) -> JobConfig:
+    """Under ``srun`` or ``mpirun``, ``dataparallel launch`` is one node's launcher (as torchrun
+    is under srun): the cluster's tasks are the job's nodes, each starting ``nprocs`` workers,
+    and the coordinator is where the cluster layer put rank 0."""
+    tasks = {e.rank: e.size for e in CLUSTER}
+    source = config.origin.get("rank", "")
+    if source not in tasks or config.origin.get("world_size") != tasks[source] or "node_rank" in config.origin:
+        return config
+    return dataclasses.replace(
+        config,
+        nodes=config.world_size or 1,
+        node_rank=config.rank or 0,
+        rank=None,
+        local_rank=None,
+        world_size=None,
+        origin={**config.origin, "nodes": tasks[source], "node_rank": source},
+    )
+
+
+def _on_end(fd: int) -> None:
+    """Read ``fd`` to its end, then stop this launcher as SIGTERM does (unbuffered: a
+    thread blocked in a buffered stream's read would hold its lock at interpreter exit)."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 65536):
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def read_line(fd: int, limit: int = 4096) -> str:
+    """One line from ``fd``, read a byte at a time so that nothing after it is taken."""
+    data = b""
+    while len(data) < limit and (byte := os.read(fd, 1)) and byte != b"\n":
+        data += byte
+    return data.decode(errors="replace")
+
+
+def _master_address(url: str, nodes: int) -> tuple[str, int] | None:
+    """Where a worker's ``init_process_group(init_method="env://")`` finds its store: rank 0
+    serves a TCPStore there (torch's env:// does that itself). On one node, a free loopback
+    port; on several, the coordinator's host (the driver node's, as ``--url`` names it) and
+    the port after the coordinator's, the same on every node. None where no single host is
+    known (an etcd cluster): such scripts set ``MASTER_ADDR``/``MASTER_PORT`` themselves."""
+    if nodes == 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return "127.0.0.1", s.getsockname()[1]
+    parsed, _ = locate(url)
+    if len(parsed.hosts) != 1 or parsed.scheme == "etcd":
+        return None
+    host, port = parsed.hosts[0]
+    if not host or port is None or port >= 65535 or host in ("0.0.0.0", "*"):
+        return None
+    return host, port + 1
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, as a container or ``taskset`` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _omp_threads(env: dict[str, str], nprocs: int) -> int | None:
+    """Threads per worker for intra-op parallelism when the user did not choose: the node's
+    cores shared by its workers (torch's default, every core per worker, oversubscribes the
+    node nprocs times over). None when ``OMP_NUM_THREADS`` is set: the user's value stands."""
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, _cores() // max(1, nprocs))
+
+
+def in_worker(env: Mapping[str, str] | None = None) -> bool:
+    """True in a process started by ``dataparallel launch``, torchrun, or a cluster launcher
+    (``srun``, ``mpirun``)."""
+    env = os.environ if env is None else env
+    return any(e.detects(env) for e in LAUNCH_ENVIRONMENTS) or bool(env.get("DP_RANK") or env.get("RANK"))
+
+
+def relaunch(script: str, args: Sequence[str], **settings: object) -> int:
+    """Run ``script args`` as this node's workers, as ``dataparallel launch`` would, with
+    ``settings`` (``nprocs=``, ``url=``...) above the environment and the file: how a script
+    started by hand starts its own job."""
+    from ..config import load_config
+
+    return launch(worker_command([script, *args]), load_config(settings))

@@ -1,6 +1,7 @@
 """The conformance suite's concurrency tests catch a transport that is atomic only within a
 process: its ``add`` and ``compare_set`` fail in seconds, each naming the broken primitive,
-while the example ``fsdir://`` transport (atomic across processes, under an ``flock``) passes.
+while the example ``fsdir://`` transport (atomic across processes: each write ``link``s a key's
+next version, which fails where another process took it) passes.
 
 The broken transport is ``tests/brokenfs.py``. The transports are found the way a third
 party's are: through entry points, here those of a ``.dist-info`` folder written to a
@@ -118,6 +119,6 @@ def test_the_same_transport_passes_with_threads_of_one_process(outcomes, test):
 @pytest.mark.parametrize(
     "test", ["test_concurrent_adds_give_an_exact_count", "test_concurrent_compare_set_has_one_winner"]
 )
-def test_the_flock_based_example_passes(outcomes, test):
+def test_the_example_transport_passes(outcomes, test):
     result = outcomes[f"TestFsDir::{test}"]
     assert result["outcome"] == "passed", result

@@ -1,11 +1,13 @@
 """Suite-wide rules: under CI (``CI`` set, as ``.ci/run`` does) nothing may be skipped; the
-files whose tests judge liveness by the clock are marked ``serial``."""
+files whose tests judge liveness by the clock are marked ``serial``; plain ``pytest`` runs the
+fast tier and ``pytest --full`` the whole suite (``tests/tiers.py``)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from tiers import FAST_SERIAL, FULL_ONLY
 
 #: Files whose tests kill, freeze or cut off peers and judge what follows with liveness
 #: timeouts of a second or two (etcd leases of 2 s among them): ``.ci/run`` runs them one at
@@ -14,10 +16,32 @@ import pytest
 SERIAL = {"test_faults.py", "test_elastic.py", "test_etcd.py", "test_coordinator_death.py", "test_recovery.py"}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", help="run the whole suite, not only the fast tier (tests/tiers.py)")
+
+
+def _test_name(item: pytest.Item) -> str:
+    """``Class::test`` or ``test``, without the parametrisation."""
+    return item.nodeid.split("::", 1)[1].split("[", 1)[0]
+
+
+def _fast(item: pytest.Item) -> bool:
+    name, file = _test_name(item), item.path.name
+    if file in SERIAL:
+        return name in FAST_SERIAL.get(file, set())
+    return name not in FULL_ONLY.get(file, set())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SERIAL:
             item.add_marker(pytest.mark.serial)
+    if config.getoption("--full"):
+        return
+    slow = [item for item in items if not _fast(item)]
+    if slow:
+        items[:] = [item for item in items if _fast(item)]
+        config.hook.pytest_deselected(items=slow)
 
 
 def _ci() -> bool:

@@ -29,14 +29,14 @@ __version__ = "0.1.0"
 # The training loop imports torch: load it on first use, so that `dataparallel serve`
 # and transports that do not need torch stay light.
 _LAZY = {
-    "fit": "loop",
-    "drive": "loop",
-    "follow": "loop",
-    "TrainOptions": "loop",
-    "EpochMetrics": "loop",
-    "StepInfo": "loop",
-    "FitResult": "loop",
-    "Regroup": "loop",
+    "fit": "train",
+    "drive": "train",
+    "follow": "train",
+    "TrainOptions": "train",
+    "EpochMetrics": "train",
+    "StepInfo": "train",
+    "FitResult": "train",
+    "Regroup": "train",
     "Replicas": "replicas",
     "init_process_group": "process_group",
     "abort_process_group": "process_group",

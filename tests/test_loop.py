@@ -241,7 +241,7 @@ def test_a_loss_that_cannot_take_the_output_fails_before_the_first_epoch(tmp_pat
 
 
 def test_checkpoints_go_through_fsspec_and_a_bad_scheme_fails_at_once(tmp_path):
-    from dataparallel import checkpoint
+    from dataparallel.train import checkpoint
 
     target = "memory://dp-test/run/snap.pt"
     assert checkpoint.load(target) is None
@@ -264,7 +264,7 @@ def test_checkpoints_go_through_fsspec_and_a_bad_scheme_fails_at_once(tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
-    from dataparallel.checkpoint import save_atomically
+    from dataparallel.train.checkpoint import save_atomically
 
     path = tmp_path / "c.pt"
     save_atomically({"a": 1}, path)

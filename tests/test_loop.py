@@ -312,10 +312,8 @@ def test_a_stop_signal_checkpoints_at_a_step_and_resuming_ends_as_uninterrupted(
 def _as_written_before_positions(state: dict) -> dict:
     """``state`` (a checkpoint) as dp.fit wrote it before epoch positions were versioned: the
     same keys, the position a stop signal left as the ``partial`` dict of then (epoch, batches,
-    every rank's sums, samples left, batch size, data layout), no ``position``."""
-    legacy = {k: v for k, v in state.items() if k != "position"}
-    position = state["position"]
-    legacy["partial"] = None
+    every rank's sums, samples left, batch size, data layout: no version, world or RNG states)."""
+    legacy, position = dict(state), state["partial"]
     if position is not None:
         keys = ("epoch", "batches", "train", "base", "batch", "layout")
         legacy["partial"] = {k: position[k] for k in keys}
@@ -334,7 +332,7 @@ def test_a_checkpoint_from_before_positions_were_versioned_resumes_as_it_did(tmp
     results = run_ranks(url, 3, "stopped", out=str(tmp_path / "s.pt"), **job, checkpoint=str(ckpt), term=[1, 1, 0])
     assert [code for code, _ in results] == [128 + 15] * 3, results
     state = torch.load(ckpt, weights_only=False)
-    assert state["position"]["version"] == 2 and state["position"]["batches"] == 2 and "partial" not in state
+    assert state["partial"]["version"] == 2 and state["partial"]["batches"] == 2
     (tmp_path / "new.ckpt").write_bytes(ckpt.read_bytes())
     torch.save(_as_written_before_positions(state), ckpt)
     (tmp_path / "old.ckpt").write_bytes(ckpt.read_bytes())
@@ -358,7 +356,7 @@ def test_an_epoch_position_reads_every_format_it_was_written_in():
     from dataparallel.train.position import VERSION, EpochPosition
 
     position = EpochPosition(1, 2, world=3, batch=4, base=None, train=((1.5, 8, 2),) * 3, layout=("shares", 3))
-    assert EpochPosition.from_checkpoint({"position": position.to_dict()}) == position
+    assert EpochPosition.from_checkpoint({"partial": position.to_dict(), "world_size": 3}) == position
     partial = {"epoch": 1, "batches": 2, "train": [[1.5, 8, 2]] * 3, "base": None, "batch": 4, "layout": ["shares", 3]}
     assert EpochPosition.from_checkpoint({"partial": partial, "world_size": 3}) == position
     oldest = {"epoch": 1, "batches": 2, "train": [[1.5, 8, 2]] * 3}  # before the layout and batch were saved
@@ -367,4 +365,4 @@ def test_an_epoch_position_reads_every_format_it_was_written_in():
     assert EpochPosition.from_checkpoint({"partial": None, "world_size": 3}) is None
     assert read.totals() == (4.5, 24, 6)
     with pytest.raises(ValueError, match=f"version 99: this dataparallel reads {VERSION}"):
-        EpochPosition.from_checkpoint({"position": {**position.to_dict(), "version": 99}})
+        EpochPosition.from_checkpoint({"partial": {**position.to_dict(), "version": 99}})

@@ -10,8 +10,8 @@ checkpoint or the new one, never a torn one.
 
 A checkpoint is a dict (``torch.save``): the model, optimizer, scheduler and scaler states,
 every rank's RNG state, the history, and where a stop signal's is written within an epoch,
-that position (:class:`~dataparallel.train.position.EpochPosition`, versioned; the
-unversioned ``partial`` dict of earlier checkpoints is read too).
+that position as ``partial`` (:class:`~dataparallel.train.position.EpochPosition`,
+versioned; the unversioned ``partial`` dict of earlier checkpoints is read too).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Checkpoints:
             "options": {"seed": t.opts.seed, "batch_size": t.opts.batch_size},
             "step": t.global_step,
             "extra": extra[0]() if extra is not None else None,
-            "position": position.to_dict() if position is not None else None,
+            "partial": position.to_dict() if position is not None else None,  # a stop signal's
         }
         save_atomically(state, self.target())
 

@@ -2,10 +2,10 @@
 signal's checkpoint, an elastic snapshot a regroup goes back to, and a rank's own start in
 an epoch that goes on mid-way; and the RNG states that go with it.
 
-A checkpoint holds it as a dict with a ``version`` (:data:`VERSION`); a checkpoint written
-before positions were versioned (its ``partial`` dict: epoch, batches, every rank's sums,
-and from later versions on the samples left, the batch size and the data layout) is read as
-one too (:meth:`EpochPosition.from_checkpoint`).
+A checkpoint holds it (as ``partial``) as a dict with a ``version`` (:data:`VERSION`); a
+checkpoint written before positions were versioned (its ``partial`` dict without one:
+epoch, batches, every rank's sums, and from later versions on the samples left, the batch
+size and the data layout) is read as one too (:meth:`EpochPosition.from_checkpoint`).
 """
 
 from __future__ import annotations
@@ -103,13 +103,13 @@ class EpochPosition:
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any]) -> EpochPosition | None:
         """The position a checkpoint was written at within the epoch after its ``epoch``
-        (a stop signal's), or None (written at an epoch's end). Reads both the versioned
-        ``position`` and the ``partial`` dict of checkpoints from before it."""
-        if state.get("position") is not None:
-            return cls.from_dict(state["position"])
+        (a stop signal's, its ``partial``), or None (written at an epoch's end). Reads both
+        today's versioned dict and the unversioned one of checkpoints from before it."""
         partial = state.get("partial")
         if partial is None:
             return None
+        if "version" in partial:
+            return cls.from_dict(partial)
         world = int(state["world_size"])
         layout = partial.get("layout") or ["shares", world]  # (from before layouts were saved: DDP's shares)
         return cls(

@@ -268,8 +268,11 @@ def test_a_host_file_named_in_a_file_is_relative_to_it_and_hosts_are_named_once(
 
 def test_a_world_size_range_sets_the_elastic_bounds_and_leaves_the_start_to_the_launch(tmp_path, monkeypatch):
     """``world_size = "2:8"`` in the file: min_world_size 2, max_world_size 8, no starting
-    size (the launcher's nodes x nprocs, or DP_WORLD_SIZE, gives it); TrainOptions reads the
-    bounds from the variables ``dataparallel launch`` sets."""
+    size (the launcher's nodes x nprocs, or DP_WORLD_SIZE, gives it); training takes the
+    bounds from the configuration (``channel.config``, from the variables ``dataparallel
+    launch`` sets) where its options leave them None, never from the environment itself."""
+    from dataparallel.train.spec import resolve_settings
+
     path = _file(tmp_path, 'world_size = "2:8"\n')
     ranged = load_config(env={}, file=path)
     assert (ranged.world_size, ranged.min_world_size, ranged.max_world_size) == (None, 2, 8)
@@ -279,5 +282,11 @@ def test_a_world_size_range_sets_the_elastic_bounds_and_leaves_the_start_to_the_
     monkeypatch.setenv("DP_MIN_WORLD_SIZE", "2")
     monkeypatch.setenv("DP_MAX_WORLD_SIZE", "8")
     options = dp.TrainOptions(elastic=True)
-    assert (options.min_world_size, options.max_world_size) == (2, 8)
-    assert dp.TrainOptions(min_world_size=3, max_world_size=4).max_world_size == 4
+    assert (options.min_world_size, options.max_world_size) == (None, None)  # the options' own: not given
+    settings = resolve_settings(options, load_config())
+    assert (settings.elastic, settings.min_world_size, settings.max_world_size) == (True, 2, 8)
+    given = resolve_settings(dp.TrainOptions(min_world_size=3, max_world_size=4), load_config())
+    assert (given.elastic, given.min_world_size, given.max_world_size) == (False, 3, 4)
+    assert resolve_settings(options, None) == type(settings)(elastic=True)  # no configuration: the defaults
+    with pytest.raises(ValueError, match=r"max_world_size \(1\) must be >= min_world_size \(2\)"):
+        resolve_settings(dp.TrainOptions(max_world_size=1), load_config())

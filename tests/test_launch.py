@@ -95,10 +95,13 @@ def test_second_node_gets_the_next_ranks(tmp_path):
 @pytest.mark.timeout(120)
 def test_an_elastic_world_size_range_reaches_the_workers_training_options(tmp_path):
     """``--elastic --world-size 2:5 --nprocs 2``: two workers start (nodes x nprocs), and
-    each one's TrainOptions carry on with at least 2 and admit newcomers up to 5."""
+    each one's training (its TrainOptions left None, resolved from the configuration its
+    channel carries: ``channel.config``, what ``dp.load_config`` gives) carries on with at
+    least 2 and admits newcomers up to 5."""
     script = tmp_path / "bounds.py"
     script.write_text(
-        "import os, dataparallel as dp; o = dp.TrainOptions(); "
+        "import os, dataparallel as dp; from dataparallel.train.spec import resolve_settings; "
+        "o = resolve_settings(dp.TrainOptions(), dp.load_config()); "
         "print(os.environ['DP_WORLD_SIZE'], o.elastic, o.min_world_size, o.max_world_size)"
     )
     run = subprocess.run(

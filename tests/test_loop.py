@@ -241,7 +241,7 @@ def test_a_loss_that_cannot_take_the_output_fails_before_the_first_epoch(tmp_pat
 
 
 def test_checkpoints_go_through_fsspec_and_a_bad_scheme_fails_at_once(tmp_path):
-    from dataparallel import checkpoint
+    from dataparallel.train import storage as checkpoint
 
     target = "memory://dp-test/run/snap.pt"
     assert checkpoint.load(target) is None
@@ -264,7 +264,7 @@ def test_checkpoints_go_through_fsspec_and_a_bad_scheme_fails_at_once(tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
-    from dataparallel.checkpoint import save_atomically
+    from dataparallel.train.storage import save_atomically
 
     path = tmp_path / "c.pt"
     save_atomically({"a": 1}, path)
@@ -307,3 +307,62 @@ def test_a_stop_signal_checkpoints_at_a_step_and_resuming_ends_as_uninterrupted(
         assert torch.equal(whole["state"][name], resumed["state"][name]), name
     assert [e["train_loss"] for e in whole["epochs"]] == [e["train_loss"] for e in resumed["epochs"]]
     assert [e["train_samples"] for e in resumed["epochs"]] == [e["train_samples"] for e in whole["epochs"]]
+
+
+def _as_written_before_positions(state: dict) -> dict:
+    """``state`` (a checkpoint) as dp.fit wrote it before epoch positions were versioned: the
+    same keys, the position a stop signal left as the ``partial`` dict of then (epoch, batches,
+    every rank's sums, samples left, batch size, data layout: no version, world or RNG states)."""
+    legacy, position = dict(state), state["partial"]
+    if position is not None:
+        keys = ("epoch", "batches", "train", "base", "batch", "layout")
+        legacy["partial"] = {k: position[k] for k in keys}
+    return legacy
+
+
+@pytest.mark.timeout(420)
+def test_a_checkpoint_from_before_positions_were_versioned_resumes_as_it_did(tmp_path):
+    """A stop signal's checkpoint in the format of before (its ``partial`` dict, no versioned
+    position) resumes on as many ranks bit for bit as an uninterrupted run, and on fewer ranks
+    (the samples left resharded) exactly as the same checkpoint in today's format does."""
+    job = {"epochs": 3, "dropout": 0.2, "step_sleep": 0.25}
+    whole = run_job(tmp_path, "zmq", 3, "whole", **job, checkpoint=str(tmp_path / "w.ckpt"))
+    ckpt = tmp_path / "s.ckpt"
+    url = f"zmq://127.0.0.1:{free_port()}"
+    results = run_ranks(url, 3, "stopped", out=str(tmp_path / "s.pt"), **job, checkpoint=str(ckpt), term=[1, 1, 0])
+    assert [code for code, _ in results] == [128 + 15] * 3, results
+    state = torch.load(ckpt, weights_only=False)
+    assert state["partial"]["version"] == 2 and state["partial"]["batches"] == 2
+    (tmp_path / "new.ckpt").write_bytes(ckpt.read_bytes())
+    torch.save(_as_written_before_positions(state), ckpt)
+    (tmp_path / "old.ckpt").write_bytes(ckpt.read_bytes())
+    resumed = run_job(tmp_path, "zmq", 3, "resumed", **job, checkpoint=str(ckpt), resume=True)
+    for name in whole["state"]:
+        assert torch.equal(whole["state"][name], resumed["state"][name]), name
+    assert [e["train_loss"] for e in whole["epochs"]] == [e["train_loss"] for e in resumed["epochs"]]
+    fewer = {}
+    for form in ("old", "new"):
+        fewer[form] = run_job(tmp_path, "zmq", 2, f"two-{form}", **job, checkpoint=str(tmp_path / f"{form}.ckpt"),
+                              resume=True)  # fmt: skip
+    for name in whole["state"]:
+        assert torch.equal(fewer["old"]["state"][name], fewer["new"]["state"][name]), name
+    assert [e["train_loss"] for e in fewer["old"]["epochs"]] == [e["train_loss"] for e in fewer["new"]["epochs"]]
+    assert fewer["old"]["epochs"][1]["train_samples"] == whole["epochs"][1]["train_samples"]
+
+
+def test_an_epoch_position_reads_every_format_it_was_written_in():
+    """Today's versioned position, the ``partial`` dict of before (with and without the data
+    layout and batch size of later versions), none; a version it does not know fails saying so."""
+    from dataparallel.train.position import VERSION, EpochPosition
+
+    position = EpochPosition(1, 2, world=3, batch=4, base=None, train=((1.5, 8, 2),) * 3, layout=("shares", 3))
+    assert EpochPosition.from_checkpoint({"partial": position.to_dict(), "world_size": 3}) == position
+    partial = {"epoch": 1, "batches": 2, "train": [[1.5, 8, 2]] * 3, "base": None, "batch": 4, "layout": ["shares", 3]}
+    assert EpochPosition.from_checkpoint({"partial": partial, "world_size": 3}) == position
+    oldest = {"epoch": 1, "batches": 2, "train": [[1.5, 8, 2]] * 3}  # before the layout and batch were saved
+    read = EpochPosition.from_checkpoint({"partial": oldest, "world_size": 3})
+    assert read is not None and (read.layout, read.batch, read.base) == (("shares", 3), None, None)
+    assert EpochPosition.from_checkpoint({"partial": None, "world_size": 3}) is None
+    assert read.totals() == (4.5, 24, 6)
+    with pytest.raises(ValueError, match=f"version 99: this dataparallel reads {VERSION}"):
+        EpochPosition.from_checkpoint({"partial": {**position.to_dict(), "version": 99}})

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dataparallel.replicas import Replicas
+from dataparallel.train.replicas import Replicas
 
 
 def make_model() -> torch.nn.Module:

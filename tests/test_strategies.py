@@ -172,7 +172,7 @@ def test_async_ps_refuses_what_it_cannot_do_saying_why():
     """Options it cannot honour fail when made, not after an epoch; a world with no worker
     beside its servers fails with the numbers."""
     import dataparallel as dp
-    from dataparallel.paramserver import Layout
+    from dataparallel.train.strategies.paramserver import Layout
 
     with pytest.raises(ValueError, match="without elastic"):
         dp.TrainOptions(strategy="async_ps", elastic=True)

@@ -1,4 +1,4 @@
-"""Where ``dp.fit`` keeps its checkpoint: a local path, or any filesystem URL fsspec knows.
+"""Where ``dp.fit``'s checkpoints are kept: a local path, or any filesystem URL fsspec knows.
 
 ``checkpoint="runs/snap.pt"`` or ``"file:///srv/snap.pt"`` is a local file; ``"s3://bucket/snap.pt"``,
 ``"gs://..."``, ``"memory://..."`` go through fsspec where the user has its filesystem package
@@ -21,7 +21,7 @@ import torch
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def _remote(target: str | os.PathLike) -> tuple[Any, str] | None:
+def _remote(target: str | os.PathLike[str]) -> tuple[Any, str] | None:
     """``(filesystem, path)`` for a URL that is not a local file; None for a local path."""
     text = os.fspath(target)
     match = _SCHEME.match(text)
@@ -36,7 +36,7 @@ def _remote(target: str | os.PathLike) -> tuple[Any, str] | None:
     return fs, path
 
 
-def local_path(target: str | os.PathLike) -> Path | None:
+def local_path(target: str | os.PathLike[str]) -> Path | None:
     """The local file ``target`` names (``file://`` URLs included), or None for another filesystem."""
     if _remote(target) is not None:
         return None
@@ -44,12 +44,12 @@ def local_path(target: str | os.PathLike) -> Path | None:
     return Path(text[len("file://") :] if text.lower().startswith("file://") else text)
 
 
-def check(target: str | os.PathLike) -> None:
+def check(target: str | os.PathLike[str]) -> None:
     """Raise :class:`ValueError` now if ``target``'s filesystem cannot be used."""
     _remote(target)
 
 
-def save_atomically(obj: Any, target: str | os.PathLike) -> None:
+def save_atomically(obj: Any, target: str | os.PathLike[str]) -> None:
     """``torch.save`` to a temporary file beside ``target``, then rename it over ``target``
     (locally: fsync the file before and the directory after)."""
     remote = _remote(target)
@@ -79,7 +79,7 @@ def save_atomically(obj: Any, target: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def load(target: str | os.PathLike) -> Any | None:
+def load(target: str | os.PathLike[str]) -> Any | None:
     """The checkpoint at ``target`` (tensors on the CPU), or None if there is none yet."""
     remote = _remote(target)
     if remote is not None:

@@ -12,12 +12,12 @@ written and tested with threads only would not notice it. Importable where
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from dp_fsdir import BLOCK, DELETED, FsDirChannel
+from dp_fsdir import FsDirChannel
 
 _process_lock = threading.Lock()
 
@@ -27,17 +27,10 @@ class ThreadLockedFsDirChannel(FsDirChannel):
     PAUSE = 0.002
 
     def _update(self, key: str, change: Callable[[bytes | None], bytes | None]) -> tuple[bytes | None, bytes | None]:
-        folder = self._folder(key)
         with _process_lock:
-            version, before = self._latest(folder)
-            after = change(before)
-            if after == before:
-                return before, after
-            time.sleep(self.PAUSE)  # between an add's or compare_set's read and its write
-            block = folder / str((version + 1) // BLOCK)
-            block.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(DELETED if after is None else b"=" + after)
-            os.replace(tmp, block / str(version + 1))  # over another process's version, if it took it
-            return before, after
+            return super()._update(key, change)
+
+    @classmethod
+    def _claim(cls, written: str, version: Path) -> None:
+        time.sleep(cls.PAUSE)  # between an add's or compare_set's read and its write
+        os.replace(written, version)  # over another process's version, if it took it

@@ -1096,10 +1096,7 @@ class LivenessTests(ChannelHarness):
             finally:
                 close_all(channels)
         finally:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-                proc.communicate(timeout=10)
+            _resume_and_kill(proc)
         assert result["adds"] > 0, result
         assert total == str(mine + result["adds"]).encode(), (
             f"the counter is {total!r}; the frozen rank made {result['adds']} adds and the others {mine} "
@@ -1142,10 +1139,7 @@ class LivenessTests(ChannelHarness):
             finally:
                 close_all(channels)
         finally:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-                proc.communicate(timeout=10)
+            _resume_and_kill(proc)
         assert result["error"] == "ChannelClosed", result
         assert "declared lost" in result["message"], result["message"]
         assert result["last_write"] is not None, "no write landed before the freeze"
@@ -1495,6 +1489,14 @@ def _check_claims(contenders: list[dict[str, Any]], prefix: str, rounds: int, wh
             f"(winners: {', '.join(winners) or 'none'}; {len(bad)} of {rounds} rounds went wrong). "
             f"What compare_set returned: {told}"
         )
+
+
+def _resume_and_kill(proc: subprocess.Popen[str]) -> None:
+    """End a worker the test may have left frozen (SIGSTOP): resumed, killed, reaped."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.communicate(timeout=10)
 
 
 def _add_into(ch: dp.ControlChannel, key: str, box: list[BaseException | None]) -> None:

@@ -25,6 +25,7 @@ Register it in your package's ``pyproject.toml``::
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import tempfile
 import time
@@ -89,12 +90,19 @@ class FsDirChannel(ControlChannel):
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(DELETED if after is None else b"=" + after)
-                os.link(tmp, block / str(version + 1))
+                self._claim(tmp, block / str(version + 1))
             except FileExistsError:
                 continue  # another write took this version first: read it and try again
             finally:
-                os.unlink(tmp)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
             return before, after
+
+    @staticmethod
+    def _claim(written: str, version: Path) -> None:
+        """Make ``written`` the key's ``version``, the write's one atomic step: FileExistsError
+        where another write took that version first."""
+        os.link(written, version)
 
     def _set(self, key: str, value: bytes) -> None:
         self._update(key, lambda _: value)

@@ -501,14 +501,3 @@ def _validate(c: JobConfig) -> None:
         raise ConfigError(f"{c.describe('node_rank')} = {c.node_rank} is out of range 0..{c.nodes - 1}")
     if not c.job or "/" in c.job or "\x00" in c.job:
         raise ConfigError(f"{c.describe('job')} must be a non-empty name without '/', got {c.job!r}")
-
-
-def env_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
-    """The value of setting ``name`` in its ``DP_*`` variable (checked as the loader checks
-    it), or None when unset: for code that reads one setting, such as ``dp.fit`` reading
-    ``elastic`` under ``dataparallel launch --elastic``."""
-    env = os.environ if env is None else env
-    var = SETTINGS[name].env
-    if var is None or env.get(var, "") == "":
-        return None
-    return _coerce(name, env[var], var)

@@ -36,6 +36,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.name in SERIAL:
             item.add_marker(pytest.mark.serial)
+    collected: dict[str, set[str]] = {}
+    for item in items:
+        collected.setdefault(item.path.name, set()).add(_test_name(item))
+    for table in (FULL_ONLY, FAST_SERIAL):
+        for file, names in table.items():
+            unknown = names - collected.get(file, names)  # a file not collected this run: nothing to check
+            if unknown and not config.getoption("keyword") and not config.getoption("markexpr"):
+                raise pytest.UsageError(f"tests/tiers.py names tests {file} does not have: {sorted(unknown)}")
     if config.getoption("--full"):
         return
     slow = [item for item in items if not _fast(item)]

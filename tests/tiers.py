@@ -18,6 +18,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_tcpstore_and_cli_exit_codes",
     },
     "test_conformance_etcd.py": {
+        "TestEtcdChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestEtcdChannel::test_a_connect_that_waits_says_what_it_waits_for",
         "TestEtcdChannel::test_a_connect_to_nothing_keeps_its_timeout",
         "TestEtcdChannel::test_a_frozen_rank_0_holds_no_call_of_another_rank_past_the_liveness_bound",
@@ -39,6 +40,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestEtcdChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_conformance_grpc.py": {
+        "TestGrpcChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestGrpcChannel::test_a_connect_that_waits_says_what_it_waits_for",
         "TestGrpcChannel::test_a_connect_to_nothing_keeps_its_timeout",
         "TestGrpcChannel::test_a_frozen_rank_0_holds_no_call_of_another_rank_past_the_liveness_bound",
@@ -55,6 +57,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestGrpcChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_conformance_memory.py": {
+        "TestMemoryChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestMemoryChannel::test_a_killed_jobs_rerun_under_the_same_name_starts_clean",
         "TestMemoryChannel::test_barrier_timeout_says_how_many_arrived",
         "TestMemoryChannel::test_clean_close_is_not_a_loss",
@@ -94,6 +97,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_a_transport_atomic_only_within_a_process_fails_fast_naming_the_primitive",
     },
     "test_conformance_zmq.py": {
+        "TestZmqChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestZmqChannel::test_a_connect_that_waits_says_what_it_waits_for",
         "TestZmqChannel::test_a_connect_to_nothing_keeps_its_timeout",
         "TestZmqChannel::test_a_frozen_rank_0_holds_no_call_of_another_rank_past_the_liveness_bound",

@@ -1747,6 +1747,37 @@ class TimeoutTests(ChannelHarness):
             assert all(err is not None for _, err in timings.values()), timings
 
     @pytest.mark.timeout(120)
+    def test_a_process_whose_connect_failed_exits_with_its_own_status(self, channel_url: str) -> None:
+        """Processes that connect to nothing listening, or to a listener that never answers,
+        with timeouts from 0.5 to 2.5 s, catch the ControlError and exit with their own
+        status: the process ends as its code says (a transport's thread still waiting on
+        the coordinator must not kill it with a signal as the interpreter exits). A URL with
+        no network endpoint has nothing to be absent: its processes connect and exit 0."""
+        from .worker import CONNECT_FAILED
+
+        timeouts = ("0.5", "1", "1.5", "2", "2.5")
+        with socket.create_server(("127.0.0.1", 0)) as mute:
+            procs: dict[str, subprocess.Popen[str]] = {}
+            swapped = 0
+            for name, port in (("nothing", free_port()), ("mute", mute.getsockname()[1])):
+                url, swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
+                for t in timeouts:
+                    extra = ("--timeout", t, "--hold", "0", "--no-rendezvous")
+                    rank, world = (1, 2) if swapped else (0, 1)
+                    procs[f"{name}, timeout {t}"] = self.spawn_rank("hold", url, rank, world, name, *extra)
+            ended = {name: proc.communicate(timeout=60) for name, proc in procs.items()}
+        expected = CONNECT_FAILED if swapped else 0
+        wrong = {
+            name: f"exit {procs[name].returncode}: {(out + err)[-600:]}"
+            for name, (out, err) in ended.items()
+            if procs[name].returncode != expected
+        }
+        assert not wrong, f"expected exit {expected} from every process: {wrong}"
+        if swapped:
+            for name, (out, _) in ended.items():
+                assert "connect_failed" in out and "ChannelClosed" in out, f"{name}: {out}"
+
+    @pytest.mark.timeout(120)
     def test_every_call_keeps_its_timeout_when_the_coordinator_freezes_dies_or_goes_dark(
         self, channel_url: str, open_ranks: OpenRanks
     ) -> None:

@@ -202,6 +202,8 @@ ROLES = {
     "hold": _hold,
     "write": _write,
 }
+#: The exit status of a worker whose connect raised a ControlError.
+CONNECT_FAILED = 3
 #: Roles that wait at their own start line instead of the rendezvous (a barrier, built on
 #: ``add``: the primitive they test).
 OWN_START_LINE = {"adds", "compare-set"}
@@ -224,9 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key", default="contended", help="the key (prefix) the adds and compare-set roles use")
     parser.add_argument("--no-rendezvous", action="store_true", help="start the role right after connect")
     args = parser.parse_args(argv)
-    ch = dp.connect(
-        args.url, rank=args.rank, world_size=args.world_size, job=args.job, token=args.token, timeout=args.timeout
-    )
+    try:
+        ch = dp.connect(
+            args.url, rank=args.rank, world_size=args.world_size, job=args.job, token=args.token, timeout=args.timeout
+        )
+    except dp.ControlError as err:
+        print(json.dumps({"connect_failed": f"{type(err).__name__}: {err}"}), flush=True)
+        return CONNECT_FAILED
     try:
         if not args.no_rendezvous and args.role not in OWN_START_LINE:
             ch.rendezvous()

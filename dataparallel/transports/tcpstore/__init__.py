@@ -23,6 +23,7 @@ gone), the channel reports as its own one-line error.
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import socket
@@ -177,7 +178,11 @@ class TCPStoreChannel(ControlChannel):
                 return _connection(store)
             except (dist.DistNetworkError, RuntimeError):
                 pass  # the port is taken: a store is already served there (another job's, or standalone)
-        # torch's connect overruns its timeout (by a quarter or more, retrying): bounded here.
+        # torch's connect retries a refused connection past its timeout (by half of it, or
+        # more, measured): the wait for a listener is ours, on this thread, to the deadline;
+        # torch is called once one answers, and its answer waited for on a helper thread.
+        deadline = time.monotonic() + self.timeout
+        _await_listener(host, port, self.timeout)
         made: list[Connection | BaseException] = []
 
         def connect() -> None:
@@ -187,9 +192,8 @@ class TCPStoreChannel(ControlChannel):
             except BaseException as err:
                 made.append(err)
 
-        helper = threading.Thread(target=connect, name="dp-tcpstore-open", daemon=True)
-        helper.start()
-        helper.join(self.timeout)
+        helper = _start_helper(connect, "dp-tcpstore-open", self._peer)
+        helper.join(max(deadline - time.monotonic(), 0.0))
         result = made[0] if made else TimeoutError("no answer")
         if isinstance(result, BaseException):
             raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {self.timeout:g}s: {result}") from None
@@ -248,8 +252,7 @@ class TCPStoreChannel(ControlChannel):
             except BaseException as err:
                 made.append(err)
 
-        helper = threading.Thread(target=connect, name=f"dp-tcpstore-connect-r{self.rank}", daemon=True)
-        helper.start()
+        helper = _start_helper(connect, f"dp-tcpstore-connect-r{self.rank}", self._peer)
         give_up = time.monotonic() + within
         while helper.is_alive():
             helper.join(0.05)
@@ -479,6 +482,74 @@ def _lock_for(peer: tuple[set[str], int]) -> threading.Lock:
     key = (frozenset(peer[0]), peer[1])
     with _CONNECTING_LOCK:
         return _CONNECTING.setdefault(key, threading.Lock())
+
+
+def _await_listener(host: str, port: int, within: float) -> None:
+    """Return once something at host:port takes a TCP connection (closed again at once);
+    ChannelClosed after ``within`` seconds if nothing has."""
+    deadline = time.monotonic() + within
+    pause, last = 0.01, "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {within:g}s: {last}")
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 1.0)):
+                return
+        except OSError as err:
+            last = err.strerror or type(err).__name__
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 2, 0.25)
+
+
+#: Helper threads inside a torch call, by the coordinator they talk to. A thread still in
+#: C++ when the interpreter finalizes exits (pthread_exit) as it takes the GIL back, which
+#: unwinds through pybind11's noexcept frames: the process aborts ("terminate called
+#: without an active exception", SIGABRT) instead of exiting with its own status. At exit
+#: (:func:`_end_helpers`), their connections are shut down and they are waited for.
+_HELPERS: dict[threading.Thread, tuple[set[str], int]] = {}
+_HELPERS_LOCK = threading.Lock()
+#: How long the exit waits for the helpers, in all, once their connections are shut down.
+HELPERS_AT_EXIT = 5.0
+
+
+def _start_helper(target: Callable[[], None], name: str, peer: tuple[set[str], int]) -> threading.Thread:
+    """Run ``target`` (a torch call talking to ``peer``) on a daemon thread that the
+    process's exit waits for."""
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _HELPERS_LOCK:
+                _HELPERS.pop(threading.current_thread(), None)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _HELPERS_LOCK:
+        _HELPERS[thread] = peer
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _end_helpers() -> None:
+    """Release the helpers still in a torch call (shut their coordinators' connections
+    down: the call then fails) and wait for them, up to :data:`HELPERS_AT_EXIT` seconds.
+    Registered at import, so it runs after any exit handler that closes a channel."""
+    with _HELPERS_LOCK:
+        running = dict(_HELPERS)
+    if not running:
+        return
+    for addresses, port in set((frozenset(a), p) for a, p in running.values()):
+        for sock in _connections_to(set(addresses), port, keep=True).values():
+            with sock:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+    deadline = time.monotonic() + HELPERS_AT_EXIT
+    for thread in running:
+        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 def _addresses(host: str) -> set[str]:

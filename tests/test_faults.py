@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 from etcdserver import EtcdServer, require_etcd, start_cluster
 
 from dataparallel.testing import free_port, with_options
@@ -37,14 +38,9 @@ def record(fault: str, transport: str, outcome: str, seconds: float | None) -> N
         Path(REPORT).write_text(json.dumps(_measured, indent=2))
 
 
-def spawn(cfg: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def spawn(cfg: dict) -> zygote.ForkedProcess:
+    """One rank in a session of its own (killed with its group), forked from tests/zygote.py."""
+    return zygote.popen([str(WORKER), json.dumps(cfg)], start_new_session=True)
 
 
 class Job:

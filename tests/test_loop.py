@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import loop_worker  # the worker itself, for the references built here
 import pytest
 import torch
+import zygote
 
 import dataparallel as dp
 from dataparallel.testing import free_port
@@ -19,10 +19,9 @@ WORKER = Path(__file__).with_name("loop_worker.py")
 TRANSPORTS = ["zmq", "grpc", "tcpstore"]
 
 
-def spawn(cfg: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+def spawn(cfg: dict) -> zygote.ForkedProcess:
+    """One rank: ``python loop_worker.py CFG``, forked from the zygote (tests/zygote.py)."""
+    return zygote.popen([str(WORKER), json.dumps(cfg)])
 
 
 def run_job(tmp_path: Path, transport: str, world: int, tag: str, **cfg) -> dict:

@@ -1761,10 +1761,10 @@ class TimeoutTests(ChannelHarness):
             swapped = 0
             for name, port in (("nothing", free_port()), ("mute", mute.getsockname()[1])):
                 url, swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
-                for t in timeouts:
+                for i, t in enumerate(timeouts):
                     extra = ("--timeout", t, "--hold", "0", "--no-rendezvous")
-                    rank, world = (1, 2) if swapped else (0, 1)
-                    procs[f"{name}, timeout {t}"] = self.spawn_rank("hold", url, rank, world, name, *extra)
+                    rank, world = (1, 2) if swapped else (0, 1)  # each its own job (a URL may be shared)
+                    procs[f"{name}, timeout {t}"] = self.spawn_rank("hold", url, rank, world, f"{name}{i}", *extra)
             ended = {name: proc.communicate(timeout=60) for name, proc in procs.items()}
         expected = CONNECT_FAILED if swapped else 0
         wrong = {

@@ -50,6 +50,12 @@ COMMON_OPTIONS = {
 }
 
 
+class ReadUnanswered(ChannelClosed):
+    """A transport's ``_get`` or ``_multi_get`` got no answer within its bound (the store
+    restarting or failing over, a slow link): the core's wait reads again while its time
+    lasts (see :class:`ControlChannel`)."""
+
+
 class ControlChannel(Collectives, abc.ABC):
     """A job's low-throughput control channel: a small key/value space shared by its ranks.
 
@@ -125,6 +131,10 @@ class ControlChannel(Collectives, abc.ABC):
       errors in one place. ``PeerLost``, the public calls' timeouts and messages are the core's.
     - Only ``_get`` and ``_multi_get`` wait for keys; the others return once the store has
       answered, and raise rather than hang when it does not (the liveness thread calls them).
+      A ``_get`` or ``_multi_get`` that got no answer within its bound (a store restarting or
+      failing over) may raise :class:`ReadUnanswered`: the wait goes on while its time lasts,
+      and ends in ChannelClosed, never ControlTimeout (a key's absence was not seen), if the
+      last read went unanswered.
 
     *Optional hooks*, each with a default in the core built on the eight: ``_multi_get``,
     ``_multi_set``, ``_append`` (override to save round trips or to append in one atomic
@@ -617,16 +627,24 @@ class ControlChannel(Collectives, abc.ABC):
         and, with ``needs``, a departed rank that never entered the round (PeerLeft)."""
         start = time.monotonic()
         deadline = start + self._budget(timeout)
+        unanswered: ReadUnanswered | None = None  # the last read's, if it got no answer
         while True:
             self._raise_if_failed(what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if unanswered is not None:
+                    raise ChannelClosed(f"{what}: {unanswered}") from None
                 waited = time.monotonic() - start
                 raise ControlTimeout(f"{what} (job {self.job!r}, rank {self.rank})", waited, hint() if hint else "")
             poll = remaining
             if needs is not None or (self._liveness is not None and not self._liveness.interrupts_blocked_calls):
                 poll = min(remaining, self.liveness_poll)
-            value = fetch(poll)
+            try:
+                value = fetch(poll)
+            except ReadUnanswered as err:
+                unanswered = err
+                continue
+            unanswered = None
             if value is not None:
                 return value
             if needs is not None:

@@ -48,7 +48,7 @@ import aetcd
 import aetcd.exceptions
 import grpc
 
-from dataparallel.control.channel import ControlChannel
+from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.check import tls_diagnosis
 from dataparallel.control.eventloop import client_loop
 from dataparallel.control.liveness import Liveness, LostPeer
@@ -298,18 +298,24 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             f"its writes and the others were told ({detail})"
         )
 
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def _run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout: float | None = None,
+        unanswered: type[ChannelClosed] = ChannelClosed,
+    ) -> T:
         """Run ``coro`` on the client's loop; errors come out as the channel's. Waits for
         ``timeout`` (default: the channel's) and :data:`ANSWER_GRACE` more, failing over to
         another member included; then cancels it: ChannelClosed. (A wait inside ``coro``
-        ends :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.)"""
+        ends :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.) A wait's read
+        gives ``unanswered`` (ReadUnanswered: the core reads again while the wait lasts)."""
         wait = (timeout or self.timeout) + ANSWER_GRACE
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout=wait)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
-            raise ChannelClosed(f"etcd at {self.url.shown} did not answer within {wait:g}s") from None
+            raise unanswered(f"etcd at {self.url.shown} did not answer within {wait:g}s") from None
         except ValueError:
             raise  # _add found no number: the core's BadMessage
         except Exception as err:
@@ -374,7 +380,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._run(self._once(lambda txn: [txn.put(self._k(key), value)]))
 
     def _get(self, key: str, timeout: float) -> bytes | None:
-        return self._run(self._get_async(self._k(key), timeout), timeout)
+        return self._run(self._get_async(self._k(key), timeout), timeout, ReadUnanswered)
 
     async def _get_async(self, key: bytes, timeout: float) -> bytes | None:
         """Read ``key``; if missing, watch it from the revision read. A watch broken by a lost
@@ -502,7 +508,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         return sum(1 for kv in found if not kv.key.startswith(records))
 
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
-        return self._run(self._multi_get_async([self._k(k) for k in keys], timeout), timeout)
+        return self._run(self._multi_get_async([self._k(k) for k in keys], timeout), timeout, ReadUnanswered)
 
     async def _multi_get_async(self, keys: list[bytes], timeout: float) -> list[bytes] | None:
         deadline = time.monotonic() + _wait_within(timeout)

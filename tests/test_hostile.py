@@ -282,7 +282,7 @@ def test_a_job_cannot_exhaust_the_coordinator():
             ch.delete(f"k{i}")
         ended: dict[int, BaseException | None] = {}
         waiting = [
-            threading.Thread(target=_expect_timeout, args=(ch, f"never{i}", ended, i), daemon=True) for i in range(8)
+            threading.Thread(target=_parked_get, args=(ch, f"never{i}", ended, i), daemon=True) for i in range(8)
         ]
         for t in waiting:
             t.start()
@@ -303,7 +303,7 @@ def test_a_job_cannot_exhaust_the_coordinator():
         server.stop()
 
 
-def _expect_timeout(ch: dp.ControlChannel, key: str, ended: dict[int, BaseException | None], i: int) -> None:
+def _parked_get(ch: dp.ControlChannel, key: str, ended: dict[int, BaseException | None], i: int) -> None:
     """Get a key nobody sets (parked at the coordinator); what the get ended with goes in ``ended``."""
     try:
         ch.get(key, timeout=3)

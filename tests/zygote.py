@@ -73,7 +73,7 @@ class ForkedProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             left = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-            self._conn.settimeout(left if left > 0 else 0.0)
+            self._conn.settimeout(left)  # 0: no wait
             try:
                 chunk = self._conn.recv(256)
             except (BlockingIOError, TimeoutError):

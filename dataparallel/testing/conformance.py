@@ -580,7 +580,7 @@ class MembershipTests(ChannelHarness):
         with no network endpoint has nothing to wait for: it connects without a word."""
         monkeypatch.setattr(importlib.import_module("dataparallel.connect"), "NOTICE_EVERY", 1.0)
         port = free_port()
-        nowhere, swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
+        nowhere, swapped = _at_port(channel_url, port)
         caplog.set_level("WARNING", logger="dataparallel.connect")
         if not swapped:
             with dp.connect(nowhere, rank=1, world_size=2, job="wait", timeout=10):
@@ -1491,6 +1491,12 @@ def _check_claims(contenders: list[dict[str, Any]], prefix: str, rounds: int, wh
         )
 
 
+def _at_port(url: str, port: int) -> tuple[str, int]:
+    """``url`` with its HOST:PORT's port replaced by ``port``, and 1; (``url``, 0) for a URL
+    with no HOST:PORT (a file, a service of the transport's own)."""
+    return re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", url, count=1)
+
+
 def _resume_and_kill(proc: subprocess.Popen[str]) -> None:
     """End a worker the test may have left frozen (SIGSTOP): resumed, killed, reaped."""
     if proc.poll() is None:
@@ -1641,7 +1647,7 @@ class TimeoutTests(ChannelHarness):
         transport's own) is shared: that rank 0 is the peer to freeze or kill there. A
         transport whose store is no rank's (``etcd://``) overrides it to start a server."""
         port = free_port()
-        url, swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
+        url, swapped = _at_port(channel_url, port)
         job = f"silenced{next(_silenced)}"
         proc = self.spawn_rank("hold", url, 0, 2, job, "--hold", "120", "--no-rendezvous", "--timeout", "30")
         try:
@@ -1733,7 +1739,7 @@ class TimeoutTests(ChannelHarness):
         with socket.create_server(("127.0.0.1", 0)) as mute:
             urls = {}
             for name, port in (("nothing", free_port()), ("mute", mute.getsockname()[1])):
-                urls[name], swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
+                urls[name], swapped = _at_port(channel_url, port)
             calls: dict[str, Callable[[], object]] = {
                 f"connect to {name}": partial(_connect_and_close, url, t) for name, url in urls.items()
             }
@@ -1760,7 +1766,7 @@ class TimeoutTests(ChannelHarness):
             procs: dict[str, subprocess.Popen[str]] = {}
             swapped = 0
             for name, port in (("nothing", free_port()), ("mute", mute.getsockname()[1])):
-                url, swapped = re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", channel_url, count=1)
+                url, swapped = _at_port(channel_url, port)
                 for i, t in enumerate(timeouts):
                     extra = ("--timeout", t, "--hold", "0", "--no-rendezvous")
                     rank, world = (1, 2) if swapped else (0, 1)  # each its own job (a URL may be shared)

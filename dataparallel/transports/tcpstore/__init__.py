@@ -277,15 +277,8 @@ class TCPStoreChannel(ControlChannel):
 
     def _shut_down(self, mine: set[int]) -> None:
         """Shut down the sockets of this channel's connections with these local ports."""
-        if not mine:
-            return
-        for local_port, sock in _connections_to(*self._peer, keep=True).items():
-            with sock:
-                if local_port in mine:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+        if mine:
+            _shut_down_connections(self._peer, mine)
 
     def _call(self, op: Callable[[Connection], T], read: bool = False, within: float | None = None) -> T:
         """Run ``op`` on this thread's connection: the one place TCPStore's errors become the
@@ -541,15 +534,22 @@ def _end_helpers() -> None:
     if not running:
         return
     for addresses, port in set((frozenset(a), p) for a, p in running.values()):
-        for sock in _connections_to(set(addresses), port, keep=True).values():
-            with sock:
+        _shut_down_connections((set(addresses), port))
+    deadline = time.monotonic() + HELPERS_AT_EXIT
+    for thread in running:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+def _shut_down_connections(peer: tuple[set[str], int], local_ports: set[int] | None = None) -> None:
+    """Shut down this process's connections to ``peer`` (those with these local ports, or
+    all): a torch call blocked on one returns with an error."""
+    for local_port, sock in _connections_to(*peer, keep=True).items():
+        with sock:
+            if local_ports is None or local_port in local_ports:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-    deadline = time.monotonic() + HELPERS_AT_EXIT
-    for thread in running:
-        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 def _addresses(host: str) -> set[str]:

@@ -468,3 +468,21 @@ def test_world_size_is_bounded(served):
         attacker.close()
     with pytest.raises(dp.ConfigError, match="world_size"):
         dp.connect(url, rank=0, world_size=MAX_WORLD_SIZE + 1, token=TOKEN, timeout=5)
+
+
+@pytest.mark.parametrize("scheme", ["zmq", "grpc", "tcpstore"])
+def test_a_hosted_coordinator_listens_with_room_for_a_large_job(scheme):
+    """Thousands of peers connect at once when a large job starts; a listen backlog of
+    libzmq's default 100 sent 12,288 of them into the kernel's SYN retry back-off (31 s to say
+    hello). The socket's backlog, as the kernel reports it (``ss``'s Send-Q of a listener)."""
+    port = free_port()
+    host = dp.connect(f"{scheme}://127.0.0.1:{port}", rank=0, world_size=2, job="j", timeout=20)
+    try:
+        out = subprocess.run(
+            ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.split()
+        assert out[0] == "LISTEN", out
+        with open("/proc/sys/net/core/somaxconn") as f:
+            assert int(out[2]) >= min(4096, int(f.read())), out
+    finally:
+        host.close()

@@ -133,11 +133,29 @@ class Parked(Generic[R]):
 
 @dataclass(eq=False)
 class Collective:
-    sources: frozenset[int]
+    """One named round. Its bookkeeping is O(1) per arrival, whatever the world size: the ranks
+    it waits for are counted down (``pending``), never recomputed as a set difference."""
+
+    sources: frozenset[int] | None  # None: every rank of the job
+    pending: int  # sources that have not arrived
     values: dict[int, bytes] = field(default_factory=dict)
     arrived: set[int] = field(default_factory=set)
     waiting: dict[int, Parked] = field(default_factory=dict)
     complete: bool = False
+
+    def is_source(self, rank: int) -> bool:
+        return self.sources is None or rank in self.sources
+
+    def arrive(self, rank: int) -> None:
+        self.arrived.add(rank)
+        if self.is_source(rank):
+            self.pending -= 1
+
+    def withdraw(self, rank: int) -> None:
+        if rank in self.arrived:
+            self.arrived.discard(rank)
+            if self.is_source(rank):
+                self.pending += 1
 
 
 @dataclass(eq=False)
@@ -494,28 +512,37 @@ class Coordinator(Generic[R]):
         c, job = r.collect, s.job
         if s.rank is None:
             return _reply(r.id, pb.FAILED, "collectives need a registered rank")
-        sources = frozenset(c.sources) if c.sources else frozenset(range(job.world_size))
-        if not sources or max(sources) >= job.world_size:
+        sources = frozenset(c.sources) if c.sources else None
+        if sources is not None and max(sources) >= job.world_size:
             raise BadMessage(f"collective {c.name!r}: source ranks {sorted(sources)} out of range")
+        if sources is not None and len(sources) == job.world_size:
+            sources = None  # every rank, named one by one
         state = job.collectives.get(c.name)
         crowded = state is None and len(job.collectives) >= self.limits.max_parked_per_session
         if crowded or len(s.parked) >= self.limits.max_parked_per_session:
             return _reply(r.id, pb.FAILED, f"job {job.name!r}: too many collectives open at once")
         wait = _timeout(c.timeout) if c.want else 0.0  # checked before anything changes
         if state is None:
-            state = job.collectives[c.name] = Collective(sources)
+            count = job.world_size if sources is None else len(sources)
+            state = job.collectives[c.name] = Collective(sources, count)
         elif state.sources != sources:
             raise BadMessage(f"collective {c.name!r}: ranks disagree on its sources")
         if s.rank in state.arrived:
             raise BadMessage(f"rank {s.rank} entered collective {c.name!r} twice")
         if job.lost and not state.complete and c.want:
             return self._lost_reply(r.id, job)
-        gone = sorted((sources - state.arrived - {s.rank}) & job.left) if c.want and not state.complete else []
-        if gone:  # a rank that left never arrives: a round it has not entered can never complete
+        # A rank that left never arrives: a round it has not entered can never complete. The
+        # ranks that left are few; the round's sources may be every rank.
+        gone = (
+            [g for g in sorted(job.left) if g != s.rank and g not in state.arrived and state.is_source(g)]
+            if c.want and not state.complete and job.left
+            else []
+        )
+        if gone:
             if not state.arrived:
                 del job.collectives[c.name]
             return _left_reply(r.id, gone[0])
-        state.arrived.add(s.rank)
+        state.arrive(s.rank)
         if c.has_value:
             state.values[s.rank] = c.value
         reply: pb.Reply | None = _reply(r.id)
@@ -526,7 +553,7 @@ class Coordinator(Generic[R]):
                 arrived = sorted(state.arrived)
                 missing = sorted(set(range(job.world_size)) - state.arrived)
                 # Withdraw this rank so a retry of the same name starts clean.
-                state.arrived.discard(rank)
+                state.withdraw(rank)
                 state.values.pop(rank, None)
                 if not state.arrived:
                     job.collectives.pop(c.name, None)
@@ -542,7 +569,7 @@ class Coordinator(Generic[R]):
             reply = None
         elif c.want:
             reply = self._collected(r.id, state, job)
-        if not state.complete and sources <= state.arrived:
+        if not state.complete and state.pending == 0:
             state.complete = True
             for parked in list(state.waiting.values()):
                 self._finish(parked, self._collected(parked.request_id, state, job))
@@ -554,7 +581,7 @@ class Coordinator(Generic[R]):
         """``rank`` left: every open collective it had to enter and had not is over, and the
         ranks waiting in it are told at once (a later arrival is refused in ``_collect``)."""
         for name, state in list(job.collectives.items()):
-            if not state.complete and rank in state.sources and rank not in state.arrived:
+            if not state.complete and state.is_source(rank) and rank not in state.arrived:
                 del job.collectives[name]
                 for parked in list(state.waiting.values()):
                     self._finish(parked, _left_reply(parked.request_id, rank))
@@ -621,18 +648,19 @@ class Coordinator(Generic[R]):
         for rank, session in list(job.ranks.items()):
             if rank in job.lost:
                 continue
+            # Every session, ten times a second: nothing here is built for a rank that is fine.
             silent = now - session.last_seen
-            where = f"it ran as pid {session.pid} on {session.host}"
             reason = None
             if silent > job.liveness_timeout:
-                reason = f"no message for {silent:.1f}s (liveness timeout {job.liveness_timeout:g}s); {where}"
+                reason = f"no message for {silent:.1f}s (liveness timeout {job.liveness_timeout:g}s)"
             elif session.dropped_at is not None:
                 grace = min(job.liveness_timeout, session.heartbeat + 1.0)
                 if session.local and procinfo.exited(session.pid):
-                    reason = f"its process exited (its connections closed); {where}"
+                    reason = "its process exited (its connections closed)"
                 elif now - session.dropped_at > grace:
-                    reason = f"its connections closed and it did not come back within {grace:g}s; {where}"
+                    reason = f"its connections closed and it did not come back within {grace:g}s"
             if reason is not None:
+                reason = f"{reason}; it ran as pid {session.pid} on {session.host}"
                 job.lost[rank] = pb.LostPeer(rank=rank, last_seen=time.time() - silent, reason=reason)
                 log.warning("job %r: rank %d lost: %s", job.name, rank, reason)
                 del job.ranks[rank]

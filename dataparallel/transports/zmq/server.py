@@ -32,6 +32,10 @@ def curve_server_keys(token: str) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret), secret
 
 
+#: Pending connections the coordinator's listening socket holds (capped by the kernel).
+LISTEN_BACKLOG = 4096
+
+
 class ZmqCoordinatorServer:
     """Binds ``tcp://HOST:PORT`` and serves until :meth:`stop` (or forever in :meth:`serve`)."""
 
@@ -44,6 +48,10 @@ class ZmqCoordinatorServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its route
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + MAC_SIZE)  # larger: connection dropped
+        # Thousands of peers connect at once when a large job starts: libzmq's default listen
+        # backlog of 100 drops their SYNs into the kernel's retry back-off (12,288 hellos took
+        # 31 s). The kernel caps this at net.core.somaxconn; gRPC's core asks for that already.
+        self._sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         if curve:
             self._sock.curve_server = True
             self._sock.curve_secretkey = curve_server_keys(token or "")[1]

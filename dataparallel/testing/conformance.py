@@ -571,6 +571,43 @@ class MembershipTests(ChannelHarness):
                 dp.connect(url, rank=rank, world_size=2, job="full", timeout=30)
             assert time.monotonic() - start < bound, f"refused after {time.monotonic() - start:.1f}s: {info.value}"
 
+    @pytest.mark.timeout(90)
+    def test_ranks_assigned_at_connect_write_nothing_to_stderr(
+        self, channel_url: str, capfd: pytest.CaptureFixture[str]
+    ) -> None:
+        """A rank with ``rank=None`` that finds the coordinator hosted already (the expected
+        case: one process wins the bind) says nothing of it: nothing from the transport's
+        libraries reaches the terminal of a job that works."""
+        n, job = 3, "quiet"
+        host = dp.connect(channel_url, rank=0, world_size=n, job=job, timeout=30)
+        try:
+            if self.cross_process:
+                procs = [self.spawn_rank("barriers", channel_url, None, n, job, "--rounds", "1") for _ in range(n - 1)]
+                try:
+                    host.rendezvous(timeout=STEP_TIMEOUT)
+                    host.barrier("rounds", timeout=STEP_TIMEOUT)
+                    outcomes = [proc.communicate(timeout=STEP_TIMEOUT) for proc in procs]
+                finally:
+                    for proc in procs:
+                        if proc.poll() is None:
+                            proc.kill()
+                            proc.communicate(timeout=10)
+                for proc, (_, err) in zip(procs, outcomes, strict=True):
+                    assert proc.returncode == 0, f"a rank exited {proc.returncode}:\n{err}"
+                    assert err == "", f"a rank assigned at connect wrote to stderr:\n{err}"
+            else:
+                capfd.readouterr()
+                others = run_all([partial(dp.connect, channel_url, world_size=n, job=job, timeout=30)] * (n - 1))
+                try:
+                    self.rendezvous_all([host, *others])
+                    run_all([partial(c.barrier, "rounds", timeout=STEP_TIMEOUT) for c in [host, *others]])
+                finally:
+                    close_all(others)
+                err = capfd.readouterr().err
+                assert err == "", f"a rank assigned at connect wrote to stderr:\n{err}"
+        finally:
+            host.close()
+
     @pytest.mark.timeout(60)
     def test_a_connect_that_waits_says_what_it_waits_for(
         self, channel_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
@@ -1595,8 +1632,12 @@ class LinearizabilityTests(ChannelHarness):
                 except dp.ControlError as err:
                     for p in procs:
                         p.kill()
-                    errors = "\n".join(p.communicate(timeout=10)[1][-1500:] for p in procs)
-                    pytest.fail(f"{err}\nthe other ranks' stderr:\n{errors}")
+                    outputs = [p.communicate(timeout=10) for p in procs]
+                    shown = "\n".join(
+                        f"--- process {i} (pid {p.pid}, exit {p.returncode}): stdout:\n{out}\nstderr:\n{err_}"
+                        for i, (p, (out, err_)) in enumerate(zip(procs, outputs, strict=True))
+                    )
+                    pytest.fail(f"{err}\nevery other rank's whole output:\n{shown}")
                 results = [mine] + [_finish(p, 120) for p in procs]
             finally:
                 for p in procs:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Callable
 
@@ -98,6 +100,34 @@ class _Servicer(control_pb2_grpc.ControlServiceServicer):
             self._coordinator.connection_closed(stream)
 
 
+def _refuse_a_served_port(address: str) -> None:
+    """Raise EADDRINUSE where something already listens on ``address`` (``HOST:PORT``).
+
+    gRPC's C core logs a port it cannot bind as an error line of its own (``add_port.cc ...
+    Address already in use``), which would reach the terminal of every ``rank=None`` process
+    that finds the coordinator hosted already: the expected case. A plain socket bound the way
+    gRPC binds (SO_REUSEADDR, no SO_REUSEPORT) answers the same question silently; gRPC's own
+    bind still decides a race between two processes that both pass this probe."""
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # gRPC's bind reports the address
+    family, kind, proto, _, where = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # as gRPC binds [::]
+        try:
+            probe.bind(where)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise OSError(errno.EADDRINUSE, f"cannot bind {address}: already served") from None
+
+
 class GrpcCoordinatorServer:
     """Serves ``HOST:PORT`` (TLS when ``credentials`` is given) until :meth:`stop`."""
 
@@ -162,6 +192,7 @@ class GrpcCoordinatorServer:
     async def _main(self) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
         control_pb2_grpc.add_ControlServiceServicer_to_server(_Servicer(self.coordinator, self._key), server)
+        _refuse_a_served_port(self._address)
         if self._credentials is None:
             self.port = server.add_insecure_port(self._address)
         else:

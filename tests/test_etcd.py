@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import pytest
 from etcdserver import EtcdServer, require_etcd, start_cluster
@@ -97,6 +98,43 @@ def test_finished_job_leaves_no_keys_and_a_rerun_starts_clean(tmp_path):
             return len(found)
 
         assert asyncio.run(count()) == 0
+    finally:
+        server.stop()
+
+
+def _events_sent(server: EtcdServer) -> float:
+    """etcd's count of the watch events it has sent (``etcd_debugging_mvcc_events_total``,
+    counted after a watch's filters), from its own ``/metrics``."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.client_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = re.search(r"^etcd_debugging_mvcc_events_total (\S+)$", text, re.MULTILINE)
+    assert found, "etcd's /metrics has no etcd_debugging_mvcc_events_total"
+    return float(found.group(1))
+
+
+@pytest.mark.timeout(120)
+def test_ranks_joining_one_by_one_cost_watch_events_linear_in_the_ranks(tmp_path):
+    """Every rank watches the job's alive keys for one that vanishes: a join's put must not
+    reach the ranks already there (N ranks joining one after another were N^2/2 events:
+    525 for 32), so what etcd sends for a whole job's joins and rendezvous grows as N."""
+    server = EtcdServer(tmp_path / "data").start().wait_ready()
+    n = 32
+    try:
+        url = with_options(server.url + "/joins", **OPTS)
+        before = _events_sent(server)
+        channels = []
+        try:
+            for rank in range(n):
+                channels.append(dp.connect(url, rank=rank, world_size=n, job="joins", timeout=30))
+            run_all([partial(c.rendezvous, timeout=60) for c in channels], 90)
+            sent = _events_sent(server) - before
+        finally:
+            close_all(channels)
+        # What is left: the rendezvous's release, one event per rank watching it.
+        assert sent <= 2 * n, f"{sent:.0f} watch events for {n} ranks joining one by one"
     finally:
         server.stop()
 

@@ -725,8 +725,14 @@ class LeaseLiveness(Liveness):
         present = {int(kv.key[len(alive) :]) for kv in found}
         for rank in members - present - {ch.rank} - self._left - set(self._lost):
             await self._judge(rank)
+        # Deletions only (etcd's NOPUT filter): every rank watches every alive key, so each
+        # join's put would otherwise reach every rank already there, O(members^2) events.
         self._watch = await ch._call(
-            "watch", alive, range_end=_prefix_end(alive), start_revision=found.header.revision + 1
+            "watch",
+            alive,
+            range_end=_prefix_end(alive),
+            start_revision=found.header.revision + 1,
+            kind=aetcd.rtypes.EventKind.DELETE,
         )
         return self._watch
 

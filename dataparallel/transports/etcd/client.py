@@ -120,13 +120,22 @@ class EtcdClient(aetcd.Client):
             await old._terminate_stream(aetcd.exceptions.ConnectionFailedError("etcd auth token renewed"))
 
     @_handle_errors
-    async def watch(self, key: bytes, range_end: bytes | None = None, start_revision: int | None = None) -> Any:
+    async def watch(
+        self,
+        key: bytes,
+        range_end: bytes | None = None,
+        start_revision: int | None = None,
+        kind: aetcd.rtypes.EventKind | None = None,
+    ) -> Any:
         """aetcd's ``watch``, with the cancel bound to the stream the watch is on (watch ids
-        are per stream: one from an old stream must not cancel another on the new one)."""
+        are per stream: one from an old stream must not cancel another on the new one).
+        ``kind``: only events of that kind (etcd filters the others out before sending)."""
         await self.connect()
         watcher = self._watcher
         events: asyncio.Queue[Any] = asyncio.Queue()
-        callback = await watcher.add_callback(key, events.put, range_end=range_end, start_revision=start_revision)
+        callback = await watcher.add_callback(
+            key, events.put, range_end=range_end, start_revision=start_revision, kind=kind
+        )
         canceled = asyncio.Event()
 
         async def cancel() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from tiers import FAST_SERIAL, FULL_ONLY
+from tiers import FAST_SERIAL, FULL_ONLY, HEAVY_FIRST
 
 #: Files whose tests kill, freeze or cut off peers and judge what follows with liveness
 #: timeouts of a second or two (etcd leases of 2 s among them): ``.ci/run`` runs them one at
@@ -44,6 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unknown = names - collected.get(file, names)  # a file not collected this run: nothing to check
             if unknown and not config.getoption("keyword") and not config.getoption("markexpr"):
                 raise pytest.UsageError(f"tests/tiers.py names tests {file} does not have: {sorted(unknown)}")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects alike: the same order
+        items.sort(key=lambda item: -HEAVY_FIRST.get(item.path.name, 0.0))  # stable: a file's own order kept
     if config.getoption("--full"):
         return
     slow = [item for item in items if not _fast(item)]

@@ -20,6 +20,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true", help="run the whole suite, not only the fast tier (tests/tiers.py)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist hands files out (--dist loadfile) in the order of their test counts unless
+    # told not to: the order collected (HEAVY_FIRST, below) is the one wanted.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def _test_name(item: pytest.Item) -> str:
     """``Class::test`` or ``test``, without the parametrisation."""
     return item.nodeid.split("::", 1)[1].split("[", 1)[0]

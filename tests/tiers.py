@@ -244,7 +244,8 @@ FAST_SERIAL: dict[str, set[str]] = {
 #: Worker-seconds of the heaviest files of the parallel phase (``pytest --full -n 3 --dist
 #: loadfile -m "not serial" --durations=0`` under coverage on 2 cores, 2026-11-28; 2,205 s in
 #: all). Under pytest-xdist their tests are collected first, heaviest first, so that the
-#: file-by-file scheduling hands them out before the light files: a long file that starts last
+#: file-by-file scheduling (told to keep the order collected: conftest.py) hands them out
+#: before the light files: a long file that starts last
 #: (the third-party transports', alphabetically late) no longer leaves the other workers idle.
 HEAVY_FIRST: dict[str, float] = {
     "test_conformance_tcpstore.py": 235,

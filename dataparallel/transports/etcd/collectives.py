@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import quote
 
@@ -244,13 +244,13 @@ class EtcdCollectives:
         work: Coroutine[Any, Any, T],
         deadline: float,
         what: str,
-        hint: Any = None,
+        hint: _Arrivals | None = None,
         needs: Needs | None = None,
     ) -> T:
         """Run ``work`` (a collective's steps, whose only wait is for a release key) on the
         loop; PeerLost as soon as a peer is declared lost (the loss interrupts the wait),
         PeerLeft within a slice once a rank ``needs`` names has left without arriving,
-        ControlTimeout at ``deadline`` (``hint()`` says who had arrived)."""
+        ControlTimeout at ``deadline`` (``hint`` says who had arrived)."""
         start = time.monotonic()
         try:
             self._raise_if_failed(what)  # a peer already lost: do not even arrive
@@ -263,12 +263,18 @@ class EtcdCollectives:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     future.cancel()
-                    raise ControlTimeout(
-                        f"{what} (job {self.job!r}, rank {self.rank})", time.monotonic() - start, _detail(hint)
-                    )
+                    detail = hint.text() if hint is not None else ""
+                    waited = time.monotonic() - start
+                    raise ControlTimeout(f"{what} (job {self.job!r}, rank {self.rank})", waited, detail)
+                slice_ = min(remaining, self.liveness_poll)
+                if hint is not None:
+                    if remaining <= HINT_LEAD:
+                        hint.read_early()
+                    else:
+                        slice_ = min(slice_, remaining - HINT_LEAD)  # wake to read it early
                 try:
                     # The slices only bound a stall: a loss or a broken channel interrupts the wait.
-                    return future.result(timeout=min(remaining, self.liveness_poll))
+                    return future.result(timeout=slice_)
                 except Interrupted:  # only ever after a loss was recorded or the channel broke
                     self._raise_if_failed(what)
                     raise ControlError(f"{what} (job {self.job!r}, rank {self.rank}) was interrupted") from None
@@ -282,6 +288,8 @@ class EtcdCollectives:
                     raise self._translate(err, what) from err
         finally:
             future.cancel()
+            if hint is not None:
+                hint.cancel()
 
     def _depart(self) -> None:
         """Nothing to record: a departure is this rank's left key (written by ``_leave``),
@@ -302,16 +310,8 @@ class EtcdCollectives:
             if rank not in arrived:
                 raise PeerLeft(rank, needs.what, during)
 
-    def _who_arrived(self, round_: str, expected: list[int]) -> Any:
-        def hint() -> str:
-            # Read once the wait is over: kept short (the read and its answer's grace) so that
-            # the timeout is not outlived where etcd no longer answers; then no count is given.
-            arrived = self._run(self._arrived(round_), HINT_WITHIN)
-            missing = [r for r in expected if r not in arrived]
-            shown = f"{missing[:16]}" + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
-            return f"{len(expected) - len(missing)}/{len(expected)} ranks had arrived; missing ranks {shown}"
-
-        return hint
+    def _who_arrived(self, round_: str, expected: list[int]) -> _Arrivals:
+        return _Arrivals(self._loop, lambda: self._arrived(round_), expected)
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + self._budget(timeout)
@@ -419,18 +419,49 @@ class EtcdCollectives:
         return self._block(steps(), deadline, what, needs=Needs("bcast", name, seq, (src,), f"{what} round {seq}"))
 
 
-#: Longest the read for a timed-out collective's message (who had arrived) is waited for,
-#: beyond the answer's grace (``EtcdChannel._run``).
-HINT_WITHIN = 0.15
+#: Who had arrived, for a timed-out collective's message: read this long before its deadline,
+#: in the background, and again at the deadline, whose answer is waited for at most
+#: ``HINT_WITHIN`` (the latest answer in hand is the one shown). Both come out of the slack a
+#: timeout allows: a collective that no etcd answers any longer ends ``HINT_WITHIN`` after
+#: its deadline, not a read's timeout after it.
+HINT_LEAD = 0.3
+HINT_WITHIN = 0.1
 
 
-def _detail(hint: Any) -> str:
-    if hint is None:
+class _Arrivals:
+    """The ranks that had arrived in a round, for a timed-out collective's message (see
+    :data:`HINT_LEAD`): an arrival in the last moments is shown where the read at the deadline
+    comes back in time; else the early read's count; else none."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        read: Callable[[], Coroutine[Any, Any, set[int]]],
+        expected: list[int],
+    ) -> None:
+        self._loop, self._read, self._expected = loop, read, expected
+        self._reads: list[concurrent.futures.Future[set[int]]] = []
+
+    def read_early(self) -> None:
+        if not self._reads:
+            self._reads.append(asyncio.run_coroutine_threadsafe(self._read(), self._loop))
+
+    def text(self) -> str:
+        late = asyncio.run_coroutine_threadsafe(self._read(), self._loop)
+        self._reads.append(late)
+        concurrent.futures.wait([late], timeout=HINT_WITHIN)
+        for read in reversed(self._reads):
+            if read.done() and not read.cancelled() and read.exception() is None:
+                arrived = read.result()
+                missing = [r for r in self._expected if r not in arrived]
+                shown = f"{missing[:16]}" + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
+                came = len(self._expected) - len(missing)
+                return f"{came}/{len(self._expected)} ranks had arrived; missing ranks {shown}"
         return ""
-    try:
-        return hint()
-    except ControlError:
-        return ""
+
+    def cancel(self) -> None:
+        for read in self._reads:
+            read.cancel()
 
 
 def _by_rank(values: dict[int, bytes], n: int, what: str) -> list[bytes]:

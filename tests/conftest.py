@@ -11,7 +11,7 @@ from tiers import FAST_SERIAL, FULL_ONLY, HEAVY_FIRST
 
 #: Files whose tests kill, freeze or cut off peers and judge what follows with liveness
 #: timeouts of a second or two (etcd leases of 2 s among them): ``.ci/run`` runs them one at
-#: a time, after the rest has run on two workers, so that no other test's load stretches
+#: a time, after the rest has run on three workers, so that no other test's load stretches
 #: their clocks.
 SERIAL = {"test_faults.py", "test_elastic.py", "test_etcd.py", "test_coordinator_death.py", "test_recovery.py"}
 

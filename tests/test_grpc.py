@@ -100,3 +100,37 @@ def test_hostile_calls_get_errors_and_the_job_carries_on():
         exercise(channels, "after-hostile")
     finally:
         close_all(channels)
+
+
+def test_the_served_port_probe_refuses_only_a_port_in_use(monkeypatch):
+    """The probe that keeps gRPC's bind from logging says "served" for a port in use and for
+    nothing else: a host without IPv6 (socket(AF_INET6) refused) still hosts on the wildcard,
+    and its IPv4 listener is still seen there."""
+    import errno
+    import socket
+
+    from dataparallel.transports.grpc.server import _refuse_a_served_port
+
+    real_socket = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real_socket(family, *args, **kwargs)
+
+    port = free_port()
+    for address in (f"127.0.0.1:{port}", f"[::]:{port}"):
+        _refuse_a_served_port(address)  # free: no error
+    with real_socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("0.0.0.0", port))
+        held.listen()
+        for address in (f"127.0.0.1:{port}", f"[::]:{port}"):
+            with pytest.raises(OSError) as served:
+                _refuse_a_served_port(address)
+            assert served.value.errno == errno.EADDRINUSE
+        monkeypatch.setattr(socket, "socket", no_ipv6)
+        with pytest.raises(OSError) as served:
+            _refuse_a_served_port(f"[::]:{port}")
+        assert served.value.errno == errno.EADDRINUSE
+    _refuse_a_served_port(f"[::]:{port}")  # no IPv6, port free: no error, gRPC binds

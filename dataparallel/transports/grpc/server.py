@@ -116,16 +116,20 @@ def _refuse_a_served_port(address: str) -> None:
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror:
         return  # gRPC's bind reports the address
-    family, kind, proto, _, where = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6 and host == "::":
-            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # as gRPC binds [::]
+    if host == "::":
+        # gRPC binds the wildcard dual-stack, or IPv4 alone where the host has no IPv6.
+        infos += socket.getaddrinfo("0.0.0.0", int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, where in dict.fromkeys(infos):
         try:
-            probe.bind(where)
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and host == "::":
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # as gRPC binds [::]
+                probe.bind(where)
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
                 raise OSError(errno.EADDRINUSE, f"cannot bind {address}: already served") from None
+            # Any other refusal (no IPv6 on this host, an address not ours) is gRPC's to report.
 
 
 class GrpcCoordinatorServer:

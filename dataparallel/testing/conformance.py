@@ -1619,11 +1619,14 @@ class LinearizabilityTests(ChannelHarness):
     def test_ranks_are_unique_and_barriers_never_release_early_under_connection_resets(self, channel_url: str) -> None:
         """Beyond single keys: 4 processes joining with ``rank=None`` get distinct ranks, and
         in each of 40 barrier rounds no rank leaves before the last one entered. Connections
-        are reset every 0.5 s where the transport ``survives_connection_loss``."""
+        are reset every 0.5 s where the transport ``survives_connection_loss``. Liveness is not
+        what it judges: it runs with the default liveness timeout (10 s), not the suite's 2 s,
+        which a loaded machine's stall on top of a reconnect can reach (a rank cut off then
+        fails the test for what it does not test)."""
         from .worker import timed_barriers
 
         n, rounds, job = 5, 40, "rounds"
-        url = with_options(channel_url, **self.LIVENESS)
+        url = channel_url
         if not self.cross_process:
             channels = run_all([lambda: dp.connect(url, rank=None, world_size=n, job=job) for _ in range(n)])
             try:

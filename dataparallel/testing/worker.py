@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -239,11 +240,19 @@ def main(argv: list[str] | None = None) -> int:
         result = ROLES[args.role](ch, args)
         if args.role == "gloo":
             ch.barrier("__worker_done")  # rank 0 may host the coordinator: leave together
+    except Exception:
+        # Said before the channel closes: its departure fails the others' collectives, and a
+        # test may kill this process as soon as it sees that.
+        traceback.print_exc()
+        sys.stderr.flush()
+        result = None
     finally:
         try:
             ch.close()
         except dp.ControlError:
             pass  # cut off (the write role's end): the others already know
+    if result is None:
+        return 1
     print(json.dumps(result), flush=True)
     return 0
 

@@ -38,6 +38,7 @@ from hypothesis.stateful import (
 from jobutil import rss_mb, standalone
 
 from dataparallel.control.coordinator import READ_ONLY, Coordinator, CoordinatorLimits
+from dataparallel.control.keyspace import NEXT_RANK, claim_key, peer_key
 from dataparallel.control.wire import MAC_SIZE, MAX_FRAME, MAX_WORLD_SIZE, PROTOCOL_VERSION, pb, seal, token_key
 from dataparallel.testing import free_port
 
@@ -549,6 +550,48 @@ class CoordinatorMachine(RuleBasedStateMachine):
         job.left.discard(rank)
         return reply(r.id)
 
+    def m_join(self, s, r, route):
+        j, job = r.join, s.job
+        if s.rank is not None:
+            raise Bad("holds rank")
+        if not j.claimant:
+            raise Bad("needs a claimant")
+        if not j.assign and j.rank >= job.world_size:
+            raise Bad("out of range")
+        if full := self.over_budget(job, "", 64 + len(j.claimant) + len(j.peer), new_keys=3):
+            return self.full(r, full)
+
+        def claim(rank: int) -> bytes:  # compare_set(claim_key(rank), b"", claimant)
+            current = job.kv.get(claim_key(rank))
+            if current:
+                return current
+            job.store(claim_key(rank), j.claimant)
+            return j.claimant
+
+        if j.assign:
+            while True:
+                rank = int(job.kv.get(NEXT_RANK, b"0"))
+                job.store(NEXT_RANK, str(rank + 1).encode())
+                if rank >= job.world_size:
+                    self.written(job)
+                    return reply(r.id, flag=False)
+                if rank not in job.ranks and claim(rank) == j.claimant:
+                    break
+        else:
+            rank, holder = j.rank, job.ranks.get(j.rank)
+            if holder is not None:
+                return reply(r.id, flag=False, value=b"pid 1 on ")  # every hello here says pid 1, no host
+            owner = claim(rank)
+            if owner != j.claimant:
+                self.written(job)
+                return reply(r.id, flag=False, value=owner)
+        s.rank = rank
+        job.ranks[rank] = s
+        job.left.discard(rank)
+        job.store(peer_key(rank), j.peer)
+        self.written(job)
+        return reply(r.id, flag=True, number=rank)
+
     def m_heartbeat(self, s, r, route):
         return self.lost_reply(r.id, s.job, pb.OK) if s.job.lost else reply(r.id)
 
@@ -663,7 +706,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         rank=st.sampled_from([None, None, 0, 1]),
     )
     def hello(self, job, world_size, liveness, protocol, rank=None):
-        """A new session; with ``rank``, it registers that rank at once, as a rank does."""
+        """A new session; with ``rank``, it joins as that rank at once, as a rank does."""
         name = self.job_of(job)
         if self.driver.wire and liveness:
             liveness = 1000.0  # real time: nobody is lost or idle during the run
@@ -691,7 +734,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.watched.append(s)
         self.check_sent()
         if rank is not None:
-            self.send(s, pb.Request(id=s.pick_id("next", 1), register=pb.Register(rank=rank)))
+            join = pb.Join(rank=rank, claimant=b"host:%d:%d" % (rank, len(self.live)), peer=b"{}")
+            self.send(s, pb.Request(id=s.pick_id("next", 1), join=join))
         return s
 
     @rule(s=sessions, how=ids)
@@ -791,6 +835,18 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(target=sent, s=sessions, how=ids, rank=st.integers(0, 3))
     def register(self, s, how, rank):
         return self._op(s, how, register=pb.Register(rank=rank))
+
+    @rule(
+        target=sent,
+        s=sessions,
+        how=ids,
+        assign=st.booleans(),
+        rank=st.integers(0, 3),
+        claimant=st.sampled_from([b"", b"host:1:a", b"host:2:b"]),
+        peer=st.sampled_from([b"", b'{"pid": 1}']),
+    )
+    def join(self, s, how, assign, rank, claimant, peer):
+        return self._op(s, how, join=pb.Join(assign=assign, rank=rank, claimant=claimant, peer=peer))
 
     @precondition(lambda self: not self.driver.wire)
     @rule(

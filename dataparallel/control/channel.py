@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ..errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from .collectives import Collectives, Departure, Needs, _value
+from .keyspace import NEXT_RANK, RESERVED_PREFIX, claim_key, peer_key
 from .liveness import _CLOSED as _CLOSED_BEAT
 from .liveness import _HB as _HB_KEY
 from .liveness import _LOST as _LOST_KEY
@@ -36,9 +37,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-#: Keys the core uses for its own bookkeeping live under this prefix.
-RESERVED_PREFIX = "__dp/"
 
 #: The job's run pointer (see ControlChannel._enter_run); the runs' keys live below it.
 _RUN = f"{RESERVED_PREFIX}run"
@@ -138,7 +136,8 @@ class ControlChannel(Collectives, abc.ABC):
 
     *Optional hooks*, each with a default in the core built on the eight: ``_multi_get``,
     ``_multi_set``, ``_append`` (override to save round trips or to append in one atomic
-    step), ``_claimed`` (the rank is held), ``_new_liveness`` (how lost peers are noticed),
+    step), ``_claim_rank`` (claim a rank and publish its process: one request on a coordinator),
+    ``_claimed`` (the rank is held), ``_new_liveness`` (how lost peers are noticed),
     ``_held_state``, and the classmethods ``_check_options``, ``diagnose`` and ``security``;
     the property :attr:`hosts_coordinator`. The collectives ``barrier``, ``broadcast``,
     ``gather`` and ``all_gather`` (:mod:`dataparallel.control.collectives`; ``rendezvous`` is a
@@ -569,9 +568,9 @@ class ControlChannel(Collectives, abc.ABC):
             self._liveness.await_departures(grace)
 
     def _claimed(self) -> None:
-        """Called once, when ``dp.connect`` has claimed ``self.rank`` for this process and
-        before liveness starts: a transport may register the rank (with a session, a lease).
-        Default: nothing."""
+        """Called once by the default :meth:`_claim_rank`, when ``dp.connect`` has claimed
+        ``self.rank`` for this process and before liveness starts: a transport may register
+        the rank (with a session, a lease). Default: nothing."""
 
     @property
     def hosts_coordinator(self) -> bool:
@@ -731,7 +730,7 @@ class ControlChannel(Collectives, abc.ABC):
         closed: set[int] = set()
         silent: dict[int, float] = {}
         for rank in range(self.world_size):
-            if not self._check([self._scoped(f"{RESERVED_PREFIX}claim/{rank}")]):
+            if not self._check([self._scoped(claim_key(rank))]):
                 continue
             beat = self._scoped(f"{_HB_KEY}{rank}")
             value = self._get(beat, 1e-3) if self._check([beat]) else None
@@ -807,8 +806,6 @@ class ControlChannel(Collectives, abc.ABC):
                 raise error(f"{message}; {how}")
             time.sleep(pause if self._run_verdict != "over" else 0)
             self._enter_run(retry=True)
-        self._claimed()
-        self._publish_self()
         # Joined: from here until close() this rank watches and is watched.
         self._start_liveness()
 
@@ -819,22 +816,42 @@ class ControlChannel(Collectives, abc.ABC):
         if not self.native_auth and not self._token_agrees():
             return AuthError, self._token_differs, False, None
         me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
-        if self.rank is not None:
-            owner = self._compare_set(self._scoped(f"{RESERVED_PREFIX}claim/{self.rank}"), b"", me)
-            if owner == me:
-                return None
-            why = (
-                f"rank {self.rank} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
-                "give each process its own rank, or rank=None to be assigned one"
-            )
-            return ControlError, why, True, self.rank
-        while True:
-            rank = self._add(self._scoped(f"{RESERVED_PREFIX}next_rank"), 1) - 1
-            if rank >= self.world_size:
-                return ControlError, f"job {self.job!r} is full: all {self.world_size} ranks are taken", True, None
-            if self._compare_set(self._scoped(f"{RESERVED_PREFIX}claim/{rank}"), b"", me) == me:
-                self.rank = rank
-                return None
+        wanted = self.rank
+        peer = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+        rank, owner = self._claim_rank(wanted, me, peer)
+        if rank is not None:
+            self.rank = rank
+            return None
+        if wanted is None:
+            return ControlError, f"job {self.job!r} is full: all {self.world_size} ranks are taken", True, None
+        why = (
+            f"rank {wanted} of job {self.job!r} is already taken by {owner.decode(errors='replace')}; "
+            "give each process its own rank, or rank=None to be assigned one"
+        )
+        return ControlError, why, True, wanted
+
+    def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
+        """Claim ``rank`` (None: the next one not handed out) in the current run for
+        ``claimant``, tell the transport (:meth:`_claimed`) and publish ``peer`` (host and
+        pid, JSON) for :meth:`peer_info`: ``(rank, b"")`` once done, else ``(None, holder)``
+        (``holder`` empty: every rank is taken). A transport may do it all in one request, as
+        the coordinator-based ones do. Default: ``_compare_set`` on the rank's claim key (the
+        ranks ``_add`` hands out, in turn, with None), then ``_claimed`` and ``_set``."""
+        if rank is None:
+            while True:
+                rank = self._add(self._scoped(NEXT_RANK), 1) - 1
+                if rank >= self.world_size:
+                    return None, b""
+                if self._compare_set(self._scoped(claim_key(rank)), b"", claimant) == claimant:
+                    break
+        else:
+            owner = self._compare_set(self._scoped(claim_key(rank)), b"", claimant)
+            if owner != claimant:
+                return None, owner
+        self.rank = rank
+        self._claimed()
+        self._set(self._scoped(peer_key(rank)), peer)
+        return rank, b""
 
     def agree_on_token(self) -> None:
         """Raise :class:`AuthError` unless this process's token is the one the job's run was
@@ -859,7 +876,7 @@ class ControlChannel(Collectives, abc.ABC):
 
     def peer_info(self, rank: int) -> dict[str, Any] | None:
         """What a rank published at rendezvous (host, pid), or None if not (yet) known."""
-        key = self._scoped(f"{RESERVED_PREFIX}peer/{rank}")
+        key = self._scoped(peer_key(rank))
         try:
             if not self._check([key]):
                 return None
@@ -890,10 +907,6 @@ class ControlChannel(Collectives, abc.ABC):
         if self._liveness is None:
             return {}
         return {p.rank: PeerLost(p.rank, p.last_seen, p.reason) for p in self._liveness.lost()}
-
-    def _publish_self(self) -> None:
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-        self._set(self._scoped(f"{RESERVED_PREFIX}peer/{self.rank}"), json.dumps(info).encode())
 
     # ------------------------------------------------------------------ torch
     def as_store(self) -> dist.Store:

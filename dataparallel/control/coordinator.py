@@ -29,14 +29,14 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ..errors import AuthError, BadMessage
 from . import procinfo
-from .keyspace import KeySpace
+from .keyspace import NEXT_RANK, KeySpace, claim_key, peer_key
 from .wire import MAX_WORLD_SIZE, PROTOCOL_VERSION, Misdirected, open_frame, pb
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,8 @@ class Coordinator(Generic[R]):
         self._cached: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         self._cached_bytes = 0
         self._conns: dict[Hashable, set[Session]] = {}  # connection -> sessions heard on it
+        #: Requests served, by operation (a resend counted once per arrival).
+        self._served: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ entry points
     def handle_frame(self, route: R, key: bytes, frame: bytes, conn: Hashable = None) -> pb.Reply | None:
@@ -272,9 +274,16 @@ class Coordinator(Generic[R]):
                 "keys": sum(j.space.num_keys() for j in self._jobs.values()),
             }
 
+    def served(self) -> dict[str, int]:
+        """Requests that reached this coordinator since it started, by operation (``hello``,
+        ``join``, ``collect``, ...; one that failed to open or parse is not counted)."""
+        with self._lock:
+            return dict(self._served)
+
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, route: R, request: pb.Request, conn: Hashable) -> pb.Reply | None:
         op = request.WhichOneof("op")
+        self._served[op or "none"] += 1
         if op == "hello":
             reply = self._hello(route, request)
             session = self._sessions.get(reply.session)
@@ -461,10 +470,47 @@ class Coordinator(Generic[R]):
         holder = job.ranks.get(rank)
         if holder is not None and holder is not s:
             return _reply(r.id, pb.FAILED, f"rank {rank} is already registered by pid {holder.pid} on {holder.host}")
-        s.rank = rank
-        job.ranks[rank] = s
-        job.left.discard(rank)
+        self._take(s, rank)
         return _reply(r.id)
+
+    def _join(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
+        """Claim, register and publish in one step, with the keys a rank joining through
+        key/value calls would write (``keyspace.claim_key``, ``NEXT_RANK``, ``peer_key``)."""
+        join, job = r.join, s.job
+        if s.rank is not None:
+            raise BadMessage(f"this session holds rank {s.rank} already")
+        if not join.claimant:
+            raise BadMessage("join needs a claimant")
+        if not join.assign and join.rank >= job.world_size:
+            raise BadMessage(f"rank {join.rank} out of range for world size {job.world_size}")
+        full = self._over_budget(job, "", 64 + len(join.claimant) + len(join.peer), new_keys=3)
+        if full:
+            return _reply(r.id, pb.FAILED, full)
+        if join.assign:
+            while True:
+                rank = job.space.add(NEXT_RANK, 1) - 1
+                if rank >= job.world_size:
+                    return _reply(r.id, flag=False)
+                claimed = rank not in job.ranks and job.space.compare_set(claim_key(rank), b"", join.claimant)
+                if claimed == join.claimant:
+                    break
+        else:
+            rank = join.rank
+            holder = job.ranks.get(rank)  # registered without a claim (a bare register): held
+            if holder is not None:
+                return _reply(r.id, flag=False, value=f"pid {holder.pid} on {holder.host}".encode())
+            owner = job.space.compare_set(claim_key(rank), b"", join.claimant)
+            if owner != join.claimant:
+                return _reply(r.id, flag=False, value=owner)
+        self._take(s, rank)
+        job.space.set(peer_key(rank), join.peer)
+        return _reply(r.id, flag=True, number=rank)
+
+    @staticmethod
+    def _take(s: Session, rank: int) -> None:
+        s.rank = rank
+        s.job.ranks[rank] = s
+        s.job.left.discard(rank)
 
     def _heartbeat(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         # Losses are news to the run's ranks only: a session still joining moves on to a new run.
@@ -713,6 +759,7 @@ class Coordinator(Generic[R]):
         "num_keys": _num_keys,
         "collect": _collect,
         "register": _register,
+        "join": _join,
         "heartbeat": _heartbeat,
         "leave": _leave,
     }

@@ -16,6 +16,22 @@ from ..errors import BadMessage
 
 Waiter = Callable[[bytes], object]  # told the value; what it returns is not used
 
+#: Keys the core uses for its own bookkeeping live under this prefix (a run's, on the
+#: transports that keep runs in their keys): the claims and peers below, heartbeats, the run.
+RESERVED_PREFIX = "__dp/"
+#: The counter ``rank=None`` joins draw their rank from.
+NEXT_RANK = f"{RESERVED_PREFIX}next_rank"
+
+
+def claim_key(rank: int) -> str:
+    """The key whose value names the process that claimed ``rank`` (set once, from empty)."""
+    return f"{RESERVED_PREFIX}claim/{rank}"
+
+
+def peer_key(rank: int) -> str:
+    """The key where ``rank``'s process published its host and pid (JSON) when it joined."""
+    return f"{RESERVED_PREFIX}peer/{rank}"
+
 
 class KeySpace:
     """Thread-safe map ``str -> bytes``; all operations are atomic.

@@ -423,8 +423,12 @@ class RemoteChannel(ControlChannel, abc.ABC):
     def _num_keys(self) -> int:
         return self._short("num_keys", num_keys=pb.Empty()).number
 
-    def _claimed(self) -> None:
-        self._short(f"register rank {self.rank}", register=pb.Register(rank=self.rank))
+    def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
+        """One request: the coordinator claims, registers and publishes at once."""
+        op = pb.Join(assign=rank is None, rank=rank or 0, claimant=claimant, peer=peer)
+        what = "join" if rank is None else f"join as rank {rank}"
+        reply = self._request(pb.Request(join=op), self.timeout, what)
+        return (int(reply.number), b"") if reply.flag else (None, reply.value)
 
     def _close(self) -> None:
         self._leave(self._session)

@@ -120,6 +120,18 @@ class Register(_message.Message):
     rank: int
     def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
+class Join(_message.Message):
+    __slots__ = ("assign", "rank", "claimant", "peer")
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLAIMANT_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    assign: bool
+    rank: int
+    claimant: bytes
+    peer: bytes
+    def __init__(self, assign: _Optional[bool] = ..., rank: _Optional[int] = ..., claimant: _Optional[bytes] = ..., peer: _Optional[bytes] = ...) -> None: ...
+
 class Collect(_message.Message):
     __slots__ = ("name", "sources", "want", "has_value", "value", "timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -137,7 +149,7 @@ class Collect(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[int]] = ..., want: _Optional[bool] = ..., has_value: _Optional[bool] = ..., value: _Optional[bytes] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "session", "hello", "set", "get", "add", "compare_set", "delete", "check", "num_keys", "collect", "register", "heartbeat", "leave", "multi_get", "multi_set", "append")
+    __slots__ = ("id", "session", "hello", "set", "get", "add", "compare_set", "delete", "check", "num_keys", "collect", "register", "heartbeat", "leave", "multi_get", "multi_set", "append", "join")
     ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +167,7 @@ class Request(_message.Message):
     MULTI_GET_FIELD_NUMBER: _ClassVar[int]
     MULTI_SET_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     id: int
     session: bytes
     hello: Hello
@@ -172,7 +185,8 @@ class Request(_message.Message):
     multi_get: MultiGet
     multi_set: MultiSet
     append: KeyValue
-    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ..., multi_get: _Optional[_Union[MultiGet, _Mapping]] = ..., multi_set: _Optional[_Union[MultiSet, _Mapping]] = ..., append: _Optional[_Union[KeyValue, _Mapping]] = ...) -> None: ...
+    join: Join
+    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ..., multi_get: _Optional[_Union[MultiGet, _Mapping]] = ..., multi_set: _Optional[_Union[MultiSet, _Mapping]] = ..., append: _Optional[_Union[KeyValue, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ...) -> None: ...
 
 class LostPeer(_message.Message):
     __slots__ = ("rank", "last_seen", "reason")

@@ -215,12 +215,13 @@ def serve_etcd(port: int) -> None:
             etcd.kill()
 
 
-def start_server(kind: str, port: int) -> subprocess.Popen:
+def start_server(kind: str, port: int, env: dict[str, str] | None = None, cwd: str | None = None) -> subprocess.Popen:
+    """``env``, ``cwd``: where the server's package comes from (another revision's tree)."""
     if kind in ("zmq", "grpc"):
         cmd = [sys.executable, "-m", "dataparallel", "serve", f"{kind}://127.0.0.1:{port}"]
     else:
         cmd = [sys.executable, "-m", "benchmarks.control_plane", "--serve", kind.replace(" ", "-"), "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd)
     proc.stdout.readline()
     return proc
 

@@ -3,6 +3,12 @@ in a few processes, each thread a real channel (its own connection, session, hea
 against one standalone coordinator (``dataparallel serve``), one etcd, or one TCPStore.
 
     python -m benchmarks.swarm --sizes 256 1024 --procs 4
+    python -m benchmarks.swarm --sizes 1024 --kinds zmq grpc --baseline e87e4ff --repeats 3
+
+With ``--baseline REV``, each of our transports is also measured as it was at git revision
+``REV`` (checked out into a temporary worktree; its coordinator and ranks run that tree's
+package), interleaved with this tree's runs, ``--repeats`` times each: results under
+``"KIND @REV"``, each the median of its repeats, the repeats kept.
 
 Times, from a common start signal: connect + ``rendezvous()`` of all N ranks (the last
 rank's finish), then the median of ``--barriers`` barriers. The baseline is torch's TCPStore
@@ -13,17 +19,21 @@ with its clients in threads the same way (connect, then add+wait barriers). Writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parent.parent
 KINDS = ["zmq", "grpc", "etcd", "TCPStore add+wait"]
 WORKER = [sys.executable, "-m", "benchmarks.swarm", "--worker"]
 
@@ -90,29 +100,53 @@ def _ranks(share: list[int]) -> str:
     return ",".join(map(str, share))
 
 
-def start_coordinator(kind: str, port: int) -> subprocess.Popen | None:
+def start_coordinator(kind: str, port: int, tree: Path | None = None) -> subprocess.Popen | None:
     from benchmarks.control_plane import start_server
 
-    if kind.startswith("TCPStore"):
-        return start_server("tcpstore", port)
-    return start_server(kind, port)
+    env, cwd = _at(tree)
+    return start_server("tcpstore" if kind.startswith("TCPStore") else kind, port, env, cwd)
 
 
-def measure(kind: str, n: int, procs: int, barriers: int, cap: float = 300.0, options: str = "") -> dict:
+def _at(tree: Path | None) -> tuple[dict[str, str], str | None]:
+    """The environment and working directory of a process that runs ``tree``'s package and
+    benchmarks (None: this checkout's)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if tree is None:
+        return env, None
+    return {**env, "PYTHONPATH": str(tree)}, str(tree)
+
+
+@contextlib.contextmanager
+def revision(rev: str) -> Iterator[Path]:
+    """``rev`` checked out into a temporary git worktree, removed afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), rev], check=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def measure(
+    kind: str, n: int, procs: int, barriers: int, cap: float = 300.0, options: str = "", tree: Path | None = None
+) -> dict:
     from benchmarks.common import free_port, percentile
     from benchmarks.control_plane import release_together
 
     port = free_port()
-    server = start_coordinator(kind, port)
+    server = start_coordinator(kind, port, tree)
     shares = [list(range(p, n, procs)) for p in range(procs)]
     common = ["--port", str(port), "--n", str(n), "--barriers", str(barriers), "--options", options]
+    env, cwd = _at(tree)
     workers = [
         subprocess.Popen(
             [*WORKER, kind, *common, "--ranks", _ranks(share)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=env,
+            cwd=cwd,
         )
         for share in shares
     ]
@@ -157,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         help="URL options of our channels, e.g. heartbeat=5&liveness_timeout=60 (default: none, the defaults: "
         "a heartbeat a second, lost after 10 s)",
     )
+    parser.add_argument("--baseline", help="a git revision whose transports are measured too, in the same run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each kind and size (the median is kept)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -167,22 +203,55 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tqdm import tqdm
 
-    result: dict[str, dict[int, dict]] = {k: {} for k in args.kinds}
-    with tqdm(total=len(args.sizes) * len(args.kinds), desc="swarm", unit="run") as bar:
-        for n in args.sizes:
-            for kind in args.kinds:
-                bar.set_postfix_str(f"{kind} N={n}")
-                result[kind][n] = measure(kind, n, args.procs, args.barriers, args.cap, args.options)
-                bar.update()
+    with contextlib.ExitStack() as stack:
+        tree = stack.enter_context(revision(args.baseline)) if args.baseline else None
+        runs = [(kind, None) for kind in args.kinds]
+        if tree is not None:
+            runs += [(kind, tree) for kind in args.kinds if not kind.startswith("TCPStore")]
+        result: dict[str, dict[int, dict]] = {_name(k, t, args.baseline): {} for k, t in runs}
+        with tqdm(total=len(args.sizes) * len(runs) * args.repeats, desc="swarm", unit="run") as bar:
+            for n in args.sizes:
+                repeats: dict[str, list[dict]] = {_name(k, t, args.baseline): [] for k, t in runs}
+                for _ in range(args.repeats):  # interleaved: a drift of the machine touches every kind alike
+                    for kind, at in runs:
+                        name = _name(kind, at, args.baseline)
+                        bar.set_postfix_str(f"{name} N={n}")
+                        repeats[name].append(measure(kind, n, args.procs, args.barriers, args.cap, args.options, at))
+                        bar.update()
+                for name, runs_of in repeats.items():
+                    result[name][n] = _median_of(runs_of)
     report(result)
     from benchmarks.common import machine
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"machine": machine(), "procs": args.procs, "options": args.options or "defaults", "result": result}
+    summary = {
+        "machine": machine(),
+        "procs": args.procs,
+        "options": args.options or "defaults",
+        "repeats": args.repeats,
+        "baseline": args.baseline,
+        "result": result,
+    }
     args.out.write_text(json.dumps(summary, indent=2))
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
+
+
+def _name(kind: str, tree: Path | None, rev: str | None) -> str:
+    return kind if tree is None else f"{kind} @{rev}"
+
+
+def _median_of(runs: list[dict]) -> dict:
+    """The repeats' medians (any failed repeat fails the whole), the repeats kept."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    if len(runs) == 1:
+        return runs[0]
+    out = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    out["repeats"] = runs
+    return out
 
 
 def report(result: dict[str, dict[int, dict]]) -> None:

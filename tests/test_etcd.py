@@ -139,6 +139,53 @@ def test_ranks_joining_one_by_one_cost_watch_events_linear_in_the_ranks(tmp_path
         server.stop()
 
 
+def _requests(server: EtcdServer) -> dict[str, float]:
+    """etcd's count of the unary requests it answered, by method (``Range``, ``Txn``, ...),
+    from its own ``/metrics``."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.client_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    pattern = r'^grpc_server_handled_total\{grpc_code="OK",grpc_method="(\w+)",[^}]*grpc_type="unary"\} (\S+)$'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.MULTILINE)}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_joins_in_one_transaction(tmp_path, monkeypatch):
+    """A rank's claim, its liveness markers and its host and pid go to etcd in one
+    transaction: three requests fewer than the core's way (the claim's read and write, the
+    markers, the publication), counted by etcd, for a rank asked for and one assigned."""
+    from dataparallel.control.channel import ControlChannel
+    from dataparallel.transports.etcd import EtcdChannel
+
+    server = EtcdServer(tmp_path / "data").start().wait_ready()
+    url = with_options(server.url + "/once", heartbeat=100, liveness_timeout=400)  # no background traffic
+    channels: list[dp.ControlChannel] = []
+
+    def joining(rank: int | None) -> float:
+        before = _requests(server)
+        channels.append(dp.connect(url, rank=rank, world_size=5, job="once", timeout=30))
+        after = _requests(server)
+        return sum(after.values()) - sum(before.values())
+
+    try:
+        channels.append(dp.connect(url, rank=0, world_size=5, job="once", timeout=30))
+        # Assigned first, then asked for: each assigned rank is handed a held rank (0, then 2)
+        # before a free one (1, then 3), so both ways pay for one failed claim.
+        ours = joining(None), joining(2)
+        monkeypatch.setattr(EtcdChannel, "_claim_rank", ControlChannel._claim_rank)
+        core = joining(None), joining(4)
+        assert [c.rank for c in channels] == [0, 1, 2, 3, 4]
+        for what, mine, theirs in zip(["assigned", "asked for"], ours, core, strict=True):
+            assert theirs - mine == 3, f"a rank {what}: {mine:.0f} requests, {theirs:.0f} the core's way"
+        run_all([partial(c.rendezvous, timeout=30) for c in channels], 60)
+        assert channels[0].peer_info(2)["pid"] > 0
+    finally:
+        close_all(channels[::-1])
+        server.stop()
+
+
 @pytest.mark.timeout(90)
 def test_a_crashed_job_does_not_block_a_rerun_of_the_same_name(tmp_path):
     server = EtcdServer(tmp_path / "data").start().wait_ready()

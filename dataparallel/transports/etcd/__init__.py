@@ -51,6 +51,7 @@ import grpc
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.check import tls_diagnosis
 from dataparallel.control.eventloop import client_loop
+from dataparallel.control.keyspace import NEXT_RANK, claim_key, peer_key
 from dataparallel.control.liveness import Liveness, LostPeer
 from dataparallel.control.registry import ChannelURL
 from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
@@ -535,23 +536,54 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         # Guarded by the key's revision, not by its bytes: a lost race is retried.
         self._run(self._cas_loop(self._k(key), lambda current: (b"", (current or b"") + value)))
 
-    # ------------------------------------------------------------------ liveness
+    # ------------------------------------------------------------------ joining, liveness
+    def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
+        """The rank is claimed, registered and published in one transaction, guarded by the
+        claim's absence (the core's way is a compare_set, then :meth:`_claimed`, then a set:
+        four round trips); ``rank=None`` draws from the core's counter first, as the core
+        does, and draws again while the rank drawn is held."""
+        while True:
+            want = rank
+            if want is None:
+                want = self._add(self._scoped(NEXT_RANK), 1) - 1
+                if want >= self.world_size:
+                    return None, b""
+            claim = self._k(self._scoped(claim_key(want)))
+
+            def ops(txn, want=want, claim=claim):
+                return [
+                    txn.put(claim, claimant),
+                    *self._membership(txn, want),
+                    txn.put(self._k(self._scoped(peer_key(want))), peer),
+                ]
+
+            done, _ = self._run(self._once(ops, [self._etcd.transactions.version(claim) == 0], claimant))
+            if done:
+                self.rank = want
+                self._registered = True
+                return want, b""
+            if rank is None:
+                continue  # held: the next one
+            holder = self._run(self._call("get", claim))
+            if holder is not None:
+                return None, holder.value
+            # Gone between the transaction and the read (its run was wiped): claim again.
+
+    def _membership(self, txn: Any, rank: int) -> list[Any]:
+        """The alive key (bound to the lease) and the joined and open markers (not): a rank
+        with a joined marker and no alive key has lost its lease."""
+        return [
+            txn.put(self._k(f"{_ALIVE}{rank}"), b"1", lease=self._lease),
+            txn.put(self._k(f"{_JOINED}{rank}"), b"1"),
+            txn.put(self._k(f"{_OPEN}{rank}"), b"1"),
+        ]
+
     def _claimed(self) -> None:
-        # The alive key (bound to the lease) and the joined marker (not) in one transaction:
-        # a rank with a joined marker and no alive key has lost its lease.
-        txn = self._etcd.transactions
-        self._run(
-            self._call(
-                "transaction",
-                compare=[],
-                success=[
-                    txn.put(self._k(f"{_ALIVE}{self.rank}"), b"1", lease=self._lease),
-                    txn.put(self._k(f"{_JOINED}{self.rank}"), b"1"),
-                    txn.put(self._k(f"{_OPEN}{self.rank}"), b"1"),
-                ],
-                failure=[],
-            )
-        )
+        # In one transaction, so that the markers never disagree.
+        if self.rank is None:
+            raise ControlError("no rank to register: _claimed comes after a rank was claimed")
+        markers = self._membership(self._etcd.transactions, self.rank)
+        self._run(self._call("transaction", compare=[], success=markers, failure=[]))
         self._registered = True
 
     def _keep_alive(self, ttl: int) -> None:

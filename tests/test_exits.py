@@ -58,7 +58,7 @@ def _heartbeat(co: Coordinator, session: bytes, request_id: int, conn: object) -
     co.handle(conn, pb.Request(id=request_id, session=session, heartbeat=pb.Empty()), conn)
 
 
-def test_the_coordinator_judges_closed_connections_by_pid_or_by_grace():
+def test_the_coordinator_judges_closed_connections_by_pid_or_by_grace_or_by_liveness():
     clock = Clock()
     co = Coordinator(lambda route, reply: None, clock=clock)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -87,12 +87,15 @@ def test_the_coordinator_judges_closed_connections_by_pid_or_by_grace():
     co.sweep()
     assert co.job_members("j") == {0, 2}
 
-    co.connection_closed("c0")  # alive (this process): only the grace can judge it
-    clock.now += grace - 0.1
+    # Alive (this process, its pid seen): its connections were reset, and however long a
+    # loaded machine makes it take to come back, it is waited for, up to the liveness timeout.
+    co.connection_closed("c0")
+    clock.now += grace + 1.0
     _heartbeat(co, remote, 6, "c2c")
     co.sweep()
     assert co.job_members("j") == {0, 2}
-    clock.now += 0.2
+    clock.now += LIVENESS["liveness_timeout"] - grace  # silent past the liveness timeout
+    _heartbeat(co, remote, 7, "c2c")
     co.sweep()
     assert co.job_members("j") == {2}
 

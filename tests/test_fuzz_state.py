@@ -195,7 +195,7 @@ def check_reply(actual: pb.Reply | None, expected: pb.Reply | None, what: str) -
         assert actual.lost.rank == expected.lost.rank, f"{what}: lost {actual.lost}, expected {expected.lost}"
     if expected.status == pb.TIMEOUT and expected.error == LOOSE_ARRIVED:
         assert set(actual.arrived) <= set(expected.arrived), f"{what}: arrived {list(actual.arrived)}"
-    for name in ("value", "number", "flag"):
+    for name in ("value", "number", "flag", "refusal"):
         assert getattr(actual, name) == getattr(expected, name), (
             f"{what}: {name} {_short(getattr(actual, name))}, expected {_short(getattr(expected, name))}"
         )
@@ -558,33 +558,45 @@ class CoordinatorMachine(RuleBasedStateMachine):
             raise Bad("needs a claimant")
         if not j.assign and j.rank >= job.world_size:
             raise Bad("out of range")
-        if full := self.over_budget(job, "", 64 + len(j.claimant) + len(j.peer), new_keys=3):
-            return self.full(r, full)
+        if job.lost:
+            return reply(r.id, flag=False, refusal=pb.RUN_OVER)
 
-        def claim(rank: int) -> bytes:  # compare_set(claim_key(rank), b"", claimant)
-            current = job.kv.get(claim_key(rank))
-            if current:
-                return current
+        def claim(rank: int) -> pb.Reply | None:
+            holder = job.ranks.get(rank)
+            if holder is not None:
+                return reply(r.id, flag=False, refusal=pb.HELD, value=b"pid 1 on ")  # every hello here: pid 1, no host
+            owner = job.kv.get(claim_key(rank))
+            if rank in job.left:
+                return reply(r.id, flag=False, refusal=pb.LEFT, value=owner or b"")
+            if owner:
+                return reply(r.id, flag=False, refusal=pb.HELD, value=owner)
+            new = (owner is None) + (peer_key(rank) not in job.kv)
+            size = len(claim_key(rank)) + len(j.claimant) + len(peer_key(rank)) + len(j.peer)
+            if full := self.over_budget(job, "", size, new_keys=new):
+                return self.full(r, full)
             job.store(claim_key(rank), j.claimant)
-            return j.claimant
+            return None
 
-        if j.assign:
+        if not j.assign:
+            rank = j.rank
+            if (refused := claim(rank)) is not None:
+                return refused
+        else:
             while True:
+                if full := self.over_budget(job, NEXT_RANK, 20):
+                    self.written(job)
+                    return self.full(r, full)
                 rank = int(job.kv.get(NEXT_RANK, b"0"))
                 job.store(NEXT_RANK, str(rank + 1).encode())
                 if rank >= job.world_size:
                     self.written(job)
-                    return reply(r.id, flag=False)
-                if rank not in job.ranks and claim(rank) == j.claimant:
+                    return reply(r.id, flag=False, refusal=pb.HELD)
+                refused = claim(rank)
+                if refused is None:
                     break
-        else:
-            rank, holder = j.rank, job.ranks.get(j.rank)
-            if holder is not None:
-                return reply(r.id, flag=False, value=b"pid 1 on ")  # every hello here says pid 1, no host
-            owner = claim(rank)
-            if owner != j.claimant:
-                self.written(job)
-                return reply(r.id, flag=False, value=owner)
+                if refused.status != pb.OK:
+                    self.written(job)
+                    return refused
         s.rank = rank
         job.ranks[rank] = s
         job.left.discard(rank)
@@ -1010,12 +1022,19 @@ def _add_past_int64(m: CoordinatorMachine) -> None:
     m.add(s=s, how=("next", 1), key="a", amount=INT64_MAX, times=2)
 
 
+def _multi_set_twice_to_a_waited_key(m: CoordinatorMachine) -> None:
+    s = m.hello(job="j0", liveness=0.5, protocol=PROTOCOL_VERSION, world_size=1)
+    m.get(s=s, how=("next", 1), key="", timeout=0.05)
+    m.multi_set(s=s, how=("next", 1), items=[("", b""), ("", b"0")])
+
+
 FOUND = {
     "a left session's reply stays cached": _leave,
     "a lost rank's parked collect is cached after its session closed": _lost_while_collecting,
     "an idle session is dropped with its requests still parked": _idle_while_parked,
     "a collect with a bad timeout is refused but half applied": _collect_with_a_bad_timeout,
     "an add past int64 is stored, then answered FAILED": _add_past_int64,
+    "a multi_set writing a waited key twice released its get with the first value": _multi_set_twice_to_a_waited_key,
 }
 
 

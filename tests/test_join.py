@@ -52,11 +52,11 @@ def test_a_held_rank_and_a_full_job_are_refused_naming_the_holder(scheme):
     other = dp.connect(url, world_size=2, job="held", timeout=20)
     try:
         assert other.rank == 1
-        # Refused naming the holder's process, once the connect's timeout shows it still held.
+        # Refused naming the holder's process, once the connect's timeout (3 s) shows it still held.
         with pytest.raises(dp.ControlError, match=r"rank 1 of job 'held' is already taken by pid \d+ on "):
-            dp.connect(url, rank=1, world_size=2, job="held", timeout=1)
+            dp.connect(url, rank=1, world_size=2, job="held", timeout=3)
         with pytest.raises(dp.ControlError, match=r"job 'held' is full: all 2 ranks are taken"):
-            dp.connect(url, world_size=2, job="held", timeout=1)
+            dp.connect(url, world_size=2, job="held", timeout=3)
     finally:
         other.close()
         host.close()

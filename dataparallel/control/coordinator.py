@@ -11,10 +11,11 @@ often as the returned delay asks, to expire parked requests and declare silent r
 A transport that can tell which connection a request came in on passes it as ``conn`` and
 calls :meth:`Coordinator.connection_closed` when that connection ends. A rank whose every
 connection has closed is declared lost at once if its process is seen to have exited (the
-coordinator shares its kernel and PID namespace: :mod:`dataparallel.control.procinfo`), else once it
-has not come back within a grace of a heartbeat and a second: a killed peer is noticed in
-well under a second on one machine and in about two across machines, while a frozen or cut
-off peer, whose connections stay open, is noticed after ``liveness_timeout`` as before.
+coordinator shares its kernel and PID namespace: :mod:`dataparallel.control.procinfo`; while it
+is seen alive, a reset is waited out up to ``liveness_timeout``), else once it has not come
+back within a grace of a heartbeat and a second: a killed peer is noticed in well under a
+second on one machine and in about two across machines, while a frozen or cut off peer,
+whose connections stay open, is noticed after ``liveness_timeout`` as before.
 
 All of it is guarded by one lock; nothing under it blocks. Per job the coordinator keeps a
 :class:`KeySpace`, the sessions that speak for each rank, parked requests and collectives.
@@ -483,28 +484,48 @@ class Coordinator(Generic[R]):
             raise BadMessage("join needs a claimant")
         if not join.assign and join.rank >= job.world_size:
             raise BadMessage(f"rank {join.rank} out of range for world size {job.world_size}")
-        full = self._over_budget(job, "", 64 + len(join.claimant) + len(join.peer), new_keys=3)
-        if full:
-            return _reply(r.id, pb.FAILED, full)
-        if join.assign:
+        if job.lost:  # its ranks are being told; the next hello starts the next run
+            return _reply(r.id, flag=False, refusal=pb.RUN_OVER)
+        if not join.assign:
+            rank = join.rank
+            refused = self._claim(job, rank, join, r.id)
+            if refused is not None:
+                return refused
+        else:
             while True:
+                full = self._over_budget(job, NEXT_RANK, 20)  # an int64 in decimal
+                if full:
+                    return _reply(r.id, pb.FAILED, full)
                 rank = job.space.add(NEXT_RANK, 1) - 1
                 if rank >= job.world_size:
-                    return _reply(r.id, flag=False)
-                claimed = rank not in job.ranks and job.space.compare_set(claim_key(rank), b"", join.claimant)
-                if claimed == join.claimant:
+                    return _reply(r.id, flag=False, refusal=pb.HELD)
+                refused = self._claim(job, rank, join, r.id)
+                if refused is None:
                     break
-        else:
-            rank = join.rank
-            holder = job.ranks.get(rank)  # registered without a claim (a bare register): held
-            if holder is not None:
-                return _reply(r.id, flag=False, value=f"pid {holder.pid} on {holder.host}".encode())
-            owner = job.space.compare_set(claim_key(rank), b"", join.claimant)
-            if owner != join.claimant:
-                return _reply(r.id, flag=False, value=owner)
+                if refused.status != pb.OK:
+                    return refused
         self._take(s, rank)
         job.space.set(peer_key(rank), join.peer)
         return _reply(r.id, flag=True, number=rank)
+
+    def _claim(self, job: Job, rank: int, join: pb.Join, request_id: int) -> pb.Reply | None:
+        """Claim ``rank`` for ``join``'s claimant, or the reply that refuses it (within the
+        job's bounds: only the keys that are new count)."""
+        holder = job.ranks.get(rank)
+        if holder is not None:  # its claim's holder, or a session registered without one
+            return _reply(request_id, flag=False, refusal=pb.HELD, value=f"pid {holder.pid} on {holder.host}".encode())
+        owner = job.space.get(claim_key(rank))
+        if rank in job.left:
+            return _reply(request_id, flag=False, refusal=pb.LEFT, value=owner or b"")
+        if owner:
+            return _reply(request_id, flag=False, refusal=pb.HELD, value=owner)
+        new = (owner is None) + (peer_key(rank) not in job.space)
+        size = len(claim_key(rank)) + len(join.claimant) + len(peer_key(rank)) + len(join.peer)
+        full = self._over_budget(job, "", size, new)
+        if full:
+            return _reply(request_id, pb.FAILED, full)
+        job.space.set(claim_key(rank), join.claimant)
+        return None
 
     @staticmethod
     def _take(s: Session, rank: int) -> None:
@@ -701,8 +722,12 @@ class Coordinator(Generic[R]):
                 reason = f"no message for {silent:.1f}s (liveness timeout {job.liveness_timeout:g}s)"
             elif session.dropped_at is not None:
                 grace = min(job.liveness_timeout, session.heartbeat + 1.0)
-                if session.local and procinfo.exited(session.pid):
-                    reason = "its process exited (its connections closed)"
+                if session.local:
+                    # Its pid tells: exited is lost now; alive, its connections were reset and
+                    # it reconnects (however slowly a loaded machine lets it): the liveness
+                    # timeout still bounds a process that stays away.
+                    if procinfo.exited(session.pid):
+                        reason = "its process exited (its connections closed)"
                 elif now - session.dropped_at > grace:
                     reason = f"its connections closed and it did not come back within {grace:g}s"
             if reason is not None:

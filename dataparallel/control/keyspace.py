@@ -121,11 +121,14 @@ class KeySpace:
 
     def multi_set(self, items: Iterable[tuple[str, bytes]]) -> None:
         """Set every ``(key, value)`` at once (no reader sees some and not others)."""
+        items = list(items)
         released = []
         with self._lock:
             for key, value in items:
                 self._store(key, value)
-                released.append((self._parked.pop(key, None), value))
+            # Waiters see each key's value after the whole write (a key given twice: its last).
+            for key in dict.fromkeys(k for k, _ in items):
+                released.append((self._parked.pop(key, None), self._data[key]))
         for waiters, value in released:
             _release(waiters, value)
 

@@ -143,6 +143,7 @@ class RemoteChannel(ControlChannel, abc.ABC):
         """Call from the transport's ``__init__`` once it can ``_call``: opens the session."""
         self._ids = itertools.count(1)
         self._session = b""
+        self._refusal: pb.Refusal | None = None  # why the last join was refused
         self._hello()
         # The session needs its heartbeats from now on, before the rank has joined.
         self._start_liveness()
@@ -171,7 +172,13 @@ class RemoteChannel(ControlChannel, abc.ABC):
             self._hello()
             self._leave(old)
 
-    def _run_state(self, holder: int | None) -> None:
+    def _run_state(self, holder: int | None) -> tuple[str, str] | None:
+        # What the coordinator said when it refused the join; a rank held by a session it
+        # still serves is waited for (it gives the rank up when it is declared lost).
+        if self._refusal == pb.LEFT:
+            return "alive", "it left its run, which goes on without it: a rank cannot rejoin"
+        if self._refusal == pb.RUN_OVER:
+            return "over", "a rank of it was declared lost"
         return None
 
     @classmethod
@@ -424,11 +431,19 @@ class RemoteChannel(ControlChannel, abc.ABC):
         return self._short("num_keys", num_keys=pb.Empty()).number
 
     def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
-        """One request: the coordinator claims, registers and publishes at once."""
+        """One request: the coordinator claims, registers and publishes at once. A run that
+        lost a rank takes no one: the next hello starts the next run, joined at once."""
         op = pb.Join(assign=rank is None, rank=rank or 0, claimant=claimant, peer=peer)
         what = "join" if rank is None else f"join as rank {rank}"
-        reply = self._request(pb.Request(join=op), self.timeout, what)
-        return (int(reply.number), b"") if reply.flag else (None, reply.value)
+        for _ in range(3):
+            reply = self._request(pb.Request(join=op), self.timeout, what)
+            if reply.flag:
+                return int(reply.number), b""
+            if reply.refusal != pb.RUN_OVER:
+                break
+            self._enter_run(retry=True)
+        self._refusal = reply.refusal
+        return None, reply.value
 
     def _close(self) -> None:
         self._leave(self._session)

@@ -356,6 +356,19 @@ class PrimitiveTests(ChannelHarness):
             a.compare_set("cas", b"", b"won")
             assert future.result(timeout=10) == b"won"
 
+    def test_a_key_given_twice_to_multi_set_holds_its_last_value(self, open_ranks: OpenRanks) -> None:
+        """Items are applied in order: a key given twice ends with its last value, and a rank
+        waiting for that key reads that value, never the one the same write overwrote."""
+        a, b = open_ranks(2, job="twice")
+        got: list[bytes] = []
+        waiter = threading.Thread(target=lambda: got.append(b.get("twice", timeout=STEP_TIMEOUT)), daemon=True)
+        waiter.start()
+        time.sleep(0.3)  # parked on the missing key where the transport parks gets
+        a.multi_set(["twice", "other", "twice"], [b"first", b"x", b"last"])
+        waiter.join(STEP_TIMEOUT + 5)
+        assert got == [b"last"]
+        assert a.multi_get(["twice", "other"], timeout=5) == [b"last", b"x"]
+
     def test_multi_set_and_multi_get_keep_the_order_of_keys(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         a.multi_set(["m/2", "m/1", "m/3"], [b"two", b"one", b""])
@@ -577,6 +590,21 @@ class MembershipTests(ChannelHarness):
             with pytest.raises(dp.ControlError, match=f"{refusal}.*alive") as info:
                 dp.connect(url, rank=rank, world_size=2, job="full", timeout=30)
             assert time.monotonic() - start < bound, f"refused after {time.monotonic() - start:.1f}s: {info.value}"
+
+    @pytest.mark.timeout(60)
+    def test_a_rank_that_left_a_run_going_on_is_not_taken_again(self, channel_url: str, open_ranks: OpenRanks) -> None:
+        """A rank whose process closed its channel while the run goes on cannot be claimed
+        again in that run: a connect asking for it is refused saying so, at once (well before
+        its timeout: waiting cannot help), not after waiting out its timeout as if the holder
+        might still give it up."""
+        n, url = 3, with_options(channel_url, **FAST_LIVENESS)
+        channels = open_ranks(n, job="rejoin", url=url, timeout=30)
+        self.rendezvous_all(channels)
+        channels[1].close()
+        start = time.monotonic()
+        with pytest.raises(dp.ControlError, match="a rank cannot rejoin"):
+            dp.connect(url, rank=1, world_size=n, job="rejoin", timeout=20)
+        assert time.monotonic() - start < 10, f"refused after {time.monotonic() - start:.1f}s"
 
     @pytest.mark.timeout(90)
     def test_ranks_assigned_at_connect_write_nothing_to_stderr(
@@ -1182,11 +1210,16 @@ class LivenessTests(ChannelHarness):
                 time.sleep(0.3)  # a few writes land while it is a member
                 os.kill(proc.pid, signal.SIGSTOP)
                 self._expect_peer_lost(channels, victim, time.monotonic())
-                told = time.monotonic()
+                # What the others read once told: with fencing, no later write of its lands.
+                # (Read here, not judged by the writer's clock: a write sent before the freeze
+                # may be acknowledged after the resume, and that is no write after the loss.)
+                # (The job lost a rank, so the public get says PeerLost: the hook reads.)
+                fences = channels[0].fences_lost_members
+                at_told = channels[0]._get(f"writer/{victim}", STEP_TIMEOUT) if fences else None
                 os.kill(proc.pid, signal.SIGCONT)
                 resumed = time.monotonic()
                 result = _finish(proc, STEP_TIMEOUT)
-                fences = channels[0].fences_lost_members
+                at_end = channels[0]._get(f"writer/{victim}", STEP_TIMEOUT) if fences else None
             finally:
                 close_all(channels)
         finally:
@@ -1195,7 +1228,9 @@ class LivenessTests(ChannelHarness):
         assert "declared lost" in result["message"], result["message"]
         assert result["last_write"] is not None, "no write landed before the freeze"
         if fences:
-            assert result["last_write"] < told, "a write landed after the others were told the rank was lost"
+            assert at_end == at_told, (
+                f"a write landed after the others were told the rank was lost: {at_told!r}, then {at_end!r}"
+            )
         else:
             assert result["failed_at"] - resumed < self._detect_bound(channels[0]), result
 

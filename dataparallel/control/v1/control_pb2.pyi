@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HELD: _ClassVar[Refusal]
+    LEFT: _ClassVar[Refusal]
+    RUN_OVER: _ClassVar[Refusal]
+
 class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OK: _ClassVar[Status]
@@ -17,6 +23,9 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CLOSED: _ClassVar[Status]
     FAILED: _ClassVar[Status]
     PEER_LEFT: _ClassVar[Status]
+HELD: Refusal
+LEFT: Refusal
+RUN_OVER: Refusal
 OK: Status
 TIMEOUT: Status
 PEER_LOST: Status
@@ -199,7 +208,7 @@ class LostPeer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., last_seen: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("id", "status", "error", "value", "number", "flag", "values", "session", "lost", "arrived", "answers")
+    __slots__ = ("id", "status", "error", "value", "number", "flag", "values", "session", "lost", "arrived", "answers", "refusal")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +220,7 @@ class Reply(_message.Message):
     LOST_FIELD_NUMBER: _ClassVar[int]
     ARRIVED_FIELD_NUMBER: _ClassVar[int]
     ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     id: int
     status: Status
     error: str
@@ -222,7 +232,8 @@ class Reply(_message.Message):
     lost: LostPeer
     arrived: _containers.RepeatedScalarFieldContainer[int]
     answers: bytes
-    def __init__(self, id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., flag: _Optional[bool] = ..., values: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ..., lost: _Optional[_Union[LostPeer, _Mapping]] = ..., arrived: _Optional[_Iterable[int]] = ..., answers: _Optional[bytes] = ...) -> None: ...
+    refusal: Refusal
+    def __init__(self, id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., flag: _Optional[bool] = ..., values: _Optional[_Iterable[bytes]] = ..., session: _Optional[bytes] = ..., lost: _Optional[_Union[LostPeer, _Mapping]] = ..., arrived: _Optional[_Iterable[int]] = ..., answers: _Optional[bytes] = ..., refusal: _Optional[_Union[Refusal, str]] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("sealed",)

@@ -119,6 +119,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._registered = False
+        self._holder_left = False  # the rank this channel asked for was held by one that left
         self._op_seq = itertools.count()
         self._releases = ReleaseWatch(self)
         try:
@@ -164,7 +165,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         if retry:  # the run opened in __init__ was the first attempt's; it ends with its creator's lease
             self._run(self._open_run(), self.timeout)
 
-    def _run_state(self, holder: int | None) -> None:
+    def _run_state(self, holder: int | None) -> tuple[str, str] | None:
+        # A run ends with its creator's lease; a rank held by a live lease is waited for (it
+        # gives the rank up when the lease expires), one whose holder left is not.
+        if self._holder_left:
+            return "alive", "it left its run, which goes on without it: a rank cannot rejoin"
         return None
 
     @classmethod
@@ -524,6 +529,8 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 return None
 
     def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        items = list(dict(items).items())  # a key given twice: its last value (etcd refuses both in one txn)
+
         async def put_all() -> None:
             chunk = _TXN_OPS - 2  # room for the record and its pruning
             for start in range(0, len(items), chunk):
@@ -564,9 +571,10 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 return want, b""
             if rank is None:
                 continue  # held: the next one
-            holder = self._run(self._call("get", claim))
+            holder, left = self._run(self._read([claim, self._k(f"{_LEFT}{rank}")]))
             if holder is not None:
-                return None, holder.value
+                self._holder_left = left is not None
+                return None, holder
             # Gone between the transaction and the read (its run was wiped): claim again.
 
     def _membership(self, txn: Any, rank: int) -> list[Any]:

@@ -145,6 +145,7 @@ class TCPStoreChannel(ControlChannel):
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
         self._address = f"{url.host}:{url.require_port()}"
+        self._host_port = (url.host, url.require_port())
         self._prefix = f"{self.job}/"
         self._lock = threading.Lock()
         self._hosting = False
@@ -237,6 +238,11 @@ class TCPStoreChannel(ControlChannel):
         root = self._root
         if root is None:
             raise ChannelClosed(f"{self!r} is closed")
+        give_up = time.monotonic() + within
+        # torch's connect retries a refused connection for the store's whole timeout, past any
+        # exit of this process (a helper still in it then aborts the exit): it is called only
+        # once something listens, which this thread waits for, watching the channel's failure.
+        _await_listener(*self._host_port, within, watch=self._raise_failure)
         made: list[Connection | BaseException] = []
         ports: set[int] = set()
 
@@ -253,7 +259,6 @@ class TCPStoreChannel(ControlChannel):
                 made.append(err)
 
         helper = _start_helper(connect, f"dp-tcpstore-connect-r{self.rank}", self._peer)
-        give_up = time.monotonic() + within
         while helper.is_alive():
             helper.join(0.05)
             self._raise_failure()
@@ -477,12 +482,14 @@ def _lock_for(peer: tuple[set[str], int]) -> threading.Lock:
         return _CONNECTING.setdefault(key, threading.Lock())
 
 
-def _await_listener(host: str, port: int, within: float) -> None:
+def _await_listener(host: str, port: int, within: float, watch: Callable[[], None] = lambda: None) -> None:
     """Return once something at host:port takes a TCP connection (closed again at once);
-    ChannelClosed after ``within`` seconds if nothing has."""
+    ChannelClosed after ``within`` seconds if nothing has. ``watch`` is called between
+    attempts (it may raise: a channel's failure ends the wait)."""
     deadline = time.monotonic() + within
     pause, last = 0.01, "no answer"
     while True:
+        watch()
         left = deadline - time.monotonic()
         if left <= 0:
             raise ChannelClosed(f"no TCPStore reachable at {host}:{port} within {within:g}s: {last}")

@@ -229,18 +229,23 @@ def test_etcd_leader_killed_in_a_three_member_cluster(tmp_path):
     try:
         url = "etcd://" + ",".join(f"127.0.0.1:{m.client_port}" for m in members)
         # etcd elects a new leader within its election timeout (1 s) and the clients fail over
-        # to another member: seconds on a loaded machine, which the leases' TTL must outlast.
-        job = Job(url, tmp_path, epochs=4, liveness=6.0)
+        # to another member: seconds on a loaded machine, which the leases' TTL must outlast
+        # (a rank that cannot refresh its lease for a TTL stops as cut off): the channel's
+        # default liveness timeout, 10 s (with 6 s, one of three loaded fresh-clone runs lost
+        # a rank).
+        job = Job(url, tmp_path, epochs=4, liveness=10.0)
         try:
             job.wait_training()
             leader = _leader(members)
             leader.stop()
             hit = time.monotonic()
-            for rank in (0, 1):
-                code, err, done = job.finish(rank, timeout=120)
-                assert code == 0, err[-3000:]
+            ends = [job.finish(rank, timeout=120) for rank in (0, 1)]
+            # Every rank's own account: the first to fail may only name another as lost.
+            assert [code for code, _, _ in ends] == [0, 0], "\n".join(
+                f"rank {rank} exited {code}:\n{err[-2500:]}" for rank, (code, err, _) in enumerate(ends)
+            )
             record("etcd leader killed (3 members)", "etcd", "job carries on, completes", None)
-            assert done - hit < 120
+            assert max(done for _, _, done in ends) - hit < 120
         finally:
             job.close()
     finally:

@@ -1,0 +1,706 @@
+"""The node relay's local leg: a node's ranks reach their relay through shared memory and
+eventfds, never a socket round trip.
+
+**Joining.** The relay listens on a Unix socket in a directory only its user may enter (the
+directory 0700, the socket 0600), and checks every connecting process's user id with
+``SO_PEERCRED``: another user is refused before anything is shared. A rank that is let in says
+which local rank it is and receives, over that socket (``SCM_RIGHTS``), a memfd holding its own
+slots (no other rank's), its doorbell (an eventfd the rank rings and the relay watches), one
+eventfd bell per slot (the relay rings, the calling thread waits on it), and the node's barrier
+objects (below). From then on the socket carries nothing: its end tells the relay that the
+rank closed or died, and a pidfd of the rank's process (from the kernel's credentials, not from
+anything the rank says) tells it that the process is gone, whether or not anything closed.
+
+**A call.** A calling thread takes one of its rank's free slots, writes the request (an
+operation number and its bytes) and then the request's sequence number into it, and rings its
+rank's doorbell. The relay, woken for that rank, finds its slots whose request is ahead of the
+one seen last, hands each
+to its handler and, once the handler answers (at once or later, from any thread), writes the
+reply, then the reply's sequence number, and rings that slot's bell. Each side writes only its
+own fields; the eventfd write and read between them order the memory (both are system calls).
+A rank has several slots, so that a thread blocked in a long call (a get waiting for its key)
+never holds up another thread's call.
+
+**A barrier** takes no slot and no handler call per rank: a rank writes the barrier's
+generation (its count of barriers so far) and its name into its area and adds one to
+the node's arrivals eventfd; the relay, woken once for however many arrived, reads every
+rank's generation, and once every local rank has reached one it calls its barrier handler
+once for the node. The handler (a relay sends the node's one upstream request there) releases
+the generation with an outcome: the relay writes it into the node's area, read-only to the
+ranks, and rings each rank's barrier bell. A rank that gave up waiting (its timeout) has
+still arrived: the next barrier it enters is the next generation, as with any channel.
+
+**Liveness.** A rank stamps its slot area with ``time.monotonic()`` (one clock for every
+process on the machine) whenever it is asked to beat; the relay reads how long each rank has
+been silent. A killed rank is seen at once through its pidfd; a frozen one by its silence.
+
+Why hand-written: the relay and its ranks are processes of one user on one machine, and what
+this needs (a request slot, a wake-up, a death notice) is three kernel objects; a library
+(ZeroMQ's ipc, gRPC over a Unix socket) would add a socket round trip and its I/O thread to
+every call, which is the cost the relay exists to remove.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlTimeout
+
+log = logging.getLogger(__name__)
+
+#: Version of the local leg's layout and hello; a rank and a relay of another version refuse
+#: each other at the hello.
+LOCAL_PROTOCOL = 1
+
+#: Slot header: request seq, reply seq, op, request length, status, reply length.
+_HEADER = struct.Struct("<QQIIiI")
+_HEADER_BYTES = 64
+#: The rank's area starts with a head of its own: its heartbeat (a double, ``time.monotonic()``),
+#: then the last barrier generation it arrived at and that barrier's name (length, bytes).
+_AREA_HEAD = 320
+_BEAT = struct.Struct("<d")
+_ARRIVAL = struct.Struct("<QI")  # at offset 8: generation, name length; the name follows
+_NAME_AT = 8 + _ARRIVAL.size
+_NAME_BYTES = _AREA_HEAD - _NAME_AT
+#: The node's area (the relay writes, the ranks only read): ``_OUTCOMES`` records of
+#: (generation, status, length, bytes) indexed by generation; a record's generation, written
+#: last, is its release.
+_OUTCOME = struct.Struct("<QiI")
+_OUTCOMES = 4
+_OUTCOME_BYTES = 4096
+_NODE_BYTES = 64 + _OUTCOMES * (64 + _OUTCOME_BYTES)
+
+
+def _outcome_at(generation: int) -> int:
+    return 64 + (generation % _OUTCOMES) * (64 + _OUTCOME_BYTES)
+
+
+def barrier_name(name: str) -> bytes:
+    """A barrier's name as it crosses the local leg: the name, or where it is longer than the
+    area holds, its head and a digest of the whole (the same on every rank of every node)."""
+    import hashlib
+
+    raw = name.encode()
+    if len(raw) <= _NAME_BYTES:
+        return raw
+    return raw[: _NAME_BYTES - 33] + b"#" + hashlib.blake2b(raw, digest_size=16).hexdigest().encode()
+
+
+#: Reply statuses. A handler answers OK with its bytes or ERROR with a JSON error (its type
+#: name and message), which the rank raises as that type.
+OK, ERROR = 0, 1
+
+_HELLO_MAX = 4096
+
+
+def _eventfd_ring(fd: int) -> None:
+    os.eventfd_write(fd, 1)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a rank's area is laid out: ``slots`` slots of ``slot_bytes`` payload each."""
+
+    slots: int = 4
+    slot_bytes: int = 64 * 1024
+
+    @property
+    def stride(self) -> int:
+        return _HEADER_BYTES + self.slot_bytes
+
+    @property
+    def area_bytes(self) -> int:
+        return _AREA_HEAD + self.slots * self.stride
+
+    def slot_at(self, slot: int) -> int:
+        return _AREA_HEAD + slot * self.stride
+
+
+class Call:
+    """One request as the relay's handler sees it. Answer it exactly once with :meth:`reply`
+    or :meth:`fail`, from any thread, at once or later."""
+
+    __slots__ = ("_done", "_member", "_seq", "_server", "_slot", "op", "payload", "rank")
+
+    def __init__(self, server: LocalServer, member: _Member, slot: int, seq: int, op: int, payload: bytes) -> None:
+        self.rank = member.rank
+        self.op = op
+        self.payload = payload
+        self._server, self._member, self._slot, self._seq = server, member, slot, seq
+        self._done = False
+
+    def reply(self, payload: bytes = b"") -> None:
+        self._answer(OK, payload)
+
+    def fail(self, error: BaseException) -> None:
+        self._answer(ERROR, _error_text(error))
+
+    def _answer(self, status: int, payload: bytes) -> None:
+        if self._done:
+            raise RuntimeError(f"local rank {self.rank}: call answered twice")
+        self._done = True
+        self._server._answer(self._member, self._slot, self._seq, status, payload)
+
+
+class _Member:
+    """The relay's side of one joined rank."""
+
+    def __init__(self, rank: int, pid: int, conn: socket.socket, geometry: Geometry) -> None:
+        self.rank, self.pid, self.conn = rank, pid, conn
+        self.memfd = os.memfd_create(f"dp-relay-{rank}", os.MFD_CLOEXEC)
+        os.ftruncate(self.memfd, geometry.area_bytes)
+        self.area = mmap.mmap(self.memfd, geometry.area_bytes)
+        self.doorbell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self.barrier_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self.bells = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in range(geometry.slots)]
+        self.seen = [0] * geometry.slots
+        self.lock = threading.Lock()  # the reply fields of its slots
+        self.gone = False
+        try:
+            self.pidfd: int | None = os.pidfd_open(pid)
+        except OSError:  # no pidfds (Linux before 5.3): the socket's end still tells
+            self.pidfd = None
+
+    def close(self) -> None:
+        for fd in [
+            self.memfd,
+            self.doorbell,
+            self.barrier_bell,
+            *self.bells,
+            *([self.pidfd] if self.pidfd is not None else []),
+        ]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            self.area.close()
+        except (BufferError, ValueError):
+            pass
+        self.conn.close()
+
+
+class LocalServer:
+    """The relay's end: serves the ranks of one node.
+
+    ``handler(call)`` is called on the server's thread for each request and must not block:
+    it answers at once or hands the call on. ``on_barrier(generation, name)`` likewise, once
+    per barrier generation that every local rank reached (``name``: the barrier's, as
+    :func:`barrier_name` gives it; ``None`` where the ranks waiting in it named different
+    ones, or none waits any more); it answers with :meth:`release`, at once or later (by
+    default: released at once). ``on_gone(rank, how)`` is called once for a rank
+    whose process ended or who closed (``how`` says which), on the server's thread.
+    ``ranks``: how many local ranks may join (local ranks ``0..ranks-1``)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        ranks: int,
+        handler: Callable[[Call], None],
+        on_gone: Callable[[int, str], None] | None = None,
+        geometry: Geometry | None = None,
+        on_barrier: Callable[[int, bytes | None], None] | None = None,
+    ) -> None:
+        if ranks < 1:
+            raise ConfigError(f"a relay serves at least one local rank, not {ranks}")
+        self.ranks = ranks
+        self.geometry = geometry or Geometry()
+        self._handler, self._on_gone = handler, on_gone
+        self._on_barrier = on_barrier or (lambda generation, name: self.release(generation))
+        self._node_fd = os.memfd_create("dp-relay-node", os.MFD_CLOEXEC)
+        os.ftruncate(self._node_fd, _NODE_BYTES)
+        self._node = mmap.mmap(self._node_fd, _NODE_BYTES)
+        self._arrivals = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._completed = 0  # the last generation handed to on_barrier
+        self._release_lock = threading.Lock()
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.directory.stat()
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise ConfigError(
+                f"relay directory {self.directory} must belong to this user and be closed to others "
+                f"(mode 0700; it is {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})"
+            )
+        self.path = self.directory / "relay.sock"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._listener.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self._listener.listen(max(64, ranks))
+        self._listener.setblocking(False)
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # close(), from another thread
+        self._members: dict[int, _Member] = {}
+        self._stop = False
+        self._poll = select.epoll()
+        self._poll.register(self._listener.fileno(), select.EPOLLIN)
+        self._poll.register(self._wake, select.EPOLLIN)
+        self._poll.register(self._arrivals, select.EPOLLIN)
+        self._fd_owner: dict[int, tuple[str, _Member]] = {}
+        self._thread = threading.Thread(target=self._serve, name="dp-relay-local", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+    def members(self) -> dict[int, int]:
+        """Joined local ranks and their pids."""
+        return {r: m.pid for r, m in list(self._members.items()) if not m.gone}
+
+    def silent(self, rank: int) -> float | None:
+        """Seconds since ``rank`` last beat (None: not joined, or never beat)."""
+        member = self._members.get(rank)
+        if member is None or member.gone:
+            return None
+        (beat,) = _BEAT.unpack_from(member.area, 0)
+        return None if beat == 0.0 else max(0.0, time.monotonic() - beat)
+
+    def close(self) -> None:
+        self._stop = True
+        _eventfd_ring(self._wake)
+        self._thread.join(timeout=10)
+        for member in list(self._members.values()):
+            member.close()
+        self._members.clear()
+        self._poll.close()
+        self._listener.close()
+        for fd in (self._wake, self._arrivals, self._node_fd):
+            os.close(fd)
+        self._node.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                events = self._poll.poll(1.0)
+            except InterruptedError:
+                continue
+            for fd, _ in events:
+                owner = self._fd_owner.get(fd)
+                if owner is not None:
+                    kind, member = owner
+                    if kind == "door":
+                        self._drain(fd)
+                        self._scan(member)
+                    else:
+                        self._gone(member, "its process ended" if kind == "pid" else "its connection closed")
+                elif fd == self._arrivals:
+                    self._drain(fd)
+                    self._arrived()
+                elif fd == self._listener.fileno():
+                    self._accept()
+                elif fd == self._wake:
+                    return
+
+    @staticmethod
+    def _drain(fd: int) -> None:
+        try:
+            os.eventfd_read(fd)
+        except BlockingIOError:
+            pass
+
+    def _scan(self, member: _Member) -> None:
+        geo = self.geometry
+        if not member.gone:
+            area = member.area
+            for slot in range(geo.slots):
+                at = geo.slot_at(slot)
+                req, _rep, op, length, _status, _rlen = _HEADER.unpack_from(area, at)
+                if req <= member.seen[slot]:
+                    continue
+                member.seen[slot] = req
+                if length > geo.slot_bytes:
+                    self._answer(member, slot, req, ERROR, _error_text(BadMessage(f"request of {length} bytes")))
+                    continue
+                payload = bytes(area[at + _HEADER_BYTES : at + _HEADER_BYTES + length])
+                call = Call(self, member, slot, req, op, payload)
+                try:
+                    self._handler(call)
+                except Exception as err:  # a handler's bug must not take the node down
+                    log.exception("relay handler failed on local rank %d's op %d", member.rank, op)
+                    if not call._done:
+                        call.fail(err)
+
+    def _arrived(self) -> None:
+        """Hand on every barrier generation that all local ranks have reached."""
+        members = [m for m in self._members.values() if not m.gone]
+        if len(members) < self.ranks:
+            return  # a rank not joined yet (or gone: the relay's on_gone decides what follows)
+        arrivals = [_ARRIVAL.unpack_from(m.area, 8) for m in members]
+        reached = min(generation for generation, _ in arrivals)
+        while self._completed < reached:
+            self._completed += 1
+            # Only the ranks still at this generation say its name (one that gave up on it and
+            # went on wrote its next barrier's).
+            names = {
+                bytes(m.area[_NAME_AT : _NAME_AT + min(length, _NAME_BYTES)])
+                for m, (generation, length) in zip(members, arrivals, strict=True)
+                if generation == self._completed
+            }
+            try:
+                self._on_barrier(self._completed, names.pop() if len(names) == 1 else None)
+            except Exception as err:
+                log.exception("relay barrier handler failed at generation %d", self._completed)
+                self.release(self._completed, ERROR, _error_text(err))
+
+    def release(self, generation: int, status: int = OK, payload: bytes = b"") -> None:
+        """End barrier ``generation`` for every local rank with ``status`` and ``payload``
+        (OK and bytes, or ERROR and an error from :func:`error_bytes`). Any thread."""
+        if len(payload) > _OUTCOME_BYTES:
+            status, payload = ERROR, _error_text(BadMessage(f"a barrier outcome of {len(payload)} bytes"))
+        with self._release_lock:
+            at = _outcome_at(generation)
+            self._node[at + _OUTCOME.size : at + _OUTCOME.size + len(payload)] = payload
+            struct.pack_into("<iI", self._node, at + 8, status, len(payload))
+            struct.pack_into("<Q", self._node, at, generation)
+            for member in list(self._members.values()):
+                if not member.gone:
+                    try:
+                        _eventfd_ring(member.barrier_bell)
+                    except OSError:
+                        pass
+
+    def _answer(self, member: _Member, slot: int, seq: int, status: int, payload: bytes) -> None:
+        geo = self.geometry
+        if len(payload) > geo.slot_bytes:
+            status = ERROR
+            payload = _error_text(BadMessage(f"reply of {len(payload)} bytes, over the slot's {geo.slot_bytes}"))
+        with member.lock:
+            if member.gone:
+                return
+            at = geo.slot_at(slot)
+            area = member.area
+            area[at + _HEADER_BYTES : at + _HEADER_BYTES + len(payload)] = payload
+            struct.pack_into("<iI", area, at + 24, status, len(payload))
+            struct.pack_into("<Q", area, at + 8, seq)
+            _eventfd_ring(member.bells[slot])
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as err:
+                if err.errno in (errno.EMFILE, errno.ENFILE):
+                    log.error("relay cannot accept a local rank: %s", err)
+                    return
+                raise
+            try:
+                self._admit(conn)
+            except Exception as err:
+                log.warning("relay refused a local connection: %s", err)
+                _send_json(conn, {"error": type(err).__name__, "message": str(err)})
+                conn.close()
+
+    def _admit(self, conn: socket.socket) -> None:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            raise AuthError(f"the relay serves only user {os.getuid()}'s processes; pid {pid} is user {uid}")
+        conn.settimeout(5.0)
+        hello = _recv_json(conn)
+        if hello.get("protocol") != LOCAL_PROTOCOL:
+            raise BadMessage(f"local protocol {hello.get('protocol')!r}; this relay speaks {LOCAL_PROTOCOL}")
+        rank = hello.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self.ranks:
+            raise ConfigError(f"local rank {rank!r} outside 0..{self.ranks - 1}")
+        held = self._members.get(rank)
+        if held is not None and not held.gone:
+            raise ConfigError(f"local rank {rank} is already held by pid {held.pid}")
+        member = _Member(rank, pid, conn, self.geometry)
+        geo = self.geometry
+        header = {"protocol": LOCAL_PROTOCOL, "rank": rank, "slots": geo.slots, "slot_bytes": geo.slot_bytes}
+        # A rank taking a local rank (a first or a restarted worker) starts at the node's
+        # barrier count: set before the rank can see its area.
+        _ARRIVAL.pack_into(member.area, 8, self._completed, 0)
+        fds = [member.memfd, member.doorbell, self._node_fd, self._arrivals, member.barrier_bell, *member.bells]
+        socket.send_fds(conn, [_frame(header)], fds)
+        conn.setblocking(False)
+        if held is not None:
+            held.close()
+        self._members[rank] = member
+        self._poll.register(member.doorbell, select.EPOLLIN)
+        self._fd_owner[member.doorbell] = ("door", member)
+        self._poll.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+        self._fd_owner[conn.fileno()] = ("conn", member)
+        if member.pidfd is not None:
+            self._poll.register(member.pidfd, select.EPOLLIN)
+            self._fd_owner[member.pidfd] = ("pid", member)
+
+    def _gone(self, member: _Member, how: str) -> None:
+        with member.lock:
+            if member.gone:
+                return
+            member.gone = True
+        for fd in (member.doorbell, member.conn.fileno(), member.pidfd):
+            if fd is not None and fd >= 0:
+                self._fd_owner.pop(fd, None)
+                try:
+                    self._poll.unregister(fd)
+                except (OSError, ValueError):
+                    pass
+        if self._on_gone is not None:
+            try:
+                self._on_gone(member.rank, how)
+            except Exception:
+                log.exception("relay: on_gone failed for local rank %d", member.rank)
+
+
+class LocalClient:
+    """A rank's end: joins the relay at ``path`` as local rank ``rank``. Thread-safe: each
+    call takes a free slot of its own."""
+
+    def __init__(self, path: str | os.PathLike[str], rank: int, timeout: float = 30.0) -> None:
+        self.rank = rank
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.settimeout(timeout)
+        try:
+            self._conn.connect(str(path))
+            _send_json(self._conn, {"protocol": LOCAL_PROTOCOL, "rank": rank})
+            data, fds, _flags, _addr = socket.recv_fds(self._conn, _HELLO_MAX, 64)
+        except (TimeoutError, OSError) as err:
+            self._conn.close()
+            raise ChannelClosed(f"no node relay at {path}: {err}") from err
+        header = _parse_frame(data)
+        if "error" in header:
+            self._conn.close()
+            for fd in fds:
+                os.close(fd)
+            kind = {"AuthError": AuthError, "BadMessage": BadMessage}.get(header["error"], ConfigError)
+            raise kind(f"node relay at {path} refused local rank {rank}: {header['message']}")
+        self.geometry = Geometry(slots=header["slots"], slot_bytes=header["slot_bytes"])
+        memfd, self._doorbell, node_fd, self._arrivals, self._barrier_bell, *self._bells = fds
+        self._area = mmap.mmap(memfd, self.geometry.area_bytes)
+        self._node = mmap.mmap(node_fd, _NODE_BYTES, prot=mmap.PROT_READ)
+        os.close(memfd)
+        os.close(node_fd)
+        self._generation = _ARRIVAL.unpack_from(self._area, 8)[0]
+        self._barrier_lock = threading.Lock()
+        self._seq = [0] * self.geometry.slots
+        self._free = list(range(self.geometry.slots))
+        self._free_cv = threading.Condition()
+        self._closed = False
+        self._conn.setblocking(True)
+
+    def beat(self) -> None:
+        """Say the rank is alive (the relay reads how long ago it last did)."""
+        _BEAT.pack_into(self._area, 0, time.monotonic())
+
+    def barrier(self, name: str, timeout: float) -> bytes:
+        """Arrive at the node's next barrier and wait up to ``timeout`` seconds until the relay
+        releases it; returns the outcome's bytes, or raises the error it was released with.
+        One barrier at a time per rank (as a channel's collectives)."""
+        with self._barrier_lock:
+            self._generation += 1
+            generation = self._generation
+            raw = barrier_name(name)
+            self._area[_NAME_AT : _NAME_AT + len(raw)] = raw
+            _ARRIVAL.pack_into(self._area, 8, generation, len(raw))
+            try:
+                _eventfd_ring(self._arrivals)
+            except OSError as err:
+                raise ChannelClosed(f"node relay gone: {err}") from err
+            deadline = time.monotonic() + timeout
+            at = _outcome_at(generation)
+            while _OUTCOME.unpack_from(self._node, at)[0] != generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ControlTimeout(f"node barrier {name!r} (local generation {generation})", timeout)
+                ready = _readable([self._barrier_bell, self._conn.fileno()], min(left, 1.0))
+                if self._barrier_bell in ready:
+                    LocalServer._drain(self._barrier_bell)
+                elif ready:
+                    self._closed = True
+                    raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
+            _, status, length = _OUTCOME.unpack_from(self._node, at)
+            outcome = bytes(self._node[at + _OUTCOME.size : at + _OUTCOME.size + length])
+        if status == OK:
+            return outcome
+        raise _error_from(outcome)
+
+    def call(self, op: int, payload: bytes, timeout: float) -> bytes:
+        """Send ``op`` with ``payload`` and wait up to ``timeout`` seconds for the reply's bytes.
+        A handler's error is raised as its type (a :class:`dataparallel.errors` one by name);
+        the relay gone: ChannelClosed; no reply in time: ControlTimeout (the slot stays taken
+        until the late reply comes, so it can never be misread as another call's)."""
+        geo = self.geometry
+        if len(payload) > geo.slot_bytes:
+            raise BadMessage(f"a request of {len(payload)} bytes; the relay's slots take {geo.slot_bytes}")
+        deadline = time.monotonic() + timeout
+        slot = self._take(deadline)
+        seq = self._seq[slot] + 1
+        self._seq[slot] = seq
+        at = geo.slot_at(slot)
+        area = self._area
+        area[at + _HEADER_BYTES : at + _HEADER_BYTES + len(payload)] = payload
+        struct.pack_into("<II", area, at + 16, op, len(payload))
+        struct.pack_into("<Q", area, at, seq)
+        bell = self._bells[slot]
+        try:
+            _eventfd_ring(self._doorbell)
+        except OSError as err:
+            self._give(slot)
+            raise ChannelClosed(f"node relay gone: {err}") from err
+        while True:
+            _req, rep, _op, _len, status, rlen = _HEADER.unpack_from(area, at)
+            if rep == seq:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                # The slot is left taken: a late reply would otherwise answer the next call.
+                threading.Thread(target=self._reclaim, args=(slot, seq), daemon=True).start()
+                raise ControlTimeout(f"local rank {self.rank}'s reply from the node relay", timeout)
+            ready = _readable([bell, self._conn.fileno()], min(left, 1.0))
+            if bell in ready:
+                LocalServer._drain(bell)
+            elif ready:
+                self._closed = True
+                raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
+        reply = bytes(area[at + _HEADER_BYTES : at + _HEADER_BYTES + rlen])
+        self._give(slot)
+        if status == OK:
+            return reply
+        raise _error_from(reply)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._conn.close()
+        for fd in [self._doorbell, self._arrivals, self._barrier_bell, *self._bells]:
+            os.close(fd)
+        for area in (self._area, self._node):
+            try:
+                area.close()
+            except (BufferError, ValueError):
+                pass
+
+    def __enter__(self) -> LocalClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _take(self, deadline: float) -> int:
+        start = time.monotonic()
+        with self._free_cv:
+            while not self._free:
+                if self._closed:
+                    raise ChannelClosed(f"local rank {self.rank}: closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ControlTimeout(
+                        f"a free slot of local rank {self.rank} (every slot busy)", time.monotonic() - start
+                    )
+                self._free_cv.wait(left)
+            return self._free.pop()
+
+    def _give(self, slot: int) -> None:
+        with self._free_cv:
+            self._free.append(slot)
+            self._free_cv.notify()
+
+    def _reclaim(self, slot: int, seq: int) -> None:
+        at = self.geometry.slot_at(slot)
+        while not self._closed:
+            if _HEADER.unpack_from(self._area, at)[1] == seq:
+                self._give(slot)
+                return
+            time.sleep(0.05)
+
+
+def _readable(fds: list[int], timeout: float) -> list[int]:
+    """Which of ``fds`` are readable (or closed) within ``timeout`` seconds: poll, not select,
+    so that a process holding more than 1,024 files can wait too."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(timeout * 1000)]
+
+
+def _frame(obj: dict) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("<I", len(body)) + body
+
+
+def _parse_frame(data: bytes) -> dict:
+    if len(data) < 4:
+        raise BadMessage("node relay: short hello")
+    (n,) = struct.unpack_from("<I", data)
+    if n > _HELLO_MAX - 4 or len(data) < 4 + n:
+        raise BadMessage("node relay: bad hello")
+    value = json.loads(data[4 : 4 + n])
+    if not isinstance(value, dict):
+        raise BadMessage("node relay: hello is not an object")
+    return value
+
+
+def _send_json(conn: socket.socket, obj: dict) -> None:
+    conn.sendall(_frame(obj))
+
+
+def _recv_json(conn: socket.socket) -> dict:
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack_from("<I", data)[0]:
+        if len(data) >= _HELLO_MAX:
+            raise BadMessage("local hello too long")
+        chunk = conn.recv(_HELLO_MAX - len(data))
+        if not chunk:
+            raise BadMessage("local hello cut short")
+        data += chunk
+    return _parse_frame(data)
+
+
+def error_bytes(error: BaseException) -> bytes:
+    """``error`` as a call's or a barrier's ERROR outcome (see :func:`_error_text`)."""
+    return _error_text(error)
+
+
+def _error_text(error: BaseException) -> bytes:
+    """An error as the rank will raise it: its type's name, its text and its plain fields
+    (a PeerLost's rank and last_seen, a ControlTimeout's what and waited)."""
+    fields = {k: v for k, v in vars(error).items() if isinstance(v, str | int | float | bool | type(None))}
+    return json.dumps({"type": type(error).__name__, "message": str(error), "fields": fields}).encode()
+
+
+def _error_from(reply: bytes) -> Exception:
+    """The error a handler failed a call with: the same :mod:`dataparallel.errors` type, text
+    and fields; any other type a ControlError naming it."""
+    from ... import errors
+
+    try:
+        info = json.loads(reply)
+        name, message, fields = str(info["type"]), str(info["message"]), dict(info.get("fields") or {})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return BadMessage(f"node relay: unreadable error {reply[:80]!r}")
+    kind = getattr(errors, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, errors.ControlError)):
+        return errors.ControlError(f"{name}: {message}")
+    error = kind.__new__(kind)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error

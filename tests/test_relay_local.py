@@ -1,0 +1,390 @@
+"""The node relay's local leg (dataparallel/control/relay/local.py): real processes on both
+ends, a real other user as the intruder, real kills and freezes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dataparallel.control.relay.local import Call, Geometry, LocalClient, LocalServer
+from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlTimeout, PeerLost
+
+ECHO, SLOW, FAIL, NEVER, BEAT = 1, 2, 3, 4, 5
+
+RANK = textwrap.dedent(
+    """
+    import json, sys, time
+    from dataparallel.control.relay.local import LocalClient
+    path, rank, ops = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    client = LocalClient(path, rank, timeout=10)
+    for op, payload in ops:
+        if op == "beat":
+            client.beat()
+            print(json.dumps(["beat", ""]), flush=True)
+            continue
+        if op == "sleep":
+            time.sleep(payload)
+            continue
+        try:
+            if op == "barrier":
+                name, timeout = payload
+                reply = client.barrier(name, timeout=timeout)
+            else:
+                reply = client.call(op, payload.encode(), timeout=10)
+            print(json.dumps(["ok", reply.decode()]), flush=True)
+        except Exception as err:
+            print(json.dumps([type(err).__name__, str(err)]), flush=True)
+    client.close()
+    """
+)
+
+
+def rank_process(path: Path, rank: int, ops: list, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", RANK, str(path), str(rank), json.dumps(ops)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+class Relay:
+    """A server whose handler echoes, answers later from a thread, fails, or never answers."""
+
+    def __init__(self, directory: Path, ranks: int = 4, geometry: Geometry | None = None, on_barrier=None) -> None:
+        self.gone: list[tuple[int, str, float]] = []
+        self.calls: list[Call] = []
+        self.server = LocalServer(directory, ranks, self.handle, self.on_gone, geometry, on_barrier)
+
+    def handle(self, call: Call) -> None:
+        self.calls.append(call)
+        if call.op == ECHO:
+            call.reply(b"echo:" + call.payload)
+        elif call.op == SLOW:
+            threading.Timer(float(call.payload), call.reply, args=(b"slow done",)).start()
+        elif call.op == FAIL:
+            call.fail(PeerLost(5, 1000.0, "its process ended"))
+        elif call.op == NEVER:
+            pass  # answered by the test, or never
+        else:
+            raise ValueError(f"unknown op {call.op}")
+
+    def on_gone(self, rank: int, how: str) -> None:
+        self.gone.append((rank, how, time.monotonic()))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+def relay(tmp_path):
+    r = Relay(tmp_path / "relay")
+    yield r
+    r.close()
+
+
+def outputs(proc: subprocess.Popen, timeout: float = 30) -> list[list[str]]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_calls_from_another_process_get_their_own_replies(relay):
+    ops = [[ECHO, "a"], [ECHO, "x" * 60000], [FAIL, ""], [ECHO, "b"], [99, ""]]
+    got = outputs(rank_process(relay.server.path, 2, ops))
+    assert got[0] == ["ok", "echo:a"] and got[1] == ["ok", "echo:" + "x" * 60000]
+    assert got[2][0] == "PeerLost" and got[2][1].startswith("peer rank 5 lost: its process ended")  # typed
+    assert got[3] == ["ok", "echo:b"]
+    assert got[4][0] == "ControlError" and "unknown op 99" in got[4][1]  # a handler's bug: an error, not a dead relay
+    assert {c.rank for c in relay.calls} == {2}
+
+
+def test_a_slow_call_does_not_hold_up_another_thread(relay):
+    with LocalClient(relay.server.path, 0) as client:
+        slow = threading.Thread(target=lambda: client.call(SLOW, b"1.5", timeout=10))
+        slow.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        assert client.call(ECHO, b"fast", timeout=10) == b"echo:fast"
+        assert time.monotonic() - start < 1.0  # not behind the slow one's 1.5 s
+        slow.join(timeout=10)
+
+
+def test_more_threads_than_slots_all_get_their_replies(tmp_path):
+    relay = Relay(tmp_path / "r", geometry=Geometry(slots=2, slot_bytes=1024))
+    try:
+        with LocalClient(relay.server.path, 0) as client:
+            got: dict[int, bytes] = {}
+            threads = [
+                threading.Thread(target=lambda i=i: got.__setitem__(i, client.call(ECHO, b"%d" % i, timeout=20)))
+                for i in range(16)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+            assert got == {i: b"echo:%d" % i for i in range(16)}
+    finally:
+        relay.close()
+
+
+def test_oversized_and_late_calls_fail_typed_and_never_cross(tmp_path):
+    relay = Relay(tmp_path / "r", geometry=Geometry(slots=1, slot_bytes=1024))
+    try:
+        with LocalClient(relay.server.path, 0) as client:
+            with pytest.raises(BadMessage, match="1025 bytes"):
+                client.call(ECHO, b"x" * 1025, timeout=5)
+            start = time.monotonic()
+            with pytest.raises(ControlTimeout):
+                client.call(NEVER, b"", timeout=0.5)
+            assert time.monotonic() - start < 1.5
+            # The one slot is still the unanswered call's: the next call waits for it, and the
+            # late answer never reads as the next call's.
+            with pytest.raises(ControlTimeout, match="every slot busy"):
+                client.call(ECHO, b"next", timeout=0.3)
+            relay.calls[-1].reply(b"late")
+            assert client.call(ECHO, b"next", timeout=5) == b"echo:next"
+    finally:
+        relay.close()
+
+
+def test_a_killed_rank_is_noticed_at_once_and_its_slot_freed(relay):
+    proc = rank_process(relay.server.path, 1, [[ECHO, "up"], ["sleep", 60]])
+    assert proc.stdout.readline().strip() == json.dumps(["ok", "echo:up"])
+    assert relay.server.members() == {1: proc.pid}
+    proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while not relay.gone and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert relay.gone and relay.gone[0][0] == 1, relay.gone
+    assert relay.gone[0][2] - killed < 0.5
+    assert relay.server.members() == {}
+    # The local rank can be taken again (a restarted worker).
+    assert outputs(rank_process(relay.server.path, 1, [[ECHO, "again"]])) == [["ok", "echo:again"]]
+
+
+def test_a_frozen_rank_is_seen_by_its_silence(relay):
+    proc = rank_process(relay.server.path, 0, [["beat", ""], [ECHO, "up"], ["sleep", 60]])
+    assert json.loads(proc.stdout.readline())[0] == "beat"
+    proc.stdout.readline()
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+        silent = relay.server.silent(0)
+        assert silent is not None and silent >= 1.0
+        assert relay.gone == []  # frozen is not dead: the relay's liveness judges the silence
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_closed_relay_ends_a_waiting_call(tmp_path):
+    relay = Relay(tmp_path / "r")
+    client = LocalClient(relay.server.path, 0)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.call(NEVER, b"", timeout=30)
+        except BaseException as err:
+            errors.append(err)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    relay.close()
+    t.join(timeout=10)
+    assert len(errors) == 1 and isinstance(errors[0], ChannelClosed), errors
+    assert time.monotonic() - start < 2.0
+    client.close()
+
+
+def test_refusals(relay, tmp_path):
+    with pytest.raises(ConfigError, match=r"outside 0\.\.3"):
+        LocalClient(relay.server.path, 4)
+    with LocalClient(relay.server.path, 0):
+        with pytest.raises(ConfigError, match="already held"):
+            LocalClient(relay.server.path, 0)
+    with pytest.raises(ChannelClosed, match="no node relay"):
+        LocalClient(tmp_path / "nothing.sock", 0, timeout=1)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(ConfigError, match="closed to others"):
+        LocalServer(open_dir, 1, lambda call: None)
+
+
+def test_garbage_at_the_socket_does_not_stop_the_relay(relay):
+    import socket
+
+    for junk in [b"", b"\xff" * 10, b"\x05\x00\x00\x00nope!", b"\x02\x00\x00\x00[]", b"\x00\x10\x00\x00" + b"{" * 100]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(relay.server.path))
+        s.sendall(junk)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(10)
+        try:
+            while s.recv(4096):
+                pass
+        except OSError:
+            pass
+        s.close()
+    assert outputs(rank_process(relay.server.path, 3, [[ECHO, "still"]])) == [["ok", "echo:still"]]
+
+
+INTRUDER = textwrap.dedent(
+    """
+    import json, socket, struct, sys
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(sys.argv[1])
+    body = json.dumps({"protocol": 1, "rank": 0}).encode()
+    fds, said = [], ""
+    try:
+        s.sendall(struct.pack("<I", len(body)) + body)
+    except OSError as err:  # refused before its hello was read
+        said = str(err)
+    try:
+        data, fds, _, _ = socket.recv_fds(s, 4096, 64)
+        said += data[4:].decode(errors="replace")
+    except OSError as err:
+        said += str(err)
+    print(json.dumps({"fds": len(fds), "said": said}))
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_is_refused_even_where_the_socket_is_open_to_it(caplog):
+    """An intruder of another user (``nobody``, the system's own Python, nothing of ours),
+    given a way in (the directory and socket opened to everyone, a misconfiguration), speaking
+    the hello correctly: the relay checks the peer's credentials and shares nothing."""
+    import pwd
+    import shutil
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="dp-relay-"))  # under /tmp, which nobody may cross
+    base.chmod(0o755)
+    relay = Relay(base / "relay")
+    try:
+        _intrude(relay, nobody)
+        refusals = [r.getMessage() for r in caplog.records if "refused a local connection" in r.getMessage()]
+        assert len(refusals) == 1 and f"is user {nobody.pw_uid}" in refusals[0], refusals
+    finally:
+        relay.close()
+        shutil.rmtree(base)
+
+
+def _intrude(relay: Relay, nobody) -> None:
+    os.chmod(relay.server.directory, 0o755)
+    os.chmod(relay.server.path, 0o666)
+    proc = subprocess.run(
+        ["/usr/bin/python3", "-I", "-c", INTRUDER, str(relay.server.path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        user=nobody.pw_uid,
+        group=nobody.pw_gid,
+        cwd="/",
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["fds"] == 0, seen
+    assert relay.calls == [] and relay.server.members() == {}
+    # And with the directory as the relay makes it (0700), nobody cannot even connect.
+    os.chmod(relay.server.directory, 0o700)
+    proc = subprocess.run(
+        ["/usr/bin/python3", "-I", "-c", INTRUDER, str(relay.server.path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        user=nobody.pw_uid,
+        group=nobody.pw_gid,
+        cwd="/",
+    )
+    assert proc.returncode != 0 and "PermissionError" in proc.stderr, proc.stderr
+
+
+def test_a_node_barrier_is_one_handler_call_per_generation_in_order(tmp_path):
+    seen: list[tuple[int, bytes | None]] = []
+    relay_box: list[Relay] = []
+
+    def on_barrier(generation: int, name: bytes | None) -> None:
+        seen.append((generation, name))
+        # Released later, from another thread: as a relay does after its upstream request.
+        threading.Timer(0.01, relay_box[0].server.release, args=(generation, 0, b"out%d" % generation)).start()
+
+    names = ["epoch/0", "x" * 500, "epoch/1"] + [f"b/{i}" for i in range(20)]
+    relay = Relay(tmp_path / "relay", ranks=4, on_barrier=on_barrier)
+    relay_box.append(relay)
+    try:
+        procs = [rank_process(relay.server.path, r, [["barrier", [n, 20]] for n in names]) for r in range(4)]
+        got = [outputs(p, timeout=60) for p in procs]
+    finally:
+        relay.close()
+    want = [["ok", f"out{g}"] for g in range(1, len(names) + 1)]
+    assert got == [want] * 4
+    assert [g for g, _ in seen] == list(range(1, len(names) + 1))
+    assert seen[0][1] == b"epoch/0" and seen[2][1] == b"epoch/1"
+    long = seen[1][1]  # a long name: its head and a digest, the same from every rank
+    assert long is not None and long.startswith(b"x" * 200) and b"#" in long and len(long) <= 300
+
+
+def test_ranks_in_different_barriers_are_told_and_an_error_outcome_is_typed(tmp_path):
+    from dataparallel.control.relay.local import ERROR, error_bytes
+
+    relay_box: list[Relay] = []
+
+    def on_barrier(generation: int, name: bytes | None) -> None:
+        if name is None:
+            relay_box[0].server.release(generation, ERROR, error_bytes(BadMessage("ranks named different barriers")))
+        elif name == b"lost":
+            relay_box[0].server.release(generation, ERROR, error_bytes(PeerLost(9, None, "its process ended")))
+        else:
+            relay_box[0].server.release(generation)
+
+    relay = Relay(tmp_path / "relay", ranks=3, on_barrier=on_barrier)
+    relay_box.append(relay)
+    try:
+        ops = lambda r: [["barrier", ["same", 20]], ["barrier", [f"mine{r % 2}", 20]], ["barrier", ["lost", 20]]]  # noqa: E731
+        procs = [rank_process(relay.server.path, r, ops(r)) for r in range(3)]
+        got = [outputs(p, timeout=60) for p in procs]
+    finally:
+        relay.close()
+    for out in got:
+        assert out[0] == ["ok", ""]
+        assert out[1] == ["BadMessage", "ranks named different barriers"]
+        assert out[2][0] == "PeerLost" and out[2][1].startswith("peer rank 9 lost: its process ended; never seen")
+
+
+def test_a_node_barrier_missing_a_rank_times_out_and_the_next_one_is_the_next_generation(tmp_path):
+    relay = Relay(tmp_path / "relay", ranks=2)
+    try:
+        late = [["sleep", 1.5], ["barrier", ["first", 20]], ["barrier", ["second", 20]]]
+        procs = [
+            rank_process(relay.server.path, 0, [["barrier", ["first", 0.5]], ["barrier", ["second", 20]]]),
+            rank_process(relay.server.path, 1, late),
+        ]
+        start = time.monotonic()
+        first = outputs(procs[0], timeout=60)
+        second = outputs(procs[1], timeout=60)
+    finally:
+        relay.close()
+    assert first[0][0] == "ControlTimeout" and "node barrier 'first'" in first[0][1]
+    # Rank 0 had arrived at "first" before it gave up: the late rank completes it, and both meet at "second".
+    assert first[1] == ["ok", ""] and second == [["ok", ""], ["ok", ""]]
+    assert time.monotonic() - start < 30

@@ -213,7 +213,7 @@ def test_a_closed_relay_ends_a_waiting_call(tmp_path):
 
 
 def test_refusals(relay, tmp_path):
-    with pytest.raises(ConfigError, match=r"outside 0\.\.3"):
+    with pytest.raises(ConfigError, match=r"not one of this node's, 0\.\.3"):
         LocalClient(relay.server.path, 4)
     with LocalClient(relay.server.path, 0):
         with pytest.raises(ConfigError, match="already held"):

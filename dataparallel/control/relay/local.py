@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlTimeout
+from ...errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,9 @@ class LocalServer:
     ones, or none waits any more); it answers with :meth:`release`, at once or later (by
     default: released at once). ``on_gone(rank, how)`` is called once for a rank
     whose process ended or who closed (``how`` says which), on the server's thread.
-    ``ranks``: how many local ranks may join (local ranks ``0..ranks-1``)."""
+    ``ranks``: how many local ranks may join; a rank says its number, ``first_rank`` to
+    ``first_rank + ranks - 1`` (the node's ranks in the job; 0 by default). ``info``: what
+    every joining rank is told besides the layout (the node's place in the job)."""
 
     def __init__(
         self,
@@ -213,10 +215,14 @@ class LocalServer:
         on_gone: Callable[[int, str], None] | None = None,
         geometry: Geometry | None = None,
         on_barrier: Callable[[int, bytes | None], None] | None = None,
+        first_rank: int = 0,
+        info: dict | None = None,
     ) -> None:
         if ranks < 1:
             raise ConfigError(f"a relay serves at least one local rank, not {ranks}")
         self.ranks = ranks
+        self.first_rank = first_rank
+        self.info = dict(info or {})
         self.geometry = geometry or Geometry()
         self._handler, self._on_gone = handler, on_gone
         self._on_barrier = on_barrier or (lambda generation, name: self.release(generation))
@@ -342,7 +348,7 @@ class LocalServer:
                 except Exception as err:  # a handler's bug must not take the node down
                     log.exception("relay handler failed on local rank %d's op %d", member.rank, op)
                     if not call._done:
-                        call.fail(err)
+                        call.fail(ControlError(f"the node relay failed: {type(err).__name__}: {err}"))
 
     def _arrived(self) -> None:
         """Hand on every barrier generation that all local ranks have reached."""
@@ -425,15 +431,23 @@ class LocalServer:
         hello = _recv_json(conn)
         if hello.get("protocol") != LOCAL_PROTOCOL:
             raise BadMessage(f"local protocol {hello.get('protocol')!r}; this relay speaks {LOCAL_PROTOCOL}")
-        rank = hello.get("rank")
-        if not isinstance(rank, int) or not 0 <= rank < self.ranks:
-            raise ConfigError(f"local rank {rank!r} outside 0..{self.ranks - 1}")
+        said = hello.get("rank")
+        first, last = self.first_rank, self.first_rank + self.ranks - 1
+        if not isinstance(said, int) or isinstance(said, bool) or not first <= said <= last:
+            raise ConfigError(f"rank {said!r} is not one of this node's, {first}..{last}")
+        rank = said - first
         held = self._members.get(rank)
         if held is not None and not held.gone:
             raise ConfigError(f"local rank {rank} is already held by pid {held.pid}")
         member = _Member(rank, pid, conn, self.geometry)
         geo = self.geometry
-        header = {"protocol": LOCAL_PROTOCOL, "rank": rank, "slots": geo.slots, "slot_bytes": geo.slot_bytes}
+        header = {
+            "protocol": LOCAL_PROTOCOL,
+            "rank": rank,
+            "slots": geo.slots,
+            "slot_bytes": geo.slot_bytes,
+            "info": self.info,
+        }
         # A rank taking a local rank (a first or a restarted worker) starts at the node's
         # barrier count: set before the rank can see its area.
         _ARRIVAL.pack_into(member.area, 8, self._completed, 0)
@@ -471,8 +485,9 @@ class LocalServer:
 
 
 class LocalClient:
-    """A rank's end: joins the relay at ``path`` as local rank ``rank``. Thread-safe: each
-    call takes a free slot of its own."""
+    """A rank's end: joins the relay at ``path`` as ``rank`` (one of the node's; the relay's
+    local rank ``rank - first_rank``). Thread-safe: each call takes a free slot of its own.
+    ``info``: what the relay told it (the node's place in the job)."""
 
     def __init__(self, path: str | os.PathLike[str], rank: int, timeout: float = 30.0) -> None:
         self.rank = rank
@@ -493,6 +508,8 @@ class LocalClient:
             kind = {"AuthError": AuthError, "BadMessage": BadMessage}.get(header["error"], ConfigError)
             raise kind(f"node relay at {path} refused local rank {rank}: {header['message']}")
         self.geometry = Geometry(slots=header["slots"], slot_bytes=header["slot_bytes"])
+        self.info: dict = header.get("info") or {}
+        self.local_rank: int = header["rank"]
         memfd, self._doorbell, node_fd, self._arrivals, self._barrier_bell, *self._bells = fds
         self._area = mmap.mmap(memfd, self.geometry.area_bytes)
         self._node = mmap.mmap(node_fd, _NODE_BYTES, prot=mmap.PROT_READ)
@@ -512,32 +529,49 @@ class LocalClient:
 
     def barrier(self, name: str, timeout: float) -> bytes:
         """Arrive at the node's next barrier and wait up to ``timeout`` seconds until the relay
-        releases it; returns the outcome's bytes, or raises the error it was released with.
-        One barrier at a time per rank (as a channel's collectives)."""
+        releases it: :meth:`arrive`, then :meth:`released` until it answers."""
+        generation = self.arrive(name)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ControlTimeout(f"node barrier {name!r} (local generation {generation})", timeout)
+            outcome = self.released(generation, left)
+            if outcome is not None:
+                return outcome
+
+    def arrive(self, name: str) -> int:
+        """Arrive at the node's next barrier, named ``name``; returns its generation. One
+        barrier at a time per rank (as a channel's collectives)."""
         with self._barrier_lock:
             self._generation += 1
-            generation = self._generation
             raw = barrier_name(name)
             self._area[_NAME_AT : _NAME_AT + len(raw)] = raw
-            _ARRIVAL.pack_into(self._area, 8, generation, len(raw))
+            _ARRIVAL.pack_into(self._area, 8, self._generation, len(raw))
             try:
                 _eventfd_ring(self._arrivals)
             except OSError as err:
                 raise ChannelClosed(f"node relay gone: {err}") from err
-            deadline = time.monotonic() + timeout
-            at = _outcome_at(generation)
-            while _OUTCOME.unpack_from(self._node, at)[0] != generation:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ControlTimeout(f"node barrier {name!r} (local generation {generation})", timeout)
-                ready = _readable([self._barrier_bell, self._conn.fileno()], min(left, 1.0))
-                if self._barrier_bell in ready:
-                    LocalServer._drain(self._barrier_bell)
-                elif ready:
-                    self._closed = True
-                    raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
-            _, status, length = _OUTCOME.unpack_from(self._node, at)
-            outcome = bytes(self._node[at + _OUTCOME.size : at + _OUTCOME.size + length])
+            return self._generation
+
+    def released(self, generation: int, timeout: float) -> bytes | None:
+        """Wait up to ``timeout`` seconds for barrier ``generation``'s release: its outcome's
+        bytes, or the error it was released with raised; None if not released yet (so that a
+        caller can look at its peers between slices)."""
+        at = _outcome_at(generation)
+        deadline = time.monotonic() + timeout
+        while _OUTCOME.unpack_from(self._node, at)[0] != generation:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready = _readable([self._barrier_bell, self._conn.fileno()], left)
+            if self._barrier_bell in ready:
+                LocalServer._drain(self._barrier_bell)
+            elif ready:
+                self._closed = True
+                raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
+        _, status, length = _OUTCOME.unpack_from(self._node, at)
+        outcome = bytes(self._node[at + _OUTCOME.size : at + _OUTCOME.size + length])
         if status == OK:
             return outcome
         raise _error_from(outcome)
@@ -697,6 +731,8 @@ def _error_from(reply: bytes) -> Exception:
         name, message, fields = str(info["type"]), str(info["message"]), dict(info.get("fields") or {})
     except (ValueError, KeyError, TypeError, AttributeError):
         return BadMessage(f"node relay: unreadable error {reply[:80]!r}")
+    if name == "ValueError":  # a hook's one error besides ControlErrors (_add on a value that is no number)
+        return ValueError(message)
     kind = getattr(errors, name, None)
     if not (isinstance(kind, type) and issubclass(kind, errors.ControlError)):
         return errors.ControlError(f"{name}: {message}")

@@ -1,0 +1,130 @@
+"""``relay:///PATH/relay.sock``: a rank's channel through its node's relay
+(:class:`~dataparallel.control.relay.node.NodeRelay`), which its launcher hosts.
+
+The rank joins the relay's local leg (shared memory and eventfds; the socket at PATH is only
+for joining) as the job rank it was given; every hook passes through to the relay's own
+channel, and a barrier (``rendezvous`` included) is met by the node's ranks in shared memory
+and crosses the network once per node. The relay says the job's name and size; a rank that
+was given others is refused.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from dataparallel.control.channel import ControlChannel
+from dataparallel.control.registry import ChannelURL
+from dataparallel.control.relay.local import LocalClient
+from dataparallel.control.relay.node import (
+    ADD,
+    APPEND,
+    CHECK,
+    COMPARE_SET,
+    DELETE,
+    GET,
+    MULTI_GET,
+    MULTI_SET,
+    NUM_KEYS,
+    SET,
+    pack,
+    unpack,
+)
+from dataparallel.errors import BadMessage, ChannelClosed, ConfigError
+
+#: Seconds a call waits for the relay beyond what its own operation may take.
+_SLACK = 5.0
+
+
+def _key(key: str) -> bytes:
+    return key.encode("utf-8", errors="surrogatepass")
+
+
+class RelayedChannel(ControlChannel):
+    scheme = "relay"
+    URL_FORM = "{scheme}:///PATH/relay.sock"
+    URL_HOST = False
+
+    @classmethod
+    def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
+        if not url.path.startswith("/"):
+            raise ConfigError(f"{url.shown!r}: no socket path (expected {cls.url_form(url)})")
+        if serving:
+            raise ConfigError(f"{url.shown!r}: a relay is hosted by its node's launcher, not served")
+
+    @classmethod
+    def security(cls, url: ChannelURL, token: str | None) -> str:
+        return "this machine only: the relay admits processes of its own user (checked by the kernel)"
+
+    def __init__(self, url: ChannelURL, **kwargs) -> None:
+        super().__init__(url, **kwargs)
+        if self.rank is None:
+            raise ConfigError(f"{url.shown!r}: a rank behind a node relay is given its rank by its launcher")
+        self._local = LocalClient(url.path, self.rank, timeout=self.timeout)
+        info = self._local.info
+        problems = []
+        if info.get("world_size") != self.world_size:
+            problems.append(f"world size {self.world_size}, the relay's job has {info.get('world_size')}")
+        if info.get("job") != self.job:
+            problems.append(f"job {self.job!r}, the relay's is {info.get('job')!r}")
+        if problems:
+            self._local.close()
+            raise ConfigError(f"{url.shown!r}: rank {self.rank} was given " + "; ".join(problems))
+
+    def _call(self, op: int, payload: bytes, waits: float = 0.0) -> bytes:
+        return self._local.call(op, payload, timeout=waits + self.timeout + _SLACK)
+
+    # ------------------------------------------------------------------ hooks
+    def _set(self, key: str, value: bytes) -> None:
+        self._call(SET, pack(_key(key), value))
+
+    def _get(self, key: str, timeout: float) -> bytes | None:
+        found = unpack(self._call(GET, pack(_key(key), struct.pack("<d", timeout)), waits=timeout))
+        return found[0] if found else None
+
+    def _add(self, key: str, amount: int) -> int:
+        return struct.unpack("<q", self._call(ADD, pack(_key(key), struct.pack("<q", amount))))[0]
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._call(COMPARE_SET, pack(_key(key), expected, desired))
+
+    def _delete(self, key: str) -> bool:
+        return self._call(DELETE, pack(_key(key))) == b"\x01"
+
+    def _check(self, keys: Sequence[str]) -> bool:
+        return self._call(CHECK, pack(*(_key(k) for k in keys))) == b"\x01"
+
+    def _num_keys(self) -> int:
+        return struct.unpack("<q", self._call(NUM_KEYS, pack()))[0]
+
+    def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
+        payload = pack(struct.pack("<d", timeout), *(_key(k) for k in keys))
+        found = unpack(self._call(MULTI_GET, payload, waits=timeout))
+        if not found:
+            return None
+        if len(found) != len(keys) + 1:
+            raise BadMessage(f"relay: {len(found) - 1} values for {len(keys)} keys")
+        return found[1:]
+
+    def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        self._call(MULTI_SET, pack(*(field for key, value in items for field in (_key(key), value))))
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._call(APPEND, pack(_key(key), value))
+
+    def _close(self) -> None:
+        self._local.close()
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
+        """As every channel's barrier; the node's ranks meet in shared memory and their relay
+        enters the barrier once for them."""
+        self._usable()
+        self._next_seq("barrier", name)
+        try:
+            generation = self._local.arrive(name)
+            # In slices, between which a lost peer (the core's liveness) ends the wait.
+            self._await_with(lambda slice_: self._local.released(generation, slice_), timeout, f"barrier {name!r}")
+        except ChannelClosed as err:
+            self._fail(err)
+            raise

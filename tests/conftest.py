@@ -13,7 +13,14 @@ from tiers import FAST_SERIAL, FULL_ONLY, HEAVY_FIRST
 #: timeouts of a second or two (etcd leases of 2 s among them): ``.ci/run`` runs them one at
 #: a time, after the rest has run on three workers, so that no other test's load stretches
 #: their clocks.
-SERIAL = {"test_faults.py", "test_elastic.py", "test_etcd.py", "test_coordinator_death.py", "test_recovery.py"}
+SERIAL = {
+    "test_faults.py",
+    "test_elastic.py",
+    "test_etcd.py",
+    "test_coordinator_death.py",
+    "test_recovery.py",
+    "test_relay.py",
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

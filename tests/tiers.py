@@ -239,6 +239,7 @@ FAST_SERIAL: dict[str, set[str]] = {
     "test_etcd.py": {"test_a_mutation_whose_reply_is_lost_is_applied_exactly_once"},
     "test_coordinator_death.py": {"test_standalone_coordinator_death_fails_clients_fast"},
     "test_recovery.py": {"test_without_restarts_the_failure_is_the_exit_code"},
+    "test_relay.py": {"test_ranks_behind_relays_read_write_and_meet_as_one_job"},
 }
 
 #: Worker-seconds of the heaviest files of the parallel phase (``pytest --full -n 3 --dist

@@ -43,6 +43,10 @@ RANK = textwrap.dedent(
                 ch.add("text", 1)
             except dp.BadMessage as err:
                 out["add_on_text"] = type(err).__name__
+            big = bytes(range(256)) * 4096  # 1 MiB
+            if rank == 1:
+                ch.set("big", big)
+            out["big"] = ch.get("big", timeout=30) == big
             for i in range(20):
                 ch.barrier("loop")
         elif mode == "loop":
@@ -119,9 +123,22 @@ class Nodes:
         self.upstreams[0].close()
 
 
+def _upstream(kind: str) -> str:
+    return f"zmq://127.0.0.1:{free_port()}" if kind == "zmq" else f"memory://relays-{free_port()}"
+
+
+@pytest.fixture(params=["zmq", "memory"])
+def nodes(request, tmp_path):
+    """Relays joined over a coordinator (zmq) or over a transport of keys alone (memory, as a
+    user's own is: the core keeps its runs, claims and token in keys)."""
+    n = Nodes(tmp_path, _upstream(request.param), nodes=2, per_node=3)
+    yield n
+    n.close()
+
+
 @pytest.fixture
-def nodes(tmp_path):
-    n = Nodes(tmp_path, f"zmq://127.0.0.1:{free_port()}", nodes=2, per_node=3)
+def zmq_nodes(tmp_path):
+    n = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=3)
     yield n
     n.close()
 
@@ -135,13 +152,15 @@ def test_ranks_behind_relays_read_write_and_meet_as_one_job(nodes):
         assert out["bcast"] == "hello"
         assert out["gathered"] == [f"r{i}" for i in range(world)]
         assert out["add_on_text"] == "BadMessage"
+        assert out["big"] is True
     assert sorted(out["count"] for out in results) == list(range(1, world + 1))  # each add applied once
     winners = {out["winner"] for out in results}
     assert len(winners) == 1 and sum(out["won"] for out in results) == 1
 
 
-def test_a_barrier_crosses_the_network_once_per_node(nodes):
+def test_a_barrier_crosses_the_network_once_per_node(zmq_nodes):
     """Counted at the coordinator: of the barriers' collects, one per node, not one per rank."""
+    nodes = zmq_nodes
     coordinator = nodes.upstreams[0]._hosted  # node 0's relay hosts it
     before = dict(coordinator.served())
     nodes.run("kv")

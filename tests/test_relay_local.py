@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dataparallel.control.relay.local import Call, Geometry, LocalClient, LocalServer
-from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlTimeout, PeerLost
+from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlTimeout, PeerLost
 
 ECHO, SLOW, FAIL, NEVER, BEAT = 1, 2, 3, 4, 5
 
@@ -30,6 +31,22 @@ RANK = textwrap.dedent(
         if op == "beat":
             client.beat()
             print(json.dumps(["beat", ""]), flush=True)
+            continue
+        if op == "beating":  # beat every 0.1 s from a thread, as a rank's liveness does
+            import threading
+            def beat_on():
+                while True:
+                    client.beat()
+                    time.sleep(0.1)
+            threading.Thread(target=beat_on, daemon=True).start()
+            print(json.dumps(["beating", ""]), flush=True)
+            continue
+        if op == "fork_holder":  # a child that holds the rank's socket open after the rank dies
+            import os
+            if os.fork() == 0:
+                time.sleep(payload)
+                os._exit(0)
+            print(json.dumps(["forked", ""]), flush=True)
             continue
         if op == "sleep":
             time.sleep(payload)
@@ -159,8 +176,11 @@ def test_oversized_and_late_calls_fail_typed_and_never_cross(tmp_path):
 
 
 def test_a_killed_rank_is_noticed_at_once_and_its_slot_freed(relay):
-    proc = rank_process(relay.server.path, 1, [[ECHO, "up"], ["sleep", 60]])
+    """By its process's end (a pidfd), not by its socket's: a child of the rank holds the
+    socket open after the rank is killed."""
+    proc = rank_process(relay.server.path, 1, [[ECHO, "up"], ["fork_holder", 30], ["sleep", 60]])
     assert proc.stdout.readline().strip() == json.dumps(["ok", "echo:up"])
+    assert json.loads(proc.stdout.readline())[0] == "forked"
     assert relay.server.members() == {1: proc.pid}
     proc.send_signal(signal.SIGKILL)
     killed = time.monotonic()
@@ -168,7 +188,7 @@ def test_a_killed_rank_is_noticed_at_once_and_its_slot_freed(relay):
     deadline = time.monotonic() + 5
     while not relay.gone and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert relay.gone and relay.gone[0][0] == 1, relay.gone
+    assert relay.gone and relay.gone[0][:2] == (1, "its process ended"), relay.gone
     assert relay.gone[0][2] - killed < 0.5
     assert relay.server.members() == {}
     # The local rank can be taken again (a restarted worker).
@@ -176,18 +196,22 @@ def test_a_killed_rank_is_noticed_at_once_and_its_slot_freed(relay):
 
 
 def test_a_frozen_rank_is_seen_by_its_silence(relay):
-    proc = rank_process(relay.server.path, 0, [["beat", ""], [ECHO, "up"], ["sleep", 60]])
-    assert json.loads(proc.stdout.readline())[0] == "beat"
-    proc.stdout.readline()
-    proc.send_signal(signal.SIGSTOP)
+    """Two ranks beating every 0.1 s; one is frozen: its silence grows, the other's does not."""
+    procs = [rank_process(relay.server.path, r, [["beating", ""], ["sleep", 60]]) for r in (0, 1)]
     try:
-        time.sleep(1.0)
-        silent = relay.server.silent(0)
-        assert silent is not None and silent >= 1.0
+        for p in procs:
+            assert json.loads(p.stdout.readline())[0] == "beating"
+        time.sleep(0.5)
+        procs[0].send_signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        frozen, beating = relay.server.silent(0), relay.server.silent(1)
+        assert frozen is not None and frozen >= 1.4, frozen
+        assert beating is not None and beating < 0.5, beating
         assert relay.gone == []  # frozen is not dead: the relay's liveness judges the silence
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
 
 
 def test_a_closed_relay_ends_a_waiting_call(tmp_path):
@@ -323,7 +347,7 @@ def test_a_node_barrier_is_one_handler_call_per_generation_in_order(tmp_path):
     seen: list[tuple[int, bytes | None]] = []
     relay_box: list[Relay] = []
 
-    def on_barrier(generation: int, name: bytes | None) -> None:
+    def on_barrier(generation: int, name: bytes | None, timeout: float) -> None:
         seen.append((generation, name))
         # Released later, from another thread: as a relay does after its upstream request.
         threading.Timer(0.01, relay_box[0].server.release, args=(generation, 0, b"out%d" % generation)).start()
@@ -349,7 +373,7 @@ def test_ranks_in_different_barriers_are_told_and_an_error_outcome_is_typed(tmp_
 
     relay_box: list[Relay] = []
 
-    def on_barrier(generation: int, name: bytes | None) -> None:
+    def on_barrier(generation: int, name: bytes | None, timeout: float) -> None:
         if name is None:
             relay_box[0].server.release(generation, ERROR, error_bytes(BadMessage("ranks named different barriers")))
         elif name == b"lost":
@@ -388,3 +412,111 @@ def test_a_node_barrier_missing_a_rank_times_out_and_the_next_one_is_the_next_ge
     # Rank 0 had arrived at "first" before it gave up: the late rank completes it, and both meet at "second".
     assert first[1] == ["ok", ""] and second == [["ok", ""], ["ok", ""]]
     assert time.monotonic() - start < 30
+
+
+def test_a_client_that_hangs_up_or_says_nothing_holds_up_no_one(relay):
+    import socket
+
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(str(relay.server.path))  # connects, says nothing, stays
+    for _ in range(5):  # connect and hang up at once, before the relay can answer
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(relay.server.path))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+        s.close()
+    try:
+        start = time.monotonic()
+        assert outputs(rank_process(relay.server.path, 0, [[ECHO, "through"]])) == [["ok", "echo:through"]]
+        assert time.monotonic() - start < 4.0  # not behind the silent one's 5 s for a hello
+        silent.settimeout(10)
+        said = silent.recv(4096)  # dropped once its time for a hello is out
+        assert b"no hello within" in said, said
+    finally:
+        silent.close()
+
+
+def test_closing_a_client_ends_its_calls_in_flight(relay):
+    client = LocalClient(relay.server.path, 0)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.call(NEVER, b"", timeout=30)
+        except BaseException as err:
+            errors.append(err)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    client.close()
+    t.join(timeout=10)
+    assert len(errors) == 1 and isinstance(errors[0], ChannelClosed), errors
+    with pytest.raises(ChannelClosed):
+        client.call(ECHO, b"after", timeout=5)
+
+
+def test_a_long_name_of_many_bytes_per_character_crosses_whole(tmp_path):
+    seen: list[bytes | None] = []
+
+    def on_barrier(generation: int, name: bytes | None, timeout: float) -> None:
+        seen.append(name)
+        relay.server.release(generation)
+
+    relay = Relay(tmp_path / "relay", ranks=2, on_barrier=on_barrier)
+    try:
+        name = "épreuve-" * 60  # 2 bytes for each é: a cut must fall between characters
+        procs = [rank_process(relay.server.path, r, [["barrier", [name, 20]]]) for r in (0, 1)]
+        assert [outputs(p) for p in procs] == [[["ok", ""]]] * 2
+    finally:
+        relay.close()
+    (got,) = seen
+    assert got is not None and got.decode().startswith("épreuve-") and b"#" in got
+
+
+INTRUDER_RELAY = textwrap.dedent(
+    """
+    import socket, sys, time
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(sys.argv[1])
+    s.listen(4)
+    print("listening", flush=True)
+    s.settimeout(20)
+    conn, _ = s.accept()
+    conn.settimeout(5)
+    try:
+        got = conn.recv(4096)
+    except OSError:
+        got = b""
+    print("heard" if got else "nothing", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_a_relay_of_another_user_is_refused_before_anything_is_sent(tmp_path):
+    """Another user (``nobody``) puts a socket where a rank looks for its relay: the rank
+    checks who serves it and says nothing to it."""
+    import pwd
+    import shutil
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="dp-fake-relay-"))
+    base.chmod(0o777)
+    try:
+        path = base / "relay.sock"
+        fake = subprocess.Popen(
+            ["/usr/bin/python3", "-I", "-c", INTRUDER_RELAY, str(path)],
+            stdout=subprocess.PIPE,
+            text=True,
+            user=nobody.pw_uid,
+            group=nobody.pw_gid,
+            cwd="/",
+        )
+        assert fake.stdout.readline().strip() == "listening"
+        with pytest.raises(AuthError, match=f"is user {nobody.pw_uid}, not this user"):
+            LocalClient(path, 0, timeout=10)
+        assert fake.stdout.readline().strip() == "nothing"
+        fake.wait(timeout=20)
+    finally:
+        shutil.rmtree(base)

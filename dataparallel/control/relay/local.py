@@ -42,6 +42,7 @@ every call, which is the cost the relay exists to remove.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -53,8 +54,8 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout
@@ -72,7 +73,7 @@ _HEADER_BYTES = 64
 #: then the last barrier generation it arrived at and that barrier's name (length, bytes).
 _AREA_HEAD = 320
 _BEAT = struct.Struct("<d")
-_ARRIVAL = struct.Struct("<QI")  # at offset 8: generation, name length; the name follows
+_ARRIVAL = struct.Struct("<QId")  # at offset 8: generation, name length, timeout; the name follows
 _NAME_AT = 8 + _ARRIVAL.size
 _NAME_BYTES = _AREA_HEAD - _NAME_AT
 #: The node's area (the relay writes, the ranks only read): ``_OUTCOMES`` records of
@@ -93,10 +94,11 @@ def barrier_name(name: str) -> bytes:
     area holds, its head and a digest of the whole (the same on every rank of every node)."""
     import hashlib
 
-    raw = name.encode()
+    raw = name.encode("utf-8", errors="surrogatepass")
     if len(raw) <= _NAME_BYTES:
         return raw
-    return raw[: _NAME_BYTES - 33] + b"#" + hashlib.blake2b(raw, digest_size=16).hexdigest().encode()
+    head = raw[: _NAME_BYTES - 33].decode("utf-8", errors="ignore").encode()  # whole characters only
+    return head + b"#" + hashlib.blake2b(raw, digest_size=16).hexdigest().encode()
 
 
 #: Reply statuses. A handler answers OK with its bytes or ERROR with a JSON error (its type
@@ -104,6 +106,10 @@ def barrier_name(name: str) -> bytes:
 OK, ERROR = 0, 1
 
 _HELLO_MAX = 4096
+#: Seconds a connecting process has to say its hello before it is dropped.
+_HELLO_WITHIN = 5.0
+#: Most slots a rank may have (their bells travel in one message).
+MAX_SLOTS = 32
 
 
 def _eventfd_ring(fd: int) -> None:
@@ -112,10 +118,17 @@ def _eventfd_ring(fd: int) -> None:
 
 @dataclass(frozen=True)
 class Geometry:
-    """How a rank's area is laid out: ``slots`` slots of ``slot_bytes`` payload each."""
+    """How a rank's area is laid out: ``slots`` slots of ``slot_bytes`` payload each. A slot
+    holds a call's request and then its reply, so the largest value a call carries; pages
+    are the kernel's only once written (a memfd), so the default's 8 MiB costs what the
+    largest values sent have touched."""
 
     slots: int = 4
-    slot_bytes: int = 64 * 1024
+    slot_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.slots <= MAX_SLOTS or self.slot_bytes < 1024:
+            raise ConfigError(f"a relay's ranks have 1..{MAX_SLOTS} slots of at least 1 KiB, not {self}")
 
     @property
     def stride(self) -> int:
@@ -169,12 +182,16 @@ class _Member:
         self.seen = [0] * geometry.slots
         self.lock = threading.Lock()  # the reply fields of its slots
         self.gone = False
+        self.closed = False
         try:
             self.pidfd: int | None = os.pidfd_open(pid)
         except OSError:  # no pidfds (Linux before 5.3): the socket's end still tells
             self.pidfd = None
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for fd in [
             self.memfd,
             self.doorbell,
@@ -193,16 +210,27 @@ class _Member:
         self.conn.close()
 
 
+@dataclass
+class _Hello:
+    """A connection whose hello has not all come yet."""
+
+    conn: socket.socket
+    pid: int
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+
+
 class LocalServer:
     """The relay's end: serves the ranks of one node.
 
     ``handler(call)`` is called on the server's thread for each request and must not block:
-    it answers at once or hands the call on. ``on_barrier(generation, name)`` likewise, once
-    per barrier generation that every local rank reached (``name``: the barrier's, as
-    :func:`barrier_name` gives it; ``None`` where the ranks waiting in it named different
-    ones, or none waits any more); it answers with :meth:`release`, at once or later (by
-    default: released at once). ``on_gone(rank, how)`` is called once for a rank
-    whose process ended or who closed (``how`` says which), on the server's thread.
+    it answers at once or hands the call on. ``on_barrier(generation, name, timeout)``
+    likewise, once per barrier generation that every local rank reached (``name``: the
+    barrier's, as :func:`barrier_name` gives it; ``None`` where the ranks waiting in it named
+    different ones, or none waits any more; ``timeout``: the longest any of them waits); it
+    answers with :meth:`release`, at once or later (by default: released at once).
+    ``on_gone(rank, how)`` is called once for a rank whose process ended or who closed
+    (``how`` says which), on the server's thread.
     ``ranks``: how many local ranks may join; a rank says its number, ``first_rank`` to
     ``first_rank + ranks - 1`` (the node's ranks in the job; 0 by default). ``info``: what
     every joining rank is told besides the layout (the node's place in the job)."""
@@ -214,7 +242,7 @@ class LocalServer:
         handler: Callable[[Call], None],
         on_gone: Callable[[int, str], None] | None = None,
         geometry: Geometry | None = None,
-        on_barrier: Callable[[int, bytes | None], None] | None = None,
+        on_barrier: Callable[[int, bytes | None, float], None] | None = None,
         first_rank: int = 0,
         info: dict | None = None,
     ) -> None:
@@ -225,10 +253,12 @@ class LocalServer:
         self.info = dict(info or {})
         self.geometry = geometry or Geometry()
         self._handler, self._on_gone = handler, on_gone
-        self._on_barrier = on_barrier or (lambda generation, name: self.release(generation))
+        self._on_barrier = on_barrier or (lambda generation, name, timeout: self.release(generation))
         self._node_fd = os.memfd_create("dp-relay-node", os.MFD_CLOEXEC)
         os.ftruncate(self._node_fd, _NODE_BYTES)
         self._node = mmap.mmap(self._node_fd, _NODE_BYTES)
+        # The ranks get the node's area through a read-only descriptor: they cannot map it writable.
+        self._node_ro = os.open(f"/proc/self/fd/{self._node_fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._arrivals = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._completed = 0  # the last generation handed to on_barrier
         self._release_lock = threading.Lock()
@@ -241,6 +271,10 @@ class LocalServer:
                 f"(mode 0700; it is {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})"
             )
         self.path = self.directory / "relay.sock"
+        try:  # a relay that ended without closing left its socket (the directory is this user's alone)
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -258,6 +292,7 @@ class LocalServer:
         self._poll.register(self._wake, select.EPOLLIN)
         self._poll.register(self._arrivals, select.EPOLLIN)
         self._fd_owner: dict[int, tuple[str, _Member]] = {}
+        self._hellos: dict[int, _Hello] = {}  # connections that have not said their hello yet
         self._thread = threading.Thread(target=self._serve, name="dp-relay-local", daemon=True)
         self._thread.start()
 
@@ -269,9 +304,12 @@ class LocalServer:
     def silent(self, rank: int) -> float | None:
         """Seconds since ``rank`` last beat (None: not joined, or never beat)."""
         member = self._members.get(rank)
-        if member is None or member.gone:
+        if member is None:
             return None
-        (beat,) = _BEAT.unpack_from(member.area, 0)
+        with member.lock:
+            if member.gone:
+                return None
+            (beat,) = _BEAT.unpack_from(member.area, 0)
         return None if beat == 0.0 else max(0.0, time.monotonic() - beat)
 
     def close(self) -> None:
@@ -281,9 +319,12 @@ class LocalServer:
         for member in list(self._members.values()):
             member.close()
         self._members.clear()
+        for hello in list(self._hellos.values()):
+            hello.conn.close()
+        self._hellos.clear()
         self._poll.close()
         self._listener.close()
-        for fd in (self._wake, self._arrivals, self._node_fd):
+        for fd in (self._wake, self._arrivals, self._node_fd, self._node_ro):
             os.close(fd)
         self._node.close()
         try:
@@ -300,11 +341,19 @@ class LocalServer:
     # ------------------------------------------------------------------ the loop
     def _serve(self) -> None:
         while not self._stop:
+            now = time.monotonic()
+            for late in [h for h in self._hellos.values() if h.deadline <= now]:
+                self._drop_hello(late, BadMessage(f"no hello within {_HELLO_WITHIN:g}s"))
+            wait = min([1.0, *(h.deadline - now for h in self._hellos.values())])
             try:
-                events = self._poll.poll(1.0)
+                events = self._poll.poll(max(wait, 0.01))
             except InterruptedError:
                 continue
             for fd, _ in events:
+                hello = self._hellos.get(fd)
+                if hello is not None:
+                    self._read_hello(hello)
+                    continue
                 owner = self._fd_owner.get(fd)
                 if owner is not None:
                     kind, member = owner
@@ -325,7 +374,7 @@ class LocalServer:
     def _drain(fd: int) -> None:
         try:
             os.eventfd_read(fd)
-        except BlockingIOError:
+        except OSError:  # nothing to read (BlockingIOError), or closed under a closing client
             pass
 
     def _scan(self, member: _Member) -> None:
@@ -356,18 +405,20 @@ class LocalServer:
         if len(members) < self.ranks:
             return  # a rank not joined yet (or gone: the relay's on_gone decides what follows)
         arrivals = [_ARRIVAL.unpack_from(m.area, 8) for m in members]
-        reached = min(generation for generation, _ in arrivals)
+        reached = min(generation for generation, _, _ in arrivals)
         while self._completed < reached:
             self._completed += 1
             # Only the ranks still at this generation say its name (one that gave up on it and
             # went on wrote its next barrier's).
-            names = {
-                bytes(m.area[_NAME_AT : _NAME_AT + min(length, _NAME_BYTES)])
-                for m, (generation, length) in zip(members, arrivals, strict=True)
-                if generation == self._completed
-            }
+            at = [
+                (m, length, timeout)
+                for m, (g, length, timeout) in zip(members, arrivals, strict=True)
+                if g == self._completed
+            ]
+            names = {bytes(m.area[_NAME_AT : _NAME_AT + min(length, _NAME_BYTES)]) for m, length, _ in at}
+            longest = max([timeout for _, _, timeout in at], default=0.0)
             try:
-                self._on_barrier(self._completed, names.pop() if len(names) == 1 else None)
+                self._on_barrier(self._completed, names.pop() if len(names) == 1 else None, longest)
             except Exception as err:
                 log.exception("relay barrier handler failed at generation %d", self._completed)
                 self.release(self._completed, ERROR, _error_text(err))
@@ -379,15 +430,15 @@ class LocalServer:
             status, payload = ERROR, _error_text(BadMessage(f"a barrier outcome of {len(payload)} bytes"))
         with self._release_lock:
             at = _outcome_at(generation)
+            if _OUTCOME.unpack_from(self._node, at)[0] >= generation:
+                return  # released already, or a later generation holds the record (a late release)
             self._node[at + _OUTCOME.size : at + _OUTCOME.size + len(payload)] = payload
             struct.pack_into("<iI", self._node, at + 8, status, len(payload))
             struct.pack_into("<Q", self._node, at, generation)
             for member in list(self._members.values()):
-                if not member.gone:
-                    try:
+                with member.lock:
+                    if not member.gone:
                         _eventfd_ring(member.barrier_bell)
-                    except OSError:
-                        pass
 
     def _answer(self, member: _Member, slot: int, seq: int, status: int, payload: bytes) -> None:
         geo = self.geometry
@@ -415,20 +466,62 @@ class LocalServer:
                     log.error("relay cannot accept a local rank: %s", err)
                     return
                 raise
-            try:
-                self._admit(conn)
-            except Exception as err:
-                log.warning("relay refused a local connection: %s", err)
-                _send_json(conn, {"error": type(err).__name__, "message": str(err)})
-                conn.close()
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _gid = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                who = f"the relay serves only user {os.getuid()}'s processes; pid {pid} is user {uid}"
+                self._refuse(conn, AuthError(who))
+                continue
+            # The hello is read as it comes, by the loop: a process that connects and says
+            # nothing holds up no one (and is dropped after _HELLO_WITHIN).
+            conn.setblocking(False)
+            hello = _Hello(conn, pid, time.monotonic() + _HELLO_WITHIN)
+            self._hellos[conn.fileno()] = hello
+            self._poll.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
 
-    def _admit(self, conn: socket.socket) -> None:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _gid = struct.unpack("3i", creds)
-        if uid != os.getuid():
-            raise AuthError(f"the relay serves only user {os.getuid()}'s processes; pid {pid} is user {uid}")
-        conn.settimeout(5.0)
-        hello = _recv_json(conn)
+    def _read_hello(self, hello: _Hello) -> None:
+        try:
+            chunk = hello.conn.recv(_HELLO_MAX)
+        except BlockingIOError:
+            return
+        except OSError as err:
+            self._drop_hello(hello, BadMessage(f"local hello cut short: {err}"))
+            return
+        if not chunk:
+            self._drop_hello(hello, BadMessage("local hello cut short"))
+            return
+        hello.data += chunk
+        data = bytes(hello.data)
+        complete = len(data) >= 4 and len(data) >= 4 + struct.unpack_from("<I", data)[0]
+        if complete or len(data) >= _HELLO_MAX:
+            self._hellos.pop(hello.conn.fileno(), None)
+            self._poll.unregister(hello.conn.fileno())
+            try:
+                self._admit(hello.conn, hello.pid, _parse_frame(data))
+            except Exception as err:
+                self._refuse(hello.conn, err)
+
+    def _drop_hello(self, hello: _Hello, error: Exception) -> None:
+        fd = hello.conn.fileno()
+        self._hellos.pop(fd, None)
+        try:
+            self._poll.unregister(fd)
+        except (OSError, ValueError):
+            pass
+        self._refuse(hello.conn, error)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, error: Exception) -> None:
+        log.warning("relay refused a local connection: %s", error)
+        try:
+            conn.setblocking(False)
+            conn.send(_frame({"error": type(error).__name__, "message": str(error)}))
+        except OSError:
+            pass  # gone already: nothing to tell
+        finally:
+            conn.close()
+
+    def _admit(self, conn: socket.socket, pid: int, hello: dict) -> None:
         if hello.get("protocol") != LOCAL_PROTOCOL:
             raise BadMessage(f"local protocol {hello.get('protocol')!r}; this relay speaks {LOCAL_PROTOCOL}")
         said = hello.get("rank")
@@ -437,6 +530,8 @@ class LocalServer:
             raise ConfigError(f"rank {said!r} is not one of this node's, {first}..{last}")
         rank = said - first
         held = self._members.get(rank)
+        if held is not None and not held.gone and held.pidfd is not None and _readable([held.pidfd], 0):
+            self._gone(held, "its process ended")  # a restarted worker came before its old one's end was read
         if held is not None and not held.gone:
             raise ConfigError(f"local rank {rank} is already held by pid {held.pid}")
         member = _Member(rank, pid, conn, self.geometry)
@@ -450,12 +545,13 @@ class LocalServer:
         }
         # A rank taking a local rank (a first or a restarted worker) starts at the node's
         # barrier count: set before the rank can see its area.
-        _ARRIVAL.pack_into(member.area, 8, self._completed, 0)
-        fds = [member.memfd, member.doorbell, self._node_fd, self._arrivals, member.barrier_bell, *member.bells]
-        socket.send_fds(conn, [_frame(header)], fds)
-        conn.setblocking(False)
-        if held is not None:
-            held.close()
+        _ARRIVAL.pack_into(member.area, 8, self._completed, 0, 0.0)
+        fds = [member.memfd, member.doorbell, self._node_ro, self._arrivals, member.barrier_bell, *member.bells]
+        try:
+            socket.send_fds(conn, [_frame(header)], fds)
+        except OSError:
+            member.close()
+            raise
         self._members[rank] = member
         self._poll.register(member.doorbell, select.EPOLLIN)
         self._fd_owner[member.doorbell] = ("door", member)
@@ -477,6 +573,8 @@ class LocalServer:
                     self._poll.unregister(fd)
                 except (OSError, ValueError):
                     pass
+        with member.lock:  # no answer is being written (they look at gone under this lock)
+            member.close()
         if self._on_gone is not None:
             try:
                 self._on_gone(member.rank, how)
@@ -487,7 +585,9 @@ class LocalServer:
 class LocalClient:
     """A rank's end: joins the relay at ``path`` as ``rank`` (one of the node's; the relay's
     local rank ``rank - first_rank``). Thread-safe: each call takes a free slot of its own.
-    ``info``: what the relay told it (the node's place in the job)."""
+    ``info``: what the relay told it (the node's place in the job). The relay must be a
+    process of this user (checked with ``SO_PEERCRED``): a socket put at ``path`` by another
+    user is refused before anything is sent to it."""
 
     def __init__(self, path: str | os.PathLike[str], rank: int, timeout: float = 30.0) -> None:
         self.rank = rank
@@ -495,19 +595,31 @@ class LocalClient:
         self._conn.settimeout(timeout)
         try:
             self._conn.connect(str(path))
+            creds = self._conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _gid = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                raise AuthError(f"the process serving {path} (pid {pid}) is user {uid}, not this user ({os.getuid()})")
             _send_json(self._conn, {"protocol": LOCAL_PROTOCOL, "rank": rank})
-            data, fds, _flags, _addr = socket.recv_fds(self._conn, _HELLO_MAX, 64)
+            data, fds, _flags, _addr = socket.recv_fds(self._conn, _HELLO_MAX, MAX_SLOTS + 5)
+        except AuthError:
+            self._conn.close()
+            raise
         except (TimeoutError, OSError) as err:
             self._conn.close()
             raise ChannelClosed(f"no node relay at {path}: {err}") from err
-        header = _parse_frame(data)
-        if "error" in header:
+        try:
+            header = _parse_frame(data)
+            if "error" in header:
+                kind = {"AuthError": AuthError, "BadMessage": BadMessage}.get(header["error"], ConfigError)
+                raise kind(f"node relay at {path} refused local rank {rank}: {header['message']}")
+            self.geometry = Geometry(slots=header["slots"], slot_bytes=header["slot_bytes"])
+            if len(fds) != 5 + self.geometry.slots:
+                raise BadMessage(f"node relay at {path}: {len(fds)} descriptors for {self.geometry.slots} slots")
+        except BaseException:
             self._conn.close()
             for fd in fds:
                 os.close(fd)
-            kind = {"AuthError": AuthError, "BadMessage": BadMessage}.get(header["error"], ConfigError)
-            raise kind(f"node relay at {path} refused local rank {rank}: {header['message']}")
-        self.geometry = Geometry(slots=header["slots"], slot_bytes=header["slot_bytes"])
+            raise
         self.info: dict = header.get("info") or {}
         self.local_rank: int = header["rank"]
         memfd, self._doorbell, node_fd, self._arrivals, self._barrier_bell, *self._bells = fds
@@ -521,16 +633,18 @@ class LocalClient:
         self._free = list(range(self.geometry.slots))
         self._free_cv = threading.Condition()
         self._closed = False
+        self._in_flight = 0  # calls and waits using the descriptors: close() waits for them
         self._conn.setblocking(True)
 
     def beat(self) -> None:
         """Say the rank is alive (the relay reads how long ago it last did)."""
-        _BEAT.pack_into(self._area, 0, time.monotonic())
+        with self._using():
+            _BEAT.pack_into(self._area, 0, time.monotonic())
 
     def barrier(self, name: str, timeout: float) -> bytes:
         """Arrive at the node's next barrier and wait up to ``timeout`` seconds until the relay
         releases it: :meth:`arrive`, then :meth:`released` until it answers."""
-        generation = self.arrive(name)
+        generation = self.arrive(name, timeout)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -540,14 +654,15 @@ class LocalClient:
             if outcome is not None:
                 return outcome
 
-    def arrive(self, name: str) -> int:
-        """Arrive at the node's next barrier, named ``name``; returns its generation. One
-        barrier at a time per rank (as a channel's collectives)."""
-        with self._barrier_lock:
+    def arrive(self, name: str, timeout: float) -> int:
+        """Arrive at the node's next barrier, named ``name``, for which this rank waits up to
+        ``timeout`` seconds (the relay waits upstream as long as the longest-waiting rank);
+        returns its generation. A rank enters its barriers one at a time."""
+        with self._using(), self._barrier_lock:
             self._generation += 1
             raw = barrier_name(name)
             self._area[_NAME_AT : _NAME_AT + len(raw)] = raw
-            _ARRIVAL.pack_into(self._area, 8, self._generation, len(raw))
+            _ARRIVAL.pack_into(self._area, 8, self._generation, len(raw), float(timeout))
             try:
                 _eventfd_ring(self._arrivals)
             except OSError as err:
@@ -560,18 +675,14 @@ class LocalClient:
         caller can look at its peers between slices)."""
         at = _outcome_at(generation)
         deadline = time.monotonic() + timeout
-        while _OUTCOME.unpack_from(self._node, at)[0] != generation:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready = _readable([self._barrier_bell, self._conn.fileno()], left)
-            if self._barrier_bell in ready:
-                LocalServer._drain(self._barrier_bell)
-            elif ready:
-                self._closed = True
-                raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
-        _, status, length = _OUTCOME.unpack_from(self._node, at)
-        outcome = bytes(self._node[at + _OUTCOME.size : at + _OUTCOME.size + length])
+        with self._using():
+            while _OUTCOME.unpack_from(self._node, at)[0] != generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._wait(self._barrier_bell, left)
+            _, status, length = _OUTCOME.unpack_from(self._node, at)
+            outcome = bytes(self._node[at + _OUTCOME.size : at + _OUTCOME.size + length])
         if status == OK:
             return outcome
         raise _error_from(outcome)
@@ -579,51 +690,64 @@ class LocalClient:
     def call(self, op: int, payload: bytes, timeout: float) -> bytes:
         """Send ``op`` with ``payload`` and wait up to ``timeout`` seconds for the reply's bytes.
         A handler's error is raised as its type (a :class:`dataparallel.errors` one by name);
-        the relay gone: ChannelClosed; no reply in time: ControlTimeout (the slot stays taken
-        until the late reply comes, so it can never be misread as another call's)."""
+        the relay gone or this client closed: ChannelClosed; no reply in time: ControlTimeout
+        (the slot stays taken until the late reply comes, so it can never be misread as
+        another call's)."""
         geo = self.geometry
         if len(payload) > geo.slot_bytes:
             raise BadMessage(f"a request of {len(payload)} bytes; the relay's slots take {geo.slot_bytes}")
         deadline = time.monotonic() + timeout
-        slot = self._take(deadline)
-        seq = self._seq[slot] + 1
-        self._seq[slot] = seq
-        at = geo.slot_at(slot)
-        area = self._area
-        area[at + _HEADER_BYTES : at + _HEADER_BYTES + len(payload)] = payload
-        struct.pack_into("<II", area, at + 16, op, len(payload))
-        struct.pack_into("<Q", area, at, seq)
-        bell = self._bells[slot]
-        try:
-            _eventfd_ring(self._doorbell)
-        except OSError as err:
+        with self._using():
+            slot = self._take(deadline)
+            seq = self._seq[slot] + 1
+            self._seq[slot] = seq
+            at = geo.slot_at(slot)
+            area = self._area
+            area[at + _HEADER_BYTES : at + _HEADER_BYTES + len(payload)] = payload
+            struct.pack_into("<II", area, at + 16, op, len(payload))
+            struct.pack_into("<Q", area, at, seq)
+            try:
+                _eventfd_ring(self._doorbell)
+                while True:
+                    _req, rep, _op, _len, status, rlen = _HEADER.unpack_from(area, at)
+                    if rep == seq:
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        # The slot stays taken: a late reply would otherwise answer the next call.
+                        threading.Thread(target=self._reclaim, args=(slot, seq), daemon=True).start()
+                        raise ControlTimeout(f"local rank {self.rank}'s reply from the node relay", timeout)
+                    self._wait(self._bells[slot], left)
+            except ControlTimeout:
+                raise
+            except BaseException:
+                self._give(slot)
+                raise
+            reply = bytes(area[at + _HEADER_BYTES : at + _HEADER_BYTES + rlen])
             self._give(slot)
-            raise ChannelClosed(f"node relay gone: {err}") from err
-        while True:
-            _req, rep, _op, _len, status, rlen = _HEADER.unpack_from(area, at)
-            if rep == seq:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                # The slot is left taken: a late reply would otherwise answer the next call.
-                threading.Thread(target=self._reclaim, args=(slot, seq), daemon=True).start()
-                raise ControlTimeout(f"local rank {self.rank}'s reply from the node relay", timeout)
-            ready = _readable([bell, self._conn.fileno()], min(left, 1.0))
-            if bell in ready:
-                LocalServer._drain(bell)
-            elif ready:
-                self._closed = True
-                raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
-        reply = bytes(area[at + _HEADER_BYTES : at + _HEADER_BYTES + rlen])
-        self._give(slot)
         if status == OK:
             return reply
         raise _error_from(reply)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Close: calls in flight raise ChannelClosed; the descriptors are released once they
+        have (a descriptor closed under a waiting thread could be another file's by then)."""
+        with self._free_cv:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._conn.shutdown(socket.SHUT_RDWR)  # wakes every waiter: the socket reads as closed
+        except OSError:
+            pass
+        with self._free_cv:
+            self._free_cv.notify_all()
+            deadline = time.monotonic() + 5.0
+            while self._in_flight and time.monotonic() < deadline:
+                self._free_cv.wait(0.05)
+            if self._in_flight:
+                log.warning("local rank %d: %d calls still in flight at close", self.rank, self._in_flight)
+                return  # their descriptors stay open rather than be closed under them
         self._conn.close()
         for fd in [self._doorbell, self._arrivals, self._barrier_bell, *self._bells]:
             os.close(fd)
@@ -639,12 +763,36 @@ class LocalClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        with self._free_cv:
+            if self._closed:
+                raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._free_cv:
+                self._in_flight -= 1
+                self._free_cv.notify_all()
+
+    def _wait(self, bell: int, left: float) -> None:
+        """Wait up to ``left`` (at most a second) for ``bell``; ChannelClosed once the relay
+        or this client is closed."""
+        ready = _readable([bell, self._conn.fileno()], min(left, 1.0))
+        if self._closed:
+            raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay was closed")
+        if bell in ready:
+            LocalServer._drain(bell)
+        elif ready:
+            raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
+
     def _take(self, deadline: float) -> int:
         start = time.monotonic()
         with self._free_cv:
             while not self._free:
                 if self._closed:
-                    raise ChannelClosed(f"local rank {self.rank}: closed")
+                    raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ControlTimeout(
@@ -656,13 +804,18 @@ class LocalClient:
     def _give(self, slot: int) -> None:
         with self._free_cv:
             self._free.append(slot)
-            self._free_cv.notify()
+            self._free_cv.notify_all()
 
     def _reclaim(self, slot: int, seq: int) -> None:
+        """Free a timed-out call's slot once its late reply has come (while the client lives)."""
         at = self.geometry.slot_at(slot)
-        while not self._closed:
-            if _HEADER.unpack_from(self._area, at)[1] == seq:
-                self._give(slot)
+        while True:
+            try:
+                with self._using():
+                    if _HEADER.unpack_from(self._area, at)[1] == seq:
+                        self._give(slot)
+                        return
+            except ChannelClosed:
                 return
             time.sleep(0.05)
 
@@ -697,18 +850,6 @@ def _send_json(conn: socket.socket, obj: dict) -> None:
     conn.sendall(_frame(obj))
 
 
-def _recv_json(conn: socket.socket) -> dict:
-    data = b""
-    while len(data) < 4 or len(data) < 4 + struct.unpack_from("<I", data)[0]:
-        if len(data) >= _HELLO_MAX:
-            raise BadMessage("local hello too long")
-        chunk = conn.recv(_HELLO_MAX - len(data))
-        if not chunk:
-            raise BadMessage("local hello cut short")
-        data += chunk
-    return _parse_frame(data)
-
-
 def error_bytes(error: BaseException) -> bytes:
     """``error`` as a call's or a barrier's ERROR outcome (see :func:`_error_text`)."""
     return _error_text(error)
@@ -733,6 +874,10 @@ def _error_from(reply: bytes) -> Exception:
         return BadMessage(f"node relay: unreadable error {reply[:80]!r}")
     if name == "ValueError":  # a hook's one error besides ControlErrors (_add on a value that is no number)
         return ValueError(message)
+    if name == "ReadUnanswered":  # a read the store left unanswered: the rank's wait reads again
+        from ..channel import ReadUnanswered
+
+        return ReadUnanswered(message)
     kind = getattr(errors, name, None)
     if not (isinstance(kind, type) and issubclass(kind, errors.ControlError)):
         return errors.ControlError(f"{name}: {message}")

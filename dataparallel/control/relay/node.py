@@ -1,8 +1,10 @@
 """The node relay: one process per node speaks for its ranks to the job's channel.
 
 The relay holds ``upstream``, a channel of any transport (a user's own included) on which
-it is one member: rank ``node_rank`` of ``nodes``, under a job of its own beside the ranks'
-(``JOB~nodes``, so that its claims and heartbeats never meet theirs). Its node's ranks reach
+it is one member: rank ``node_rank`` of ``nodes`` (under a job of the caller's choosing, say
+``JOB~nodes``). The ranks' keys go under a prefix of their own in that channel's key space
+(:data:`RANKS`), so that their claims, runs and heartbeats never meet the relays'. Its
+node's ranks reach
 it through the local leg (:mod:`.local`) with a :class:`~dataparallel.transports.relay.RelayedChannel`
 each, and through it:
 
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
     from ..channel import ControlChannel
 
 log = logging.getLogger(__name__)
+
+#: Where the ranks' keys live in the relays' channel.
+RANKS = "ranks/"
 
 #: The pass-through operations' numbers on the local leg.
 SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEND = range(1, 11)
@@ -69,7 +74,8 @@ def unpack(data: bytes) -> list[bytes]:
 
 
 def _text(field: bytes) -> str:
-    return field.decode("utf-8", errors="surrogatepass")
+    """A rank's key, under the ranks' prefix."""
+    return RANKS + field.decode("utf-8", errors="surrogatepass")
 
 
 def _float(field: bytes) -> float:
@@ -134,8 +140,9 @@ class NodeRelay:
         self._on_gone = on_gone
         geometry = geometry or Geometry()
         # A thread for every call that can be in flight (each slot of each rank may wait in a
-        # get), and one for the node's barrier.
-        self._pool = ThreadPoolExecutor(max_workers=local_ranks * geometry.slots + 1, thread_name_prefix="dp-relay")
+        # get); the node's barriers cross one at a time, in order, on a thread of their own.
+        self._pool = ThreadPoolExecutor(max_workers=local_ranks * geometry.slots, thread_name_prefix="dp-relay")
+        self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
         info = {"job": job, "world_size": nodes * local_ranks, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
             directory,
@@ -152,6 +159,7 @@ class NodeRelay:
     def close(self) -> None:
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._crossing.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> NodeRelay:
         return self
@@ -174,16 +182,17 @@ class NodeRelay:
         else:
             call.reply(reply)
 
-    def _barrier(self, generation: int, name: bytes | None) -> None:
+    def _barrier(self, generation: int, name: bytes | None, timeout: float) -> None:
         if name is None:
             error = BadMessage(f"the ranks of node {self.node_rank} entered different barriers")
             self.server.release(generation, ERROR, error_bytes(error))
             return
-        self._pool.submit(self._cross, generation, name.decode("utf-8", errors="surrogatepass"))
+        text = name.decode("utf-8", errors="surrogatepass")
+        self._crossing.submit(self._cross, generation, text, timeout if timeout > 0 else None)
 
-    def _cross(self, generation: int, name: str) -> None:
+    def _cross(self, generation: int, name: str, timeout: float | None) -> None:
         try:
-            self.upstream.barrier(name)
+            self.upstream.barrier(name, timeout=timeout)
         except ControlError as err:
             self.server.release(generation, ERROR, error_bytes(err))
         except Exception as err:

@@ -11,9 +11,10 @@ was given others is refused.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 
-from dataparallel.control.channel import ControlChannel
+from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.relay.local import LocalClient
 from dataparallel.control.relay.node import (
@@ -30,7 +31,7 @@ from dataparallel.control.relay.node import (
     pack,
     unpack,
 )
-from dataparallel.errors import BadMessage, ChannelClosed, ConfigError
+from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlTimeout
 
 #: Seconds a call waits for the relay beyond what its own operation may take.
 _SLACK = 5.0
@@ -70,6 +71,7 @@ class RelayedChannel(ControlChannel):
         if problems:
             self._local.close()
             raise ConfigError(f"{url.shown!r}: rank {self.rank} was given " + "; ".join(problems))
+        self._barriers = threading.Lock()
 
     def _call(self, op: int, payload: bytes, waits: float = 0.0) -> bytes:
         return self._local.call(op, payload, timeout=waits + self.timeout + _SLACK)
@@ -78,8 +80,16 @@ class RelayedChannel(ControlChannel):
     def _set(self, key: str, value: bytes) -> None:
         self._call(SET, pack(_key(key), value))
 
+    def _read(self, op: int, payload: bytes, timeout: float) -> list[bytes]:
+        """A waiting read: the relay's silence past its bound is an unanswered read (the core
+        reads again while its wait lasts), never a timeout of the key's wait."""
+        try:
+            return unpack(self._call(op, payload, waits=timeout))
+        except ControlTimeout as err:
+            raise ReadUnanswered(f"node relay: {err}") from None
+
     def _get(self, key: str, timeout: float) -> bytes | None:
-        found = unpack(self._call(GET, pack(_key(key), struct.pack("<d", timeout)), waits=timeout))
+        found = self._read(GET, pack(_key(key), struct.pack("<d", timeout)), timeout)
         return found[0] if found else None
 
     def _add(self, key: str, amount: int) -> int:
@@ -99,7 +109,7 @@ class RelayedChannel(ControlChannel):
 
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
         payload = pack(struct.pack("<d", timeout), *(_key(k) for k in keys))
-        found = unpack(self._call(MULTI_GET, payload, waits=timeout))
+        found = self._read(MULTI_GET, payload, timeout)
         if not found:
             return None
         if len(found) != len(keys) + 1:
@@ -118,13 +128,18 @@ class RelayedChannel(ControlChannel):
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """As every channel's barrier; the node's ranks meet in shared memory and their relay
-        enters the barrier once for them."""
+        enters the barrier once for them. Every rank enters its barriers in the same order
+        (the collectives' contract); here a second thread's barrier waits for the first's."""
         self._usable()
-        self._next_seq("barrier", name)
-        try:
-            generation = self._local.arrive(name)
-            # In slices, between which a lost peer (the core's liveness) ends the wait.
-            self._await_with(lambda slice_: self._local.released(generation, slice_), timeout, f"barrier {name!r}")
-        except ChannelClosed as err:
-            self._fail(err)
-            raise
+        budget = self._budget(timeout)
+        with self._barriers:
+            self._next_seq("barrier", name)
+            try:
+                generation = self._local.arrive(name, budget)
+                # In slices, between which a lost peer (the core's liveness) ends the wait.
+                wait = lambda slice_: self._local.released(generation, slice_)  # noqa: E731
+                self._await_with(wait, budget, f"barrier {name!r}")
+            except ChannelClosed as err:
+                if not self._closed:
+                    self._fail(err)
+                raise

@@ -77,7 +77,12 @@ def _store_rank(port: int, n: int, rank: int, rounds: int, out: mp.SimpleQueue) 
         barrier(i)
     if rank == 0:
         out.put((time.perf_counter() - start) / rounds * 1e3)
-    barrier(-100)  # rank 0 (the server) leaves last
+    # Rank 0 hosts the server: it leaves once every other rank has said it is done.
+    if rank == 0:
+        while store.add("left", 0) < n - 1:
+            time.sleep(0.01)
+    else:
+        store.add("left", 1)
 
 
 def store_barrier(n: int, rounds: int) -> float:

@@ -662,7 +662,10 @@ class LocalClient:
             self._generation += 1
             raw = barrier_name(name)
             self._area[_NAME_AT : _NAME_AT + len(raw)] = raw
-            _ARRIVAL.pack_into(self._area, 8, self._generation, len(raw), float(timeout))
+            # The generation last, in a store of its own (8 bytes, aligned): the relay, reading
+            # while this is written, sees the new generation only with its name and timeout.
+            struct.pack_into("<Id", self._area, 16, len(raw), float(timeout))
+            struct.pack_into("<Q", self._area, 8, self._generation)
             try:
                 _eventfd_ring(self._arrivals)
             except OSError as err:

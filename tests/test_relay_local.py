@@ -214,9 +214,8 @@ def test_a_frozen_rank_is_seen_by_its_silence(relay):
             p.wait(timeout=10)
 
 
-def test_a_closed_relay_ends_a_waiting_call(tmp_path):
-    relay = Relay(tmp_path / "r")
-    client = LocalClient(relay.server.path, 0)
+def waiting_call(client: LocalClient) -> tuple[threading.Thread, list[BaseException]]:
+    """A call the relay never answers, on a thread of its own; what it ended with goes in the list."""
     errors: list[BaseException] = []
 
     def wait() -> None:
@@ -228,6 +227,13 @@ def test_a_closed_relay_ends_a_waiting_call(tmp_path):
     t = threading.Thread(target=wait)
     t.start()
     time.sleep(0.3)
+    return t, errors
+
+
+def test_a_closed_relay_ends_a_waiting_call(tmp_path):
+    relay = Relay(tmp_path / "r")
+    client = LocalClient(relay.server.path, 0)
+    t, errors = waiting_call(client)
     start = time.monotonic()
     relay.close()
     t.join(timeout=10)
@@ -313,11 +319,10 @@ def test_another_user_is_refused_even_where_the_socket_is_open_to_it(caplog):
         shutil.rmtree(base)
 
 
-def _intrude(relay: Relay, nobody) -> None:
-    os.chmod(relay.server.directory, 0o755)
-    os.chmod(relay.server.path, 0o666)
-    proc = subprocess.run(
-        ["/usr/bin/python3", "-I", "-c", INTRUDER, str(relay.server.path)],
+def _as_nobody(nobody, script: str, path: Path) -> subprocess.CompletedProcess:
+    """``script`` run by the system's own Python as the user ``nobody``, given ``path``."""
+    return subprocess.run(
+        ["/usr/bin/python3", "-I", "-c", script, str(path)],
         capture_output=True,
         text=True,
         timeout=30,
@@ -325,21 +330,19 @@ def _intrude(relay: Relay, nobody) -> None:
         group=nobody.pw_gid,
         cwd="/",
     )
+
+
+def _intrude(relay: Relay, nobody) -> None:
+    os.chmod(relay.server.directory, 0o755)
+    os.chmod(relay.server.path, 0o666)
+    proc = _as_nobody(nobody, INTRUDER, relay.server.path)
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout)
     assert seen["fds"] == 0, seen
     assert relay.calls == [] and relay.server.members() == {}
     # And with the directory as the relay makes it (0700), nobody cannot even connect.
     os.chmod(relay.server.directory, 0o700)
-    proc = subprocess.run(
-        ["/usr/bin/python3", "-I", "-c", INTRUDER, str(relay.server.path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        user=nobody.pw_uid,
-        group=nobody.pw_gid,
-        cwd="/",
-    )
+    proc = _as_nobody(nobody, INTRUDER, relay.server.path)
     assert proc.returncode != 0 and "PermissionError" in proc.stderr, proc.stderr
 
 
@@ -437,17 +440,7 @@ def test_a_client_that_hangs_up_or_says_nothing_holds_up_no_one(relay):
 
 def test_closing_a_client_ends_its_calls_in_flight(relay):
     client = LocalClient(relay.server.path, 0)
-    errors: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            client.call(NEVER, b"", timeout=30)
-        except BaseException as err:
-            errors.append(err)
-
-    t = threading.Thread(target=wait)
-    t.start()
-    time.sleep(0.3)
+    t, errors = waiting_call(client)
     client.close()
     t.join(timeout=10)
     assert len(errors) == 1 and isinstance(errors[0], ChannelClosed), errors

@@ -47,6 +47,16 @@ RANK = textwrap.dedent(
             if rank == 1:
                 ch.set("big", big)
             out["big"] = ch.get("big", timeout=30) == big
+            # The other calls, each through the relay's pass-through.
+            mine = [f"own/{rank}/{i}" for i in range(3)]
+            ch.multi_set(mine, [b"a", b"b", b"c"])
+            out["multi"] = [v.decode() for v in ch.multi_get(mine, timeout=10)]
+            ch.append(mine[0], b"+")
+            out["appended"] = ch.get(mine[0]).decode()
+            out["checked"] = [ch.check(mine), ch.check([*mine, "nobody/set/this"])]
+            out["deleted"] = [ch.delete(mine[2]), ch.delete(mine[2])]
+            ch.wait(mine[:2], timeout=10)
+            out["keys"] = ch.num_keys() > 0
             for i in range(20):
                 ch.barrier("loop")
         elif mode == "loop":
@@ -153,6 +163,8 @@ def test_ranks_behind_relays_read_write_and_meet_as_one_job(nodes):
         assert out["gathered"] == [f"r{i}" for i in range(world)]
         assert out["add_on_text"] == "BadMessage"
         assert out["big"] is True
+        assert out["multi"] == ["a", "b", "c"] and out["appended"] == "a+"
+        assert out["checked"] == [True, False] and out["deleted"] == [True, False] and out["keys"]
     assert sorted(out["count"] for out in results) == list(range(1, world + 1))  # each add applied once
     winners = {out["winner"] for out in results}
     assert len(winners) == 1 and sum(out["won"] for out in results) == 1
@@ -210,3 +222,41 @@ def test_a_rank_killed_behind_a_relay_is_peer_lost_to_every_other_rank(nodes):
         for p in procs:
             p.kill()
             p.wait(timeout=10)
+
+
+def test_ranks_of_a_node_in_different_barriers_are_told(tmp_path):
+    """Two ranks of one node enter barriers of different names: both are told, typed, at once."""
+    up = dp.connect(f"memory://relay-{free_port()}", rank=0, world_size=1, job="one~nodes", timeout=20)
+    relay = NodeRelay(up, tmp_path / "node", local_ranks=2, node_rank=0, nodes=1, job="one")
+    try:
+        url = f"relay://{relay.path}"
+        chans = run_all([lambda r=r: dp.connect(url, rank=r, world_size=2, job="one", timeout=20) for r in (0, 1)])
+        errors = run_all([lambda c=c: _error_of(lambda: c.barrier(f"mine/{c.rank}", timeout=20)) for c in chans])
+        assert [type(e).__name__ for e in errors] == ["BadMessage", "BadMessage"], errors
+        assert all("node 0 entered different barriers" in str(e) for e in errors)
+        run_all([lambda c=c: c.close() for c in chans])
+    finally:
+        relay.close()
+        up.close()
+
+
+def _error_of(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as err:
+        return err
+    return None
+
+
+def test_a_relay_url_names_its_socket_and_is_not_served():
+    from dataparallel.control.registry import parse_url
+    from dataparallel.errors import ConfigError
+    from dataparallel.transports.relay import RelayedChannel
+
+    with pytest.raises(ConfigError, match="names no host"):
+        dp.connect("relay://somehost/x.sock", rank=0, world_size=1, timeout=5)
+    with pytest.raises(ConfigError, match="no socket path"):
+        dp.connect("relay://", rank=0, world_size=1, timeout=5)
+    with pytest.raises(ConfigError, match="hosted by its node's launcher"):
+        RelayedChannel.check_url(parse_url("relay:///tmp/r.sock"), serving=True)
+    assert "this machine only" in RelayedChannel.security(parse_url("relay:///tmp/r.sock"), None)

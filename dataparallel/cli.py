@@ -42,7 +42,7 @@ def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
     group.add_argument("--config", help="TOML file (default: $DP_CONFIG, else ./dataparallel.toml if present)")
     names = ["url", "transport", "host", "port", "options", "job", "timeout", "token_file"]
     if launcher:
-        names += ["world_size", "nprocs", "nodes", "node_rank", "max_restarts", "elastic", "min_world_size"]
+        names += ["world_size", "nprocs", "nodes", "node_rank", "max_restarts", "elastic", "relay", "min_world_size"]
         names += ["max_world_size", "hosts", "hostfile"]
         names += ["log_format"]
     for name in names:

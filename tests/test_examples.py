@@ -32,6 +32,26 @@ def test_digits_training_job_learns_and_logs_one_line_per_epoch(tmp_path):
     assert "\r" not in log, log
 
 
+@pytest.mark.timeout(300)
+def test_the_main_job_through_node_relays_trains_as_it_does_directly(tmp_path):
+    """README's main job under ``dataparallel launch`` with and without ``--relay``: through
+    the node's relay (the workers' channel relay://) each epoch's losses and accuracy are
+    those of the direct run, to the printed digit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "OMP_"))}
+
+    def run(*flags: str) -> list[str]:
+        argv = [sys.executable, "-m", "dataparallel", "launch", *flags, "--nprocs", "2", EXAMPLES / "train_digits.py"]
+        done = subprocess.run([*argv, "--epochs", "2"], capture_output=True, text=True, timeout=140, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [line for line in done.stdout.splitlines() if re.search(r"\bepoch\s+\d|final validation", line)]
+        assert len(lines) == 3, done.stdout
+        return [re.sub(r", [0-9.]+s$", "", line) for line in lines]
+
+    direct, relayed = run(), run("--relay")
+    assert "over zmq" in direct[-1] and "over relay" in relayed[-1], (direct, relayed)
+    assert relayed[:-1] == direct[:-1] and relayed[-1].split(", final")[1] == direct[-1].split(", final")[1]
+
+
 @pytest.mark.timeout(120)
 def test_allreduce_demo_runs():
     run = subprocess.run(

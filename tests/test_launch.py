@@ -26,6 +26,21 @@ if mode == "job":
     print("gathered", sorted(v.decode() for v in got), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     ch.close()
+elif mode == "relayed":  # behind the node's relay (launch --relay)
+    import stat
+    import torch, torch.distributed as dist
+    ch = dp.connect()
+    sock = Path(os.environ["DP_URL"].removeprefix("relay://"))
+    modes = [stat.S_IMODE(sock.parent.stat().st_mode), stat.S_IMODE(sock.stat().st_mode)]
+    ch.rendezvous()
+    got = sorted(v.decode() for v in ch.all_gather("hello", f"{ch.rank}@{os.environ['DP_NODE_RANK']}".encode()))
+    dist.init_process_group("gloo", store=ch.as_store(), rank=ch.rank, world_size=ch.world_size)
+    t = torch.tensor([float(ch.rank + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    print("relayed", type(ch).__name__, f"{modes[0]:o}/{modes[1]:o}", got, t.item(), flush=True)
+    ch.barrier("end")
+    ch.close()
 elif mode == "fit":  # a small dp.fit with its progress bar asked for, and a print
     import torch
     from torch.utils.data import TensorDataset
@@ -38,10 +53,14 @@ elif mode == "fit":  # a small dp.fit with its progress bar asked for, and a pri
     print(f"rank {ch.rank} done", flush=True)
     ch.close()
 elif mode == "fail":
-    if rank == 1:
-        time.sleep(0.5)
+    if rank == 1:  # fails once the others can take SIGTERM (their handlers set, however slow the start)
+        for _ in range(6000):
+            if out.with_name("ready0").exists() and out.with_name("ready2").exists():
+                break
+            time.sleep(0.01)
         sys.exit(3)
     signal.signal(signal.SIGTERM, lambda *a: (out.with_name(f"term{rank}").write_text("x"), sys.exit(0)))
+    out.with_name(f"ready{rank}").write_text("x")
     time.sleep(60)
 elif mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -90,6 +109,53 @@ def test_second_node_gets_the_next_ranks(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert sorted(run.stdout.splitlines()) == ["[rank 2] 2 0 4", "[rank 3] 3 1 4"]
+
+
+@pytest.mark.timeout(120)
+def test_relay_on_one_node_with_the_default_transport(tmp_path):
+    """``--relay`` alone: the launcher hosts the coordinator and the node's relay; the three
+    workers reach the job through it."""
+    proc = _launch(tmp_path, "relayed", "--relay", "--nprocs", "3")
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err[-3000:]
+    lines = sorted(line for line in out.splitlines() if "relayed" in line)
+    assert lines == [f"[rank {r}] relayed RelayedChannel 700/600 ['0@0', '1@0', '2@0'] 6.0" for r in range(3)], out
+    assert "[launch] node relay for ranks 0..2 at " in err
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["zmq", "grpc", "tcpstore", "etcd"])
+def test_each_nodes_launcher_hosts_a_relay_its_workers_reach_the_job_through(tmp_path, kind, request):
+    """``--relay`` on two nodes of two workers: each node's launcher joins the job as one
+    member before its workers start; its workers connect through it (relay://, a directory
+    of mode 0700 and a socket of 0600), meet, gather and all-reduce with gloo as one job of
+    four, and the relay's directory is gone when the launcher ends."""
+    from dataparallel.testing import free_port
+
+    if kind == "etcd":
+        from etcdserver import EtcdServer, require_etcd
+
+        require_etcd()
+        server = EtcdServer(tmp_path / "etcd").start().wait_ready()
+        request.addfinalizer(server.stop)
+        url = server.url
+    else:
+        url = f"{kind}://127.0.0.1:{free_port()}"
+    procs = [
+        _launch(tmp_path, "relayed", "--relay", "--url", url, "--nodes", "2", "--node-rank", str(n), "--nprocs", "2")
+        for n in (1, 0)  # node 1 first: its relay waits for the coordinator node 0's launcher serves
+    ]
+    outs = [p.communicate(timeout=150) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    lines = sorted(line for out, _ in outs for line in out.splitlines() if "relayed" in line)
+    assert lines == [
+        f"[rank {r}] relayed RelayedChannel 700/600 ['0@0', '1@0', '2@1', '3@1'] 10.0" for r in range(4)
+    ], outs
+    for _, err in outs:
+        where = [line.split(" at ")[1].split(" ")[0] for line in err.splitlines() if "node relay for ranks" in line]
+        assert len(where) == 1, err[-3000:]
+        assert not Path(where[0]).parent.exists()
 
 
 @pytest.mark.timeout(120)
@@ -192,6 +258,7 @@ def test_signals_are_forwarded(tmp_path, sig):
         (["--nprocs", "2", "--world-size", "3"], "does not match nodes x nprocs = 1 x 2 = 2"),
         (["--nprocs", "0"], "nprocs (from --nprocs) must be >= 1"),
         (["--url", "bogus://h:1"], "unknown transport scheme 'bogus'"),
+        (["--relay", "--elastic"], "relay (from --relay) and elastic (from --elastic) together"),
     ],
 )
 def test_bad_launch_settings(tmp_path, flags, message):

@@ -260,3 +260,59 @@ def test_a_relay_url_names_its_socket_and_is_not_served():
     with pytest.raises(ConfigError, match="hosted by its node's launcher"):
         RelayedChannel.check_url(parse_url("relay:///tmp/r.sock"), serving=True)
     assert "this machine only" in RelayedChannel.security(parse_url("relay:///tmp/r.sock"), None)
+
+
+RELAY_HOST = textwrap.dedent(
+    """
+    import sys, time
+    import dataparallel as dp
+    from dataparallel.control.relay.node import NodeRelay
+    up = dp.connect(sys.argv[1], rank=0, world_size=1, job="silenced~nodes", timeout=30)
+    relay = NodeRelay(up, sys.argv[2], local_ranks=2, node_rank=0, nodes=1, job="silenced")
+    print(relay.path, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_every_call_through_a_relay_keeps_its_timeout_when_the_relay_freezes_or_dies(tmp_path):
+    """The conformance suite's timeout check with the relay as what fails: two relays, each
+    in a process of its own (as a launcher hosts it) with a rank joined through it with
+    ``timeout=T``; one relay frozen (SIGSTOP), one killed. Every blocking call on each rank,
+    all started at that moment, returns or raises a ControlError within T plus the suite's
+    slack, and so does ``close`` after them."""
+    from dataparallel.testing.conformance import TimeoutTests
+
+    check = TimeoutTests()
+    t = check.PROMISE
+    hosts = [
+        subprocess.Popen(
+            [sys.executable, "-c", RELAY_HOST, f"memory://relay-host-{n}", str(tmp_path / f"node{n}")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        paths = [h.stdout.readline().strip() for h in hosts]
+        assert all(paths), paths
+        channels = run_all(
+            [lambda p=p: dp.connect(f"relay://{p}", rank=1, world_size=2, job="silenced", timeout=t) for p in paths]
+        )
+        hosts[0].send_signal(signal.SIGSTOP)
+        hosts[1].send_signal(signal.SIGKILL)
+        conditions = ["relay frozen", "relay killed"]
+        calls = {
+            f"{cond}: {name}": call
+            for cond, ch in zip(conditions, channels, strict=True)
+            for name, call in check._timed_calls(ch, cond.replace(" ", "-")).items()
+        }
+        timings = check._time_all(calls)
+        timings.update(check._time_all({f"{c}: close": ch.close for c, ch in zip(conditions, channels, strict=True)}))
+        check._check_bounds(timings, "the node relay frozen or killed")
+    finally:
+        for h in hosts:
+            h.send_signal(signal.SIGCONT)
+            h.kill()
+            h.wait(timeout=10)

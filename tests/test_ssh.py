@@ -8,6 +8,7 @@ cannot run the job is named, with why, before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -201,19 +202,27 @@ ch.rendezvous()
 if ch.rank == 2 and not os.environ.get("DP_RESTART_COUNT"):
     os._exit(7)  # the first attempt loses rank 2
 ch.barrier("done", timeout=60)
-print(f"attempt {os.environ.get('DP_RESTART_COUNT', '0')} done on {ch.world_size}", flush=True)
+print(f"attempt {os.environ.get('DP_RESTART_COUNT', '0')} done on {ch.world_size} {ch.url.scheme}", flush=True)
 ch.close()
 """
 
 
-def test_max_restarts_restarts_every_host_in_step(cluster, tmp_path):
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_max_restarts_restarts_every_host_in_step(cluster, tmp_path, relay):
+    """With ``--relay`` each host's launcher hosts its node's relay (one per attempt: the
+    restarted group's job meets nothing of the failed one's) and its workers reach the job
+    through it."""
     (tmp_path / "flaky.py").write_text(FLAKY)
-    proc = _launch(cluster, "--hosts", HOSTS, "--max-restarts", "1", "--timeout", "20", str(tmp_path / "flaky.py"))
+    flags = ["--relay"] if relay else []
+    proc = _launch(
+        cluster, "--hosts", HOSTS, "--max-restarts", "1", "--timeout", "20", *flags, str(tmp_path / "flaky.py")
+    )
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-4000:]
     for host in ("10.77.0.1", "10.77.0.2", "10.77.0.3"):  # every host's group failed once, then all ran again
         assert f"[{host}] [launch] worker group failed" in err, err[-4000:]
-    assert out.count("attempt 1 done on 3") == 3, out
+        assert (f"[{host}] [launch] node relay for ranks" in err) == relay, err[-4000:]
+    assert out.count(f"attempt 1 done on 3 {'relay' if relay else 'zmq'}") == 3, out
 
 
 def test_the_ssh_command_line_and_what_stays_off_it():
@@ -226,5 +235,9 @@ def test_the_ssh_command_line_and_what_stays_off_it():
     remote = remote_command([sys.executable, "t.py"], config, 1, 1, 1, 2, grace=5, ssh=ssh, prefix=True, cwd="/x")
     assert "s3cret" not in remote and "etcd://" not in remote  # the URL goes over stdin with the token
     assert "-u DP_URL" in remote and "-u DP_HOSTS" in remote  # the host's own settings do not speak
+    assert "--relay" not in remote
+    relayed = dataclasses.replace(config, relay=True)
+    remote = remote_command([sys.executable, "t.py"], relayed, 1, 1, 1, 2, grace=5, ssh=ssh, prefix=True, cwd="/x")
+    assert "--relay" in remote
     assert _with_host("zmq://gpu1:29500?curve=1", "10.0.0.5") == "zmq://10.0.0.5:29500?curve=1"
     assert _with_host("zmq://gpu1:29500", "fd00::5") == "zmq://[fd00::5]:29500"

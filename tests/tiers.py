@@ -122,6 +122,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_tls_misconfigurations_fail_typed_within_seconds",
     },
     "test_examples.py": {
+        "test_the_main_job_through_node_relays_trains_as_it_does_directly",
         "test_allreduce_demo_runs",
         "test_the_language_model_example_snapshots_resumes_and_runs_under_torchrun",
         "test_the_torchrun_script_and_its_fabric_port_train_as_the_dp_fit_port_does",
@@ -154,6 +155,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_etcd_keys_of_any_text_round_trip_and_stay_inside_the_job",
     },
     "test_launch.py": {
+        "test_each_nodes_launcher_hosts_a_relay_its_workers_reach_the_job_through",
         "test_an_elastic_world_size_range_reaches_the_workers_training_options",
         "test_an_unmodified_torchrun_script_runs_under_launch",
         "test_help_and_version",

@@ -95,6 +95,13 @@ SETTINGS: dict[str, Setting] = {
         "false",
         "a rank that dies ends nothing: the others carry on (dp.fit regroups without it), newcomers join",
     ),
+    "relay": Setting(
+        bool,
+        "DP_RELAY",
+        "false",
+        "each node's launcher hosts a node relay: its workers reach the job through shared memory, "
+        "and the node is one member of the job's channel (barriers cross the network once per node)",
+    ),
     "min_world_size": Setting(
         int, "DP_MIN_WORLD_SIZE", "1", "elastic: the fewest ranks that carry on (TrainOptions.min_world_size)"
     ),
@@ -146,6 +153,7 @@ class JobConfig:
     node_rank: int = 0
     max_restarts: int = 0
     elastic: bool = False
+    relay: bool = False
     min_world_size: int | None = None
     max_world_size: int | None = None
     log_format: str = "text"
@@ -265,6 +273,7 @@ def load_config(
         node_rank=values.get("node_rank", 0),
         max_restarts=values.get("max_restarts", 0),
         elastic=values.get("elastic", False),
+        relay=values.get("relay", False),
         min_world_size=values.get("min_world_size"),
         max_world_size=values.get("max_world_size"),
         log_format=values.get("log_format", "text"),
@@ -499,5 +508,10 @@ def _validate(c: JobConfig) -> None:
         raise ConfigError(f"{c.describe('local_rank')} must be >= 0, got {c.local_rank}")
     if not 0 <= c.node_rank < c.nodes:
         raise ConfigError(f"{c.describe('node_rank')} = {c.node_rank} is out of range 0..{c.nodes - 1}")
+    if c.relay and c.elastic:
+        raise ConfigError(
+            f"{c.describe('relay')} and {c.describe('elastic')} together: a node relay serves a fixed set of "
+            "ranks (elastic jobs connect each rank directly)"
+        )
     if not c.job or "/" in c.job or "\x00" in c.job:
         raise ConfigError(f"{c.describe('job')} must be a non-empty name without '/', got {c.job!r}")

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from ..config import CLUSTER, LAUNCH_ENVIRONMENTS, JobConfig
 from ..control.registry import locate, mask_url, resolve
 from ..errors import ConfigError
+from .relay import RelayHost
 from .ssh import SshOptions, launch_hosts
 from .supervisor import DEFAULT_GRACE, JsonLines, Log, Supervisor, Worker
 
@@ -124,7 +125,7 @@ def launch(
     base = config.node_rank * nprocs if first_rank is None else first_rank
     env = dict(os.environ)
     stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
-    for name in (*stale, "DP_RDZV_ROUND", "DP_HOSTS", "DP_HOSTFILE"):
+    for name in (*stale, "DP_RDZV_ROUND", "DP_HOSTS", "DP_HOSTFILE", "DP_RELAY"):
         env.pop(name, None)  # the URL says it all (no torchrun agent's round applies, no hosts list)
     env.update(
         DP_URL=url,
@@ -200,24 +201,34 @@ def launch(
         start(supervisor, lost.rank, lost.local_rank)
         return True
 
-    while True:
-        if attempt:
-            # A new job name: the restarted group never meets the failed group's keys.
-            env["DP_JOB"] = f"{config.job}.attempt{attempt}"
-            env["DP_RESTART_COUNT"] = str(attempt)
-        supervisor = Supervisor(grace, log, tolerate=config.elastic, as_json=as_json, replace=replace)
-        with supervisor.forwarding_signals():
-            for local in range(nprocs):
-                start(supervisor, base + local, local)
-            code = supervisor.wait()
-        if code == 0 or supervisor.signalled is not None or left <= 0:
-            return code
-        left, attempt = left - 1, attempt + 1
-        print(
-            f"[launch] worker group failed (exit code {code}); restarting it, attempt {attempt} of {restarts}",
-            file=log,
-            flush=True,
-        )
+    # With a relay: the node's part of the job, joined before any worker starts (node 0's
+    # hosts the coordinator for every attempt), and a relay per attempt of the group.
+    with (
+        RelayHost(config, url, nprocs=nprocs, world=world, first_rank=base, log=log)
+        if config.relay
+        else (contextlib.nullcontext()) as relays
+    ):
+        while True:
+            if attempt:
+                # A new job name: the restarted group never meets the failed group's keys.
+                env["DP_JOB"] = f"{config.job}.attempt{attempt}"
+                env["DP_RESTART_COUNT"] = str(attempt)
+            supervisor = Supervisor(grace, log, tolerate=config.elastic, as_json=as_json, replace=replace)
+            with contextlib.ExitStack() as stack:
+                if relays is not None:  # joined upstream before any worker starts; closed after the last ends
+                    env["DP_URL"] = stack.enter_context(relays.attempt(env["DP_JOB"]))
+                with supervisor.forwarding_signals():
+                    for local in range(nprocs):
+                        start(supervisor, base + local, local)
+                    code = supervisor.wait()
+            if code == 0 or supervisor.signalled is not None or left <= 0:
+                return code
+            left, attempt = left - 1, attempt + 1
+            print(
+                f"[launch] worker group failed (exit code {code}); restarting it, attempt {attempt} of {restarts}",
+                file=log,
+                flush=True,
+            )
 
 
 def _node_of_cluster(config: JobConfig) -> JobConfig:

@@ -149,6 +149,7 @@ def remote_command(
     argv += ["--world-size", str(world), "--first-rank", str(first_rank), "--max-restarts", str(config.max_restarts)]
     argv += ["--log-format", config.log_format, "--grace", f"{grace:g}"]
     argv += ["--elastic"] if config.elastic else []
+    argv += ["--relay"] if config.relay else []
     for bound in ("min_world_size", "max_world_size"):
         if getattr(config, bound) is not None:
             argv += [f"--{bound.replace('_', '-')}", str(getattr(config, bound))]

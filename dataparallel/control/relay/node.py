@@ -86,13 +86,23 @@ def _int(field: bytes) -> int:
     return struct.unpack("<q", field)[0]
 
 
+#: Seconds a relayed read's upstream wait ends before the rank's (at most a tenth of it):
+#: the answer crosses back within the rank's bound, as a coordinator's does (remote.server_wait).
+READ_GRACE = 0.25
+
+
+def upstream_wait(timeout: float) -> float:
+    """How long the relay's upstream read waits for a rank's read of ``timeout`` seconds."""
+    return max(timeout - min(READ_GRACE, timeout / 10), 1e-3)
+
+
 def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
     """One pass-through operation on ``up``'s hooks, its answer framed."""
     if op == SET:
         up._set(_text(f[0]), f[1])
         return b""
     if op == GET:
-        value = up._get(_text(f[0]), _float(f[1]))
+        value = up._get(_text(f[0]), upstream_wait(_float(f[1])))
         return pack() if value is None else pack(value)
     if op == ADD:
         return struct.pack("<q", up._add(_text(f[0]), _int(f[1])))
@@ -105,7 +115,7 @@ def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
     if op == NUM_KEYS:
         return struct.pack("<q", up._num_keys())
     if op == MULTI_GET:
-        values = up._multi_get([_text(k) for k in f[1:]], _float(f[0]))
+        values = up._multi_get([_text(k) for k in f[1:]], upstream_wait(_float(f[0])))
         return pack() if values is None else pack(b"", *values)  # a leading field: found
     if op == MULTI_SET:
         up._multi_set([(_text(f[i]), f[i + 1]) for i in range(0, len(f), 2)])
@@ -117,10 +127,12 @@ def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
 
 
 class NodeRelay:
-    """Serves ``local_ranks`` ranks of node ``node_rank`` (ranks ``node_rank * local_ranks``
-    on) through the local leg in ``directory``, speaking for them on ``upstream``, a channel
-    joined as rank ``node_rank`` of ``nodes`` (see the module docstring). ``on_gone(rank, how)``:
-    told when a local rank's process ends or closes (its job rank)."""
+    """Serves ``local_ranks`` ranks of node ``node_rank`` (ranks ``first_rank`` on, by default
+    ``node_rank * local_ranks``, of ``world_size``, by default ``nodes * local_ranks``: nodes
+    of different sizes give both) through the local leg in ``directory``, speaking for them on
+    ``upstream``, a channel joined as rank ``node_rank`` of ``nodes`` (see the module
+    docstring). ``on_gone(rank, how)``: told when a local rank's process ends or closes (its
+    job rank)."""
 
     def __init__(
         self,
@@ -133,17 +145,23 @@ class NodeRelay:
         job: str,
         geometry: Geometry | None = None,
         on_gone: Callable[[int, str], None] | None = None,
+        first_rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         self.upstream = upstream
         self.local_ranks, self.node_rank, self.nodes = local_ranks, node_rank, nodes
-        self.first_rank = node_rank * local_ranks
+        self.first_rank = node_rank * local_ranks if first_rank is None else first_rank
+        self.world_size = nodes * local_ranks if world_size is None else world_size
+        if not 0 <= self.first_rank <= self.world_size - local_ranks:
+            last = self.first_rank + local_ranks - 1
+            raise ValueError(f"ranks {self.first_rank}..{last} do not fit a world of {self.world_size}")
         self._on_gone = on_gone
         geometry = geometry or Geometry()
         # A thread for every call that can be in flight (each slot of each rank may wait in a
         # get); the node's barriers cross one at a time, in order, on a thread of their own.
         self._pool = ThreadPoolExecutor(max_workers=local_ranks * geometry.slots, thread_name_prefix="dp-relay")
         self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
-        info = {"job": job, "world_size": nodes * local_ranks, "node_rank": node_rank, "nodes": nodes}
+        info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
             directory,
             local_ranks,

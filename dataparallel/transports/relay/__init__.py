@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections.abc import Sequence
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
@@ -33,8 +34,10 @@ from dataparallel.control.relay.node import (
 )
 from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlTimeout
 
-#: Seconds a call waits for the relay beyond what its own operation may take.
-_SLACK = 5.0
+#: Seconds a call waits for the relay beyond what its own operation may take (the relay's
+#: upstream call is bounded by the same timeout): what a direct client's reply grace is, so a
+#: call through a frozen relay keeps the timeout's bound as a frozen coordinator's does.
+_SLACK = 0.25
 
 
 def _key(key: str) -> bytes:
@@ -73,8 +76,23 @@ class RelayedChannel(ControlChannel):
             raise ConfigError(f"{url.shown!r}: rank {self.rank} was given " + "; ".join(problems))
         self._barriers = threading.Lock()
 
-    def _call(self, op: int, payload: bytes, waits: float = 0.0) -> bytes:
-        return self._local.call(op, payload, timeout=waits + self.timeout + _SLACK)
+    def _call(self, op: int, payload: bytes, waits: float | None = None) -> bytes:
+        """``op`` through the relay, answered within the channel's timeout, or for a waiting
+        read within ``waits`` (the relay's upstream read answers a little before: see
+        :func:`~dataparallel.control.relay.node.upstream_wait`), plus :data:`_SLACK`; while
+        closing, within what is left of close's. No answer in time: the relay is frozen or
+        cut off, as a coordinator that stopped answering is (ChannelClosed; a waiting read's is
+        ReadUnanswered, see :meth:`_read`)."""
+        bound = (self.timeout if waits is None else waits) + _SLACK
+        closing = self._left_to_close(at_least=0.05)
+        if closing is not None:
+            bound = min(bound, closing)
+        try:
+            return self._local.call(op, payload, timeout=bound)
+        except ControlTimeout as err:
+            if waits is not None:
+                raise
+            raise ChannelClosed(f"node relay: no answer within {bound:.2f}s ({err})") from None
 
     # ------------------------------------------------------------------ hooks
     def _set(self, key: str, value: bytes) -> None:
@@ -129,17 +147,24 @@ class RelayedChannel(ControlChannel):
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """As every channel's barrier; the node's ranks meet in shared memory and their relay
         enters the barrier once for them. Every rank enters its barriers in the same order
-        (the collectives' contract); here a second thread's barrier waits for the first's."""
+        (the collectives' contract); here a second thread's barrier waits for the first's,
+        within its own timeout."""
         self._usable()
         budget = self._budget(timeout)
-        with self._barriers:
+        deadline = time.monotonic() + budget
+        if not self._barriers.acquire(timeout=budget):
+            raise ControlTimeout(f"barrier {name!r} (this rank's previous barrier still waits)", budget)
+        try:
             self._next_seq("barrier", name)
+            left = max(deadline - time.monotonic(), 1e-3)
             try:
-                generation = self._local.arrive(name, budget)
+                generation = self._local.arrive(name, left)
                 # In slices, between which a lost peer (the core's liveness) ends the wait.
                 wait = lambda slice_: self._local.released(generation, slice_)  # noqa: E731
-                self._await_with(wait, budget, f"barrier {name!r}")
+                self._await_with(wait, left, f"barrier {name!r}")
             except ChannelClosed as err:
                 if not self._closed:
                     self._fail(err)
                 raise
+        finally:
+            self._barriers.release()

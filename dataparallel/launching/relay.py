@@ -1,0 +1,93 @@
+"""A node relay hosted by the node's launcher (``dataparallel launch --relay``).
+
+The launcher joins the job's channel as the node (rank ``node_rank`` of ``nodes``, job
+``JOB~nodes``: on node 0 that serves the coordinator where the URL says rank 0 does) before
+any worker starts, and serves the node's workers through a
+:class:`~dataparallel.control.relay.node.NodeRelay` in a fresh directory of its own (mode
+0700); each worker is given ``relay:///DIR/relay.sock`` as its URL. The relay lives in the
+launcher, never in a worker: a worker's death takes no neighbour's channel with it. One relay
+per attempt of the worker group, as the workers' job name is (a restarted group meets none of
+the failed group's state); the coordinator, where node 0 hosts it, lives as long as the
+launcher (:class:`RelayHost`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ..config import JobConfig
+from ..connect import connect
+from ..control.registry import mask_url
+from .supervisor import Log
+
+if TYPE_CHECKING:
+    from ..control.channel import ControlChannel
+
+
+class RelayHost:
+    """The node's part of a relayed job for the launcher's whole life: it joins the job's
+    channel as the node (job ``JOB~launchers``; on node 0 that hosts the coordinator where
+    the URL says rank 0 does, so the coordinator outlives every attempt of the worker group,
+    as torchrun's agent keeps its store) and gives each attempt a relay (:meth:`attempt`).
+    Closing it on node 0 waits, within the channel's close grace, for the other nodes to leave."""
+
+    def __init__(self, config: JobConfig, url: str, *, nprocs: int, world: int, first_rank: int, log: Log) -> None:
+        self.config, self.url, self.log = config, url, log
+        self.nprocs, self.world, self.first_rank = nprocs, world, first_rank
+        self._launchers = self._join(f"{config.job}~launchers")
+
+    def _join(self, job: str) -> ControlChannel:
+        c = self.config
+        return connect(
+            self.url, rank=c.node_rank, world_size=c.nodes, job=job, token=c.token, timeout=c.timeout, elastic=False
+        )
+
+    def close(self) -> None:
+        self._launchers.close()
+
+    def __enter__(self) -> RelayHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def attempt(self, job: str) -> Iterator[str]:
+        """The node's relay for the workers' job ``job``, joined upstream as one member of
+        ``job~nodes``; yields the URL its workers connect to. Closing closes the relay, then
+        its channel."""
+        from ..control.relay.node import NodeRelay
+
+        c, first = self.config, self.first_rank
+        directory = tempfile.mkdtemp(prefix="dp-relay-")  # mode 0700, this user's
+        try:
+            upstream = self._join(f"{job}~nodes")
+            try:
+                relay = NodeRelay(
+                    upstream,
+                    directory,
+                    local_ranks=self.nprocs,
+                    node_rank=c.node_rank,
+                    nodes=c.nodes,
+                    job=job,
+                    first_rank=first,
+                    world_size=self.world,
+                )
+                try:
+                    print(
+                        f"[launch] node relay for ranks {first}..{first + self.nprocs - 1} at {relay.path} "
+                        f"(node {c.node_rank} of {c.nodes} on {mask_url(self.url)})",
+                        file=self.log,
+                        flush=True,
+                    )
+                    yield f"relay://{relay.path}"
+                finally:
+                    relay.close()
+            finally:
+                upstream.close()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -40,6 +40,18 @@ _LOST = "__dp/lost"
 _CLOSED = b"closed"
 
 
+def loss_report(rank: int, last_seen: float | None, reason: str, by: int | str | None) -> bytes:
+    """A loss as :class:`StoreHeartbeats` publishes it under the run's ``__dp/lost`` (first
+    report wins; every rank reads it on its next tick): ``by`` the rank that noticed, or
+    what did (a node relay, which sees its ranks' processes end)."""
+    return json.dumps({"rank": rank, "last_seen": last_seen, "reason": reason, "by": by}).encode()
+
+
+def loss_key(channel: ControlChannel) -> str:
+    """Where ``channel``'s run keeps its loss report (a hook-level key)."""
+    return channel._scoped(_LOST)
+
+
 @dataclass(frozen=True)
 class LostPeer:
     rank: int
@@ -288,8 +300,7 @@ class StoreHeartbeats(Liveness):
         info = self._ch.peer_info(rank)
         if info:
             reason = f"{reason}; it ran as pid {info.get('pid')} on {info.get('host')}"
-        report = json.dumps({"rank": rank, "last_seen": last_seen, "reason": reason, "by": self._ch.rank})
-        self._ch._compare_set(self._key(_LOST), b"", report.encode())
+        self._ch._compare_set(self._key(_LOST), b"", loss_report(rank, last_seen, reason, self._ch.rank))
         self._read_reports()  # the first loss published is everyone's first_lost()
         self._record(LostPeer(rank, last_seen, reason))  # later ones count here (lost(), departures)
 
@@ -302,8 +313,11 @@ class StoreHeartbeats(Liveness):
         report = json.loads(raw)
         rank = int(report["rank"])
         reason = report["reason"]
-        if report.get("by") != self._ch.rank:
-            reason = f"{reason} (noticed by rank {report.get('by')})"
+        by = report.get("by")
+        if isinstance(by, str):
+            reason = f"{reason} (noticed by {by})"
+        elif by != self._ch.rank:
+            reason = f"{reason} (noticed by rank {by})"
         if rank == self._ch.rank:  # resumed after the others gave this rank up
             self._ch._fail(ChannelClosed(f"rank {rank} of job {self._ch.job!r} was declared lost: {reason}"))
             return

@@ -297,6 +297,11 @@ class LocalServer:
         self._thread.start()
 
     # ------------------------------------------------------------------ public
+    def pid_of(self, rank: int) -> int | None:
+        """The pid of local rank ``rank``'s latest process (gone or not), if one joined."""
+        member = self._members.get(rank)
+        return member.pid if member is not None else None
+
     def members(self) -> dict[int, int]:
         """Joined local ranks and their pids."""
         return {r: m.pid for r, m in list(self._members.items()) if not m.gone}

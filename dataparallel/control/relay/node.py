@@ -26,11 +26,14 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ...errors import BadMessage, ControlError
+from ..liveness import loss_report
 from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes
 
 if TYPE_CHECKING:
@@ -43,6 +46,9 @@ RANKS = "ranks/"
 
 #: The pass-through operations' numbers on the local leg.
 SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEND = range(1, 11)
+#: A rank's registration of where its loss is reported (its run's loss key), and its
+#: withdrawal when it closes (a clean departure is no loss).
+WATCH, UNWATCH = 11, 12
 
 
 def pack(*fields: bytes) -> bytes:
@@ -161,6 +167,8 @@ class NodeRelay:
         # get); the node's barriers cross one at a time, in order, on a thread of their own.
         self._pool = ThreadPoolExecutor(max_workers=local_ranks * geometry.slots, thread_name_prefix="dp-relay")
         self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
+        self._watch_lock = threading.Lock()
+        self._watched: dict[int, str] = {}  # local rank -> its run's loss key, in the upstream's key space
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
             directory,
@@ -187,6 +195,19 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ serving
     def _handle(self, call: Call) -> None:
+        if call.op in (WATCH, UNWATCH):
+            try:
+                fields = unpack(call.payload)
+                with self._watch_lock:
+                    if call.op == WATCH:
+                        self._watched[call.rank] = _text(fields[0])
+                    else:
+                        self._watched.pop(call.rank, None)
+            except (BadMessage, IndexError) as err:
+                call.fail(BadMessage(f"relay: a bad watch request ({err})"))
+            else:
+                call.reply(b"")
+            return
         self._pool.submit(self._serve, call)
 
     def _serve(self, call: Call) -> None:
@@ -222,5 +243,20 @@ class NodeRelay:
     def _gone(self, local: int, how: str) -> None:
         rank = self.first_rank + local
         log.info("relay: rank %d (local %d) %s", rank, local, how)
+        with self._watch_lock:
+            key = self._watched.pop(local, None)
+        if key is not None:  # it had joined its job and not closed: a loss, reported at once
+            self._pool.submit(self._report_loss, rank, key, how)
         if self._on_gone is not None:
             self._on_gone(rank, how)
+
+    def _report_loss(self, rank: int, key: str, how: str) -> None:
+        """Publish rank's loss where its run's ranks read losses (first report wins): every
+        rank of the job raises PeerLost on its liveness's next tick, without waiting out the
+        liveness timeout."""
+        reason = f"{how} (pid {self.server.pid_of(rank - self.first_rank)} on this node)"
+        report = loss_report(rank, time.time(), reason, f"node {self.node_rank}'s relay")
+        try:
+            self.upstream._compare_set(key, b"", report)
+        except Exception as err:  # the heartbeats still tell, within the liveness timeout
+            log.warning("relay: could not report rank %d lost: %s", rank, err)

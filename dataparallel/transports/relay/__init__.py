@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
+from dataparallel.control.liveness import loss_key
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.relay.local import LocalClient
 from dataparallel.control.relay.node import (
@@ -29,10 +30,12 @@ from dataparallel.control.relay.node import (
     MULTI_SET,
     NUM_KEYS,
     SET,
+    UNWATCH,
+    WATCH,
     pack,
     unpack,
 )
-from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlTimeout
+from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout
 
 #: Seconds a call waits for the relay beyond what its own operation may take (the relay's
 #: upstream call is bounded by the same timeout): what a direct client's reply grace is, so a
@@ -75,6 +78,7 @@ class RelayedChannel(ControlChannel):
             self._local.close()
             raise ConfigError(f"{url.shown!r}: rank {self.rank} was given " + "; ".join(problems))
         self._barriers = threading.Lock()
+        self._watched = False
 
     def _call(self, op: int, payload: bytes, waits: float | None = None) -> bytes:
         """``op`` through the relay, answered within the channel's timeout, or for a waiting
@@ -140,7 +144,18 @@ class RelayedChannel(ControlChannel):
     def _append(self, key: str, value: bytes) -> None:
         self._call(APPEND, pack(_key(key), value))
 
+    def _claimed(self) -> None:
+        # The relay sees this process end: told where this run's losses are reported, it
+        # reports this rank's at once (the heartbeats would take the liveness timeout).
+        self._call(WATCH, pack(_key(loss_key(self))))
+        self._watched = True
+
     def _close(self) -> None:
+        if self._watched and self._broken is None:
+            try:  # a clean departure is no loss
+                self._call(UNWATCH, pack())
+            except ControlError:
+                pass  # the relay is gone or frozen: nothing to report from there either
         self._local.close()
 
     # ------------------------------------------------------------------ collectives

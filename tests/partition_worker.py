@@ -2,7 +2,8 @@
 
     DP_URL=... DP_RANK=r DP_WORLD_SIZE=n python partition_worker.py DURATION
 
-Prints one JSON line: {"rank", "rounds", "error", "at"} (``at``: wall time of the error).
+Prints ``joined`` once the job has met, then one JSON line: {"rank", "rounds", "error", "at"}
+(``at``: wall time of the error).
 """
 
 import json
@@ -14,6 +15,7 @@ import dataparallel as dp
 duration = float(sys.argv[1])
 ch = dp.connect(timeout=60)
 ch.rendezvous()
+print("joined", flush=True)  # the test cuts links only once every rank is in the job
 rounds, error, at = 0, None, None
 deadline = time.monotonic() + duration
 try:

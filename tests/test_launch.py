@@ -123,6 +123,48 @@ def test_relay_on_one_node_with_the_default_transport(tmp_path):
     assert "[launch] node relay for ranks 0..2 at " in err
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_relay_joins_the_job_stops_the_launch_as_128_plus_n(tmp_path, sig):
+    """Node 1 of 2 with no node 0: its launcher waits to join the job before any worker
+    starts; a signal then ends it with 128 + N and one line, no traceback."""
+    from dataparallel.testing import free_port
+
+    url = f"zmq://127.0.0.1:{free_port()}"
+    proc = _launch(tmp_path, "relayed", "--relay", "--url", url, "--nodes", "2", "--node-rank", "1", "--nprocs", "1",
+                   "--timeout", "30")  # fmt: skip
+    for line in proc.stderr:
+        if "node 1/2: ranks 1..1 of 2" in line:
+            break
+    time.sleep(1.0)  # in the join's wait
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, err
+    assert f"[launch] stopped by signal {sig} ({signal.Signals(sig).name})" in err, err
+    assert "Traceback" not in err, err
+
+
+def test_the_relay_directory_is_short_enough_for_its_socket_wherever_tmpdir_points(tmp_path, monkeypatch):
+    import stat
+    import tempfile
+
+    from dataparallel.launching.relay import _relay_directory
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    made = Path(_relay_directory())
+    try:
+        assert len(str(made / "relay.sock")) < 108 and made.parent == Path("/tmp"), made
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    finally:
+        made.rmdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = Path(_relay_directory())
+    assert made.parent == tmp_path
+    made.rmdir()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["zmq", "grpc", "tcpstore", "etcd"])
 def test_each_nodes_launcher_hosts_a_relay_its_workers_reach_the_job_through(tmp_path, kind, request):

@@ -342,3 +342,28 @@ def test_every_call_through_a_relay_keeps_its_timeout_when_the_relay_freezes_or_
             h.send_signal(signal.SIGCONT)
             h.kill()
             h.wait(timeout=10)
+
+
+def test_an_upstream_timeout_passes_through_as_itself(tmp_path):
+    """An upstream call that answers with a ControlTimeout reaches the rank as that error,
+    at once: only the relay's own silence is a closed channel."""
+    from dataparallel.errors import ControlTimeout
+
+    up = dp.connect(f"memory://relay-{free_port()}", rank=0, world_size=1, job="slow~nodes", timeout=20)
+    relay = NodeRelay(up, tmp_path / "node", local_ranks=1, node_rank=0, nodes=1, job="slow")
+    try:
+        ch = dp.connect(f"relay://{relay.path}", rank=0, world_size=1, job="slow", timeout=20)
+
+        def timed_out(key: str, value: bytes) -> None:
+            raise ControlTimeout(f"set {key!r} upstream", 0.1)
+
+        up._set = timed_out  # the upstream's next set times out, as a frozen store's would
+        start = time.monotonic()
+        with pytest.raises(ControlTimeout, match="upstream"):
+            ch.set("k", b"v")
+        assert time.monotonic() - start < 5.0
+        assert ch.failure is None
+        ch.close()
+    finally:
+        relay.close()
+        up.close()

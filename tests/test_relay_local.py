@@ -536,3 +536,13 @@ def test_every_generation_is_named_alike_by_every_rank(tmp_path):
     finally:
         relay.close()
     assert mismatched == []
+
+
+def test_a_socket_path_too_long_is_a_config_error_and_leaks_nothing(tmp_path):
+    """A Unix socket's path holds 108 bytes: a relay directory deeper than that is refused,
+    typed, naming the fix, with none of the relay's descriptors left open."""
+    deep = tmp_path / ("d" * 100)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConfigError, match="choose a shorter directory"):
+        LocalServer(deep, 1, lambda call: call.reply(b""))
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -20,14 +20,14 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from ..config import CLUSTER, LAUNCH_ENVIRONMENTS, JobConfig
 from ..control.registry import locate, mask_url, resolve
 from ..errors import ConfigError
 from .relay import RelayHost
 from .ssh import SshOptions, launch_hosts
-from .supervisor import DEFAULT_GRACE, JsonLines, Log, Supervisor, Worker
+from .supervisor import DEFAULT_GRACE, FORWARDED, JsonLines, Log, Supervisor, Worker
 
 
 def default_nprocs() -> int:
@@ -201,13 +201,8 @@ def launch(
         start(supervisor, lost.rank, lost.local_rank)
         return True
 
-    # With a relay: the node's part of the job, joined before any worker starts (node 0's
-    # hosts the coordinator for every attempt), and a relay per attempt of the group.
-    with (
-        RelayHost(config, url, nprocs=nprocs, world=world, first_rank=base, log=log)
-        if config.relay
-        else (contextlib.nullcontext()) as relays
-    ):
+    def run_attempts(relays: RelayHost | None) -> int:
+        nonlocal left, attempt
         while True:
             if attempt:
                 # A new job name: the restarted group never meets the failed group's keys.
@@ -229,6 +224,43 @@ def launch(
                 file=log,
                 flush=True,
             )
+
+    # With a relay: the node's part of the job, joined before any worker starts (node 0's
+    # hosts the coordinator for every attempt), and a relay per attempt of the group.
+    try:
+        with _interrupting():
+            if not config.relay:
+                return run_attempts(None)
+            with RelayHost(config, url, nprocs=nprocs, world=world, first_rank=base, log=log) as relays:
+                return run_attempts(relays)
+    except _Interrupted as stop:  # no worker running: joining or leaving the relays' channel
+        print(f"[launch] stopped by signal {stop.signum} ({signal.Signals(stop.signum).name})", file=log, flush=True)
+        return 128 + stop.signum
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interrupting() -> Iterator[None]:
+    """Outside the supervisor's forwarding (no worker running: the relay's joins and
+    closes), a signal the launcher forwards ends the launch as :class:`_Interrupted`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _node_of_cluster(config: JobConfig) -> JobConfig:

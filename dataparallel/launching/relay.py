@@ -14,6 +14,7 @@ launcher (:class:`RelayHost`).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -63,7 +64,7 @@ class RelayHost:
         from ..control.relay.node import NodeRelay
 
         c, first = self.config, self.first_rank
-        directory = tempfile.mkdtemp(prefix="dp-relay-")  # mode 0700, this user's
+        directory = _relay_directory()
         try:
             upstream = self._join(f"{job}~nodes")
             try:
@@ -91,3 +92,13 @@ class RelayHost:
                 upstream.close()
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _relay_directory() -> str:
+    """A fresh directory of mode 0700 for the relay's socket: under the temporary directory,
+    or under /tmp where that one's path would make the socket's too long for a Unix socket
+    (108 bytes; an HPC node's TMPDIR can be long)."""
+    base = tempfile.gettempdir()
+    if len(os.path.join(base, "dp-relay-XXXXXXXX", "relay.sock")) > 100 and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="dp-relay-", dir=base)

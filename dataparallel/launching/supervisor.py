@@ -29,7 +29,7 @@ DEFAULT_GRACE = 5.0
 #: The least it gets when the launcher itself was told to stop (dp.fit with a checkpoint
 #: stops at a step and writes it first); a second SIGINT or SIGTERM kills at once.
 SIGNALLED_GRACE = 60.0
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Log(Protocol):
@@ -82,7 +82,7 @@ class Supervisor:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in _FORWARDED}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
         try:
             yield
         finally:

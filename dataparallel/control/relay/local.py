@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 #: Version of the local leg's layout and hello; a rank and a relay of another version refuse
 #: each other at the hello.
-LOCAL_PROTOCOL = 1
+LOCAL_PROTOCOL = 2  # 2: a rank registers its loss key (ops 11, 12 of the node relay)
 
 #: Slot header: request seq, reply seq, op, request length, status, reply length.
 _HEADER = struct.Struct("<QQIIiI")
@@ -266,6 +266,9 @@ class LocalServer:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = self.directory.stat()
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            self._node.close()
+            for fd in (self._node_fd, self._node_ro, self._arrivals):
+                os.close(fd)
             raise ConfigError(
                 f"relay directory {self.directory} must belong to this user and be closed to others "
                 f"(mode 0700; it is {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})"
@@ -279,6 +282,14 @@ class LocalServer:
         old = os.umask(0o177)
         try:
             self._listener.bind(str(self.path))
+        except OSError as err:
+            self._listener.close()
+            for fd in (self._node_fd, self._node_ro, self._arrivals):
+                os.close(fd)
+            self._node.close()
+            raise ConfigError(
+                f"relay socket {self.path}: cannot listen there ({err}); choose a shorter directory"
+            ) from None
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
@@ -587,6 +598,11 @@ class LocalServer:
                 log.exception("relay: on_gone failed for local rank %d", member.rank)
 
 
+class NoReply(ControlTimeout):
+    """The node relay did not answer a call within its bound (it is frozen or cut off), as
+    opposed to an answer that is itself a timeout (an upstream call's, passed back)."""
+
+
 class LocalClient:
     """A rank's end: joins the relay at ``path`` as ``rank`` (one of the node's; the relay's
     local rank ``rank - first_rank``). Thread-safe: each call takes a free slot of its own.
@@ -724,7 +740,7 @@ class LocalClient:
                     if left <= 0:
                         # The slot stays taken: a late reply would otherwise answer the next call.
                         threading.Thread(target=self._reclaim, args=(slot, seq), daemon=True).start()
-                        raise ControlTimeout(f"local rank {self.rank}'s reply from the node relay", timeout)
+                        raise NoReply(f"local rank {self.rank}'s reply from the node relay", timeout)
                     self._wait(self._bells[slot], left)
             except ControlTimeout:
                 raise
@@ -803,9 +819,7 @@ class LocalClient:
                     raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ControlTimeout(
-                        f"a free slot of local rank {self.rank} (every slot busy)", time.monotonic() - start
-                    )
+                    raise NoReply(f"a free slot of local rank {self.rank} (every slot busy)", time.monotonic() - start)
                 self._free_cv.wait(left)
             return self._free.pop()
 

@@ -167,6 +167,8 @@ class NodeRelay:
         # get); the node's barriers cross one at a time, in order, on a thread of their own.
         self._pool = ThreadPoolExecutor(max_workers=local_ranks * geometry.slots, thread_name_prefix="dp-relay")
         self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
+        # Loss reports on a thread of their own: never queued behind the ranks' waiting reads.
+        self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-loss")
         self._watch_lock = threading.Lock()
         self._watched: dict[int, str] = {}  # local rank -> its run's loss key, in the upstream's key space
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
@@ -186,6 +188,7 @@ class NodeRelay:
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._crossing.shutdown(wait=False, cancel_futures=True)
+        self._reporting.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> NodeRelay:
         return self
@@ -246,7 +249,8 @@ class NodeRelay:
         with self._watch_lock:
             key = self._watched.pop(local, None)
         if key is not None:  # it had joined its job and not closed: a loss, reported at once
-            self._pool.submit(self._report_loss, rank, key, how)
+            pid = self.server.pid_of(local)
+            self._reporting.submit(self._report_loss, rank, key, f"{how} (pid {pid} on this node)")
         if self._on_gone is not None:
             self._on_gone(rank, how)
 
@@ -254,8 +258,7 @@ class NodeRelay:
         """Publish rank's loss where its run's ranks read losses (first report wins): every
         rank of the job raises PeerLost on its liveness's next tick, without waiting out the
         liveness timeout."""
-        reason = f"{how} (pid {self.server.pid_of(rank - self.first_rank)} on this node)"
-        report = loss_report(rank, time.time(), reason, f"node {self.node_rank}'s relay")
+        report = loss_report(rank, time.time(), how, f"node {self.node_rank}'s relay")
         try:
             self.upstream._compare_set(key, b"", report)
         except Exception as err:  # the heartbeats still tell, within the liveness timeout

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.liveness import loss_key
 from dataparallel.control.registry import ChannelURL
-from dataparallel.control.relay.local import LocalClient
+from dataparallel.control.relay.local import LocalClient, NoReply
 from dataparallel.control.relay.node import (
     ADD,
     APPEND,
@@ -93,7 +93,7 @@ class RelayedChannel(ControlChannel):
             bound = min(bound, closing)
         try:
             return self._local.call(op, payload, timeout=bound)
-        except ControlTimeout as err:
+        except NoReply as err:
             if waits is not None:
                 raise
             raise ChannelClosed(f"node relay: no answer within {bound:.2f}s ({err})") from None
@@ -107,7 +107,7 @@ class RelayedChannel(ControlChannel):
         reads again while its wait lasts), never a timeout of the key's wait."""
         try:
             return unpack(self._call(op, payload, waits=timeout))
-        except ControlTimeout as err:
+        except NoReply as err:
             raise ReadUnanswered(f"node relay: {err}") from None
 
     def _get(self, key: str, timeout: float) -> bytes | None:
@@ -150,12 +150,21 @@ class RelayedChannel(ControlChannel):
         self._call(WATCH, pack(_key(loss_key(self))))
         self._watched = True
 
-    def _close(self) -> None:
-        if self._watched and self._broken is None:
-            try:  # a clean departure is no loss
+    def _depart(self) -> None:
+        self._unwatch()  # first: a clean departure is no loss, even if this process ends in it
+        super()._depart()
+
+    def _unwatch(self) -> None:
+        if self._watched:
+            self._watched = False
+            try:
                 self._call(UNWATCH, pack())
             except ControlError:
                 pass  # the relay is gone or frozen: nothing to report from there either
+
+    def _close(self) -> None:
+        if self._broken is None:
+            self._unwatch()
         self._local.close()
 
     # ------------------------------------------------------------------ collectives

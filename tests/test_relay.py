@@ -183,6 +183,20 @@ def test_a_barrier_crosses_the_network_once_per_node(zmq_nodes):
     assert collects == 24 * 2, collects  # a direct channel's ranks: 24 * 6
 
 
+def test_a_job_of_one_node_meets_in_shared_memory_alone(tmp_path):
+    """With one node the relay's ranks meeting is the barrier: no collect reaches the
+    coordinator, and every barrier still holds (the kv run's counts and prizes agree)."""
+    nodes = Nodes(tmp_path, _upstream("zmq"), nodes=1, per_node=3)
+    try:
+        coordinator = nodes.upstreams[0]._hosted
+        before = dict(coordinator.served())
+        results = nodes.run("kv")
+        assert [out["total"] for out in results] == [3] * 3 and sum(out["won"] for out in results) == 1
+        assert coordinator.served().get("collect", 0) == before.get("collect", 0)
+    finally:
+        nodes.close()
+
+
 def test_gloo_initialises_and_all_reduces_through_the_relays(nodes):
     results = nodes.run("gloo")
     assert [out["sum"] for out in results] == [21.0] * 6

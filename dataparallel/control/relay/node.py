@@ -15,7 +15,8 @@ each, and through it:
   upstream transport guarantees its own calls);
 - **a barrier crosses the network once per node**: the node's ranks meet in the local leg
   (no request each), the relay enters the same barrier once on ``upstream`` among the
-  ``nodes`` relays, and releases its ranks with the outcome, error included.
+  ``nodes`` relays, and releases its ranks with the outcome, error included; a job of one
+  node does not cross at all (its ranks meeting is the barrier).
 
 Not yet aggregated (each rank's requests pass through one by one, so they are correct but
 cost what a directly connected rank's cost): joining, heartbeats, broadcast and the gathers.
@@ -228,6 +229,9 @@ class NodeRelay:
         if name is None:
             error = BadMessage(f"the ranks of node {self.node_rank} entered different barriers")
             self.server.release(generation, ERROR, error_bytes(error))
+            return
+        if self.nodes == 1:  # the node is the whole job: its ranks have all met
+            self.server.release(generation, OK)
             return
         text = name.decode("utf-8", errors="surrogatepass")
         self._crossing.submit(self._cross, generation, text, timeout if timeout > 0 else None)

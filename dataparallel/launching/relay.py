@@ -39,6 +39,11 @@ class RelayHost:
     def __init__(self, config: JobConfig, url: str, *, nprocs: int, world: int, first_rank: int, log: Log) -> None:
         self.config, self.url, self.log = config, url, log
         self.nprocs, self.world, self.first_rank = nprocs, world, first_rank
+        print(
+            f"[launch] joining the job as node {config.node_rank} of {config.nodes} (its relay's channel)",
+            file=log,
+            flush=True,
+        )
         self._launchers = self._join(f"{config.job}~launchers")
 
     def _join(self, job: str) -> ControlChannel:

@@ -20,14 +20,14 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..config import CLUSTER, LAUNCH_ENVIRONMENTS, JobConfig
 from ..control.registry import locate, mask_url, resolve
 from ..errors import ConfigError
 from .relay import RelayHost
 from .ssh import SshOptions, launch_hosts
-from .supervisor import DEFAULT_GRACE, FORWARDED, JsonLines, Log, Supervisor, Worker
+from .supervisor import DEFAULT_GRACE, JsonLines, Log, Supervisor, Worker, handling_signals
 
 
 def default_nprocs() -> int:
@@ -228,7 +228,7 @@ def launch(
     # With a relay: the node's part of the job, joined before any worker starts (node 0's
     # hosts the coordinator for every attempt), and a relay per attempt of the group.
     try:
-        with _interrupting():
+        with handling_signals(_interrupt):
             if not config.relay:
                 return run_attempts(None)
             with RelayHost(config, url, nprocs=nprocs, world=world, first_rank=base, log=log) as relays:
@@ -244,23 +244,10 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def _interrupting() -> Iterator[None]:
+def _interrupt(signum: int, frame: object) -> None:
     """Outside the supervisor's forwarding (no worker running: the relay's joins and
     closes), a signal the launcher forwards ends the launch as :class:`_Interrupted`."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise _Interrupted(signum)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in FORWARDED}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    raise _Interrupted(signum)
 
 
 def _node_of_cluster(config: JobConfig) -> JobConfig:

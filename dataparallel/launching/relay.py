@@ -69,34 +69,29 @@ class RelayHost:
         from ..control.relay.node import NodeRelay
 
         c, first = self.config, self.first_rank
-        directory = _relay_directory()
-        try:
+        with contextlib.ExitStack() as stack:  # closed in reverse: the relay, its channel, its directory
+            directory = _relay_directory()
+            stack.callback(shutil.rmtree, directory, ignore_errors=True)
             upstream = self._join(f"{job}~nodes")
-            try:
-                relay = NodeRelay(
-                    upstream,
-                    directory,
-                    local_ranks=self.nprocs,
-                    node_rank=c.node_rank,
-                    nodes=c.nodes,
-                    job=job,
-                    first_rank=first,
-                    world_size=self.world,
-                )
-                try:
-                    print(
-                        f"[launch] node relay for ranks {first}..{first + self.nprocs - 1} at {relay.path} "
-                        f"(node {c.node_rank} of {c.nodes} on {mask_url(self.url)})",
-                        file=self.log,
-                        flush=True,
-                    )
-                    yield f"relay://{relay.path}"
-                finally:
-                    relay.close()
-            finally:
-                upstream.close()
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            stack.callback(upstream.close)
+            relay = NodeRelay(
+                upstream,
+                directory,
+                local_ranks=self.nprocs,
+                node_rank=c.node_rank,
+                nodes=c.nodes,
+                job=job,
+                first_rank=first,
+                world_size=self.world,
+            )
+            stack.callback(relay.close)
+            print(
+                f"[launch] node relay for ranks {first}..{first + self.nprocs - 1} at {relay.path} "
+                f"(node {c.node_rank} of {c.nodes} on {mask_url(self.url)})",
+                file=self.log,
+                flush=True,
+            )
+            yield f"relay://{relay.path}"
 
 
 def _relay_directory() -> str:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
@@ -29,7 +29,22 @@ DEFAULT_GRACE = 5.0
 #: The least it gets when the launcher itself was told to stop (dp.fit with a checkpoint
 #: stops at a step and writes it first); a second SIGINT or SIGTERM kills at once.
 SIGNALLED_GRACE = 60.0
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def handling_signals(handler: Callable[[int, Any], None]) -> Iterator[bool]:
+    """The :data:`_FORWARDED` signals go to ``handler`` while inside, the previous handlers
+    after; yields False, changing nothing, off the main thread (where Python cannot set them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in _FORWARDED}
+    try:
+        yield True
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class Log(Protocol):
@@ -79,16 +94,12 @@ class Supervisor:
 
     @contextlib.contextmanager
     def forwarding_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
-        try:
-            yield
-        finally:
-            self.stop(signal.SIGKILL, quiet=True)  # nothing outlives the launcher
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with handling_signals(self._on_signal) as handled:
+            try:
+                yield
+            finally:
+                if handled:
+                    self.stop(signal.SIGKILL, quiet=True)  # nothing outlives the launcher
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signalled is None:

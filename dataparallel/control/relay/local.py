@@ -254,21 +254,10 @@ class LocalServer:
         self.geometry = geometry or Geometry()
         self._handler, self._on_gone = handler, on_gone
         self._on_barrier = on_barrier or (lambda generation, name, timeout: self.release(generation))
-        self._node_fd = os.memfd_create("dp-relay-node", os.MFD_CLOEXEC)
-        os.ftruncate(self._node_fd, _NODE_BYTES)
-        self._node = mmap.mmap(self._node_fd, _NODE_BYTES)
-        # The ranks get the node's area through a read-only descriptor: they cannot map it writable.
-        self._node_ro = os.open(f"/proc/self/fd/{self._node_fd}", os.O_RDONLY | os.O_CLOEXEC)
-        self._arrivals = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._completed = 0  # the last generation handed to on_barrier
-        self._release_lock = threading.Lock()
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = self.directory.stat()
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            self._node.close()
-            for fd in (self._node_fd, self._node_ro, self._arrivals):
-                os.close(fd)
             raise ConfigError(
                 f"relay directory {self.directory} must belong to this user and be closed to others "
                 f"(mode 0700; it is {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})"
@@ -284,15 +273,21 @@ class LocalServer:
             self._listener.bind(str(self.path))
         except OSError as err:
             self._listener.close()
-            for fd in (self._node_fd, self._node_ro, self._arrivals):
-                os.close(fd)
-            self._node.close()
             raise ConfigError(
                 f"relay socket {self.path}: cannot listen there ({err}); choose a shorter directory"
             ) from None
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        # Made once the socket is bound: a directory or path refused leaves none of these open.
+        self._node_fd = os.memfd_create("dp-relay-node", os.MFD_CLOEXEC)
+        os.ftruncate(self._node_fd, _NODE_BYTES)
+        self._node = mmap.mmap(self._node_fd, _NODE_BYTES)
+        # The ranks get the node's area through a read-only descriptor: they cannot map it writable.
+        self._node_ro = os.open(f"/proc/self/fd/{self._node_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self._arrivals = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._completed = 0  # the last generation handed to on_barrier
+        self._release_lock = threading.Lock()
         self._listener.listen(max(64, ranks))
         self._listener.setblocking(False)
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # close(), from another thread

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -170,8 +169,9 @@ class NodeRelay:
         self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
         # Loss reports on a thread of their own: never queued behind the ranks' waiting reads.
         self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-loss")
-        self._watch_lock = threading.Lock()
-        self._watched: dict[int, str] = {}  # local rank -> its run's loss key, in the upstream's key space
+        # Local rank -> its run's loss key in the upstream's key space; read and written on the
+        # local leg's loop thread alone (it calls _handle and _gone).
+        self._watched: dict[int, str] = {}
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
             directory,
@@ -202,11 +202,10 @@ class NodeRelay:
         if call.op in (WATCH, UNWATCH):
             try:
                 fields = unpack(call.payload)
-                with self._watch_lock:
-                    if call.op == WATCH:
-                        self._watched[call.rank] = _text(fields[0])
-                    else:
-                        self._watched.pop(call.rank, None)
+                if call.op == WATCH:
+                    self._watched[call.rank] = _text(fields[0])
+                else:
+                    self._watched.pop(call.rank, None)
             except (BadMessage, IndexError) as err:
                 call.fail(BadMessage(f"relay: a bad watch request ({err})"))
             else:
@@ -250,8 +249,7 @@ class NodeRelay:
     def _gone(self, local: int, how: str) -> None:
         rank = self.first_rank + local
         log.info("relay: rank %d (local %d) %s", rank, local, how)
-        with self._watch_lock:
-            key = self._watched.pop(local, None)
+        key = self._watched.pop(local, None)
         if key is not None:  # it had joined its job and not closed: a loss, reported at once
             pid = self.server.pid_of(local)
             self._reporting.submit(self._report_loss, rank, key, f"{how} (pid {pid} on this node)")

@@ -1,10 +1,17 @@
 """Suite-wide rules: under CI (``CI`` set, as ``.ci/run`` does) nothing may be skipped; the
 files whose tests judge liveness by the clock are marked ``serial``; plain ``pytest`` runs the
-fast tier and ``pytest --full`` the whole suite (``tests/tiers.py``)."""
+fast tier and ``pytest --full`` the whole suite (``tests/tiers.py``); no test blocks its process
+for ever, and a stuck run can be asked for its stacks."""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import TextIO
 
 import pytest
 from tiers import FAST_SERIAL, FULL_ONLY, HEAVY_FIRST
@@ -27,7 +34,68 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true", help="run the whole suite, not only the fast tier (tests/tiers.py)")
 
 
+#: How long a test may go on past its pytest-timeout bound before its process is ended.
+#: pytest-timeout's alarm fires once, and only where the main thread runs Python: a test still
+#: blocked this long after it (a teardown waiting on what the alarm interrupted, a call into C
+#: that a signal does not end) has every thread's stack written to the run's stderr and its
+#: process ended, so that the test fails with its stacks (under pytest-xdist the worker is
+#: replaced and the run goes on) instead of holding the run until CI gives up on it.
+HARD_GRACE = 60.0
+
+#: The signal that makes every pytest process of a run write its threads' stacks to the run's
+#: stderr and go on: ``.ci/run`` sends it to the run's process group when the run outlasts its
+#: bound, before it ends the run.
+STACKS_SIGNAL = signal.SIGUSR2
+
+#: The run's own stderr, not the capture a test's output goes to (set in pytest_configure).
+_stderr: TextIO | None = None
+
+
+def _item_timeout(item: pytest.Item) -> float:
+    """The item's pytest-timeout bound in seconds: its ``timeout`` marker, or the ini value."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        if value is not None:
+            return float(value)
+    return float(item.config.getini("timeout") or 0)
+
+
+#: When the running test's process is ended (time.monotonic()), or None between tests.
+_deadline: float | None = None
+
+
+def _arm() -> None:
+    if _stderr is not None and _deadline is not None:
+        faulthandler.dump_traceback_later(max(1.0, _deadline - time.monotonic()), exit=True, file=_stderr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    global _deadline
+    bound = _item_timeout(item)
+    _deadline = time.monotonic() + bound + HARD_GRACE if bound > 0 else None
+    _arm()
+    try:
+        yield
+    finally:
+        _deadline = None
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact() -> None:
+    # pytest's faulthandler plugin cancels any pending dump when a test fails (as for a
+    # debugger); the failure's teardown is what most needs the bound, so it is armed again.
+    _arm()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    global _stderr
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        _stderr = os.fdopen(os.dup(2), "w")
+    faulthandler.register(STACKS_SIGNAL, file=_stderr, all_threads=True)
     # pytest-xdist hands files out (--dist loadfile) in the order of their test counts unless
     # told not to: the order collected (HEAVY_FIRST, below) is the one wanted.
     if hasattr(config.option, "loadscopereorder"):

@@ -20,6 +20,7 @@ Every test is bounded in time; a hang is a failure, never a stuck run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib
 import itertools
@@ -78,10 +79,16 @@ def timeout_slack(timeout: float) -> float:
 
 
 def run_all(fns: Sequence[Callable[[], T]], timeout: float = STEP_TIMEOUT) -> list[T]:
-    """Run callables concurrently on threads; return their results, re-raise the first error."""
-    with ThreadPoolExecutor(max_workers=max(len(fns), 1)) as pool:
+    """Run callables concurrently on threads; return their results, re-raise the first error.
+    Calls still running when an error (a timeout, pytest-timeout's alarm) is raised are not
+    waited for: they may be waiting on what the caller's clean-up ends (a frozen server it
+    resumes, a channel it closes)."""
+    pool = ThreadPoolExecutor(max_workers=max(len(fns), 1))
+    try:
         futures = [pool.submit(fn) for fn in fns]
         return [f.result(timeout=timeout) for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def close_all(channels: Sequence[dp.ControlChannel]) -> None:
@@ -605,6 +612,44 @@ class MembershipTests(ChannelHarness):
         with pytest.raises(dp.ControlError, match="a rank cannot rejoin"):
             dp.connect(url, rank=1, world_size=n, job="rejoin", timeout=20)
         assert time.monotonic() - start < 10, f"refused after {time.monotonic() - start:.1f}s"
+
+    @pytest.mark.timeout(90)
+    def test_a_run_goes_on_when_the_rank_that_started_it_leaves(self, channel_url: str) -> None:
+        """Rank 1 connects first (on a transport whose runs start at a connect, it starts this
+        one), then leaves while ranks 0 and 2 go on: the run is still theirs. A connect asking
+        for rank 1 is refused (a rank cannot rejoin), not let into a new run that wipes what
+        the others wrote, and they lose no key and no peer."""
+        n, url, job = 3, with_options(channel_url, **FAST_LIVENESS), "opener"
+        channels: list[dp.ControlChannel] = []
+        with ThreadPoolExecutor(n) as pool:
+            connect = partial(dp.connect, url, world_size=n, job=job, timeout=30)
+            first = pool.submit(connect, rank=1)
+            # Where rank 0 hosts the coordinator, rank 1 waits for it: waiting longer proves nothing.
+            concurrent.futures.wait([first], timeout=3.0)
+            others = [pool.submit(connect, rank=r) for r in (0, 2)]
+            failures: list[BaseException] = []
+            for future in (others[0], first, others[1]):
+                try:
+                    channels.append(future.result(timeout=60))
+                except Exception as err:
+                    failures.append(err)
+        try:
+            if failures:
+                raise failures[0]
+            assert [held_rank(c) for c in channels] == [0, 1, 2]
+            self.rendezvous_all(channels)
+            run_all([partial(c.set, f"kept/{c.rank}", b"written") for c in channels])
+            channels[1].close()
+            time.sleep(FAST_LIVENESS["liveness_timeout"] + 1.0)  # past the lease or session of the rank that left
+            with pytest.raises(dp.ControlError, match="a rank cannot rejoin"):
+                dp.connect(url, rank=1, world_size=n, job=job, timeout=20)
+            for ch in (channels[0], channels[2]):
+                assert ch.check([f"kept/{r}" for r in range(n)]), f"rank {ch.rank} lost the run's keys"
+                assert ch.lost_peers() == {}, f"rank {ch.rank} saw a loss: {ch.lost_peers()}"
+            run_all([partial(ch.add, "still", 1) for ch in (channels[0], channels[2])])
+            assert channels[0].get("still", timeout=5) == b"2"
+        finally:
+            close_all(channels)
 
     @pytest.mark.timeout(90)
     def test_ranks_assigned_at_connect_write_nothing_to_stderr(
@@ -1526,6 +1571,12 @@ def _as_bound(store: Store) -> _BoundStore:
     return cast("_BoundStore", store)
 
 
+def _resume(pid: int) -> None:
+    """SIGCONT to ``pid``, which may have ended already."""
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGCONT)
+
+
 def _stop_liveness(ch: dp.ControlChannel) -> None:
     """Stop ``ch``'s liveness without announcing a departure: to its peers, the rank was
     killed or froze (where ranks are threads of one process)."""
@@ -1917,6 +1968,8 @@ class TimeoutTests(ChannelHarness):
             )
             for ch in channels:
                 stack.callback(_close_quietly, ch)
+            # Resumed first on the way out (before the channels close), should the test fail.
+            stack.callback(_resume, servers[0].pid)
             os.kill(servers[0].pid, signal.SIGSTOP)
             os.kill(servers[1].pid, signal.SIGKILL)
             if proxy is not None:

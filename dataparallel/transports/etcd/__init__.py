@@ -4,7 +4,9 @@ For jobs whose coordinator must survive the loss of a machine, and sites that al
 etcd. Client: ``aetcd`` (asyncio), driven from a private event-loop thread.
 
 - Every key lives under ``/PREFIX//JOB/RUN/`` (PREFIX defaults to ``dataparallel``; RUN is
-  an id bound to the first rank's lease, so a crashed job never leaks into a rerun). The empty
+  an id on a lease of its own that every rank holding a rank in it keeps alive: the run ends
+  when its last rank is gone, whichever rank started it, and a crashed job never leaks into a
+  rerun). The empty
   segment ends PREFIX, which may itself hold ``/`` (a job name may not): so no job's keys lie
   under another's, not even those of job ``b`` of prefix ``p/a`` and job ``a`` of prefix ``p``.
   The run id is at ``/PREFIX//JOB/\\0run``: an etcd role with readwrite on the prefix
@@ -116,6 +118,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._current = 0
         self._client: EtcdClient | None = None
         self._lease: Any = None  # aetcd's lease, once granted
+        self._run_lease = 0  # the id of the run's lease (see _open_run)
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._registered = False
@@ -134,40 +137,51 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
 
     # ------------------------------------------------------------------ plumbing
     async def _open_run(self) -> None:
-        """Join the job's current run, or start one: a run id bound to its creator's lease,
-        so a crashed job's run expires with it and a later job of the same name never sees
-        its keys (starting a run deletes whatever a dead run left)."""
+        """Join the job's current run, or start one. The run's id lies in a key on a lease of
+        its own, which every rank of the run keeps alive from the moment it holds its rank
+        (:meth:`_hold_run`, :meth:`_keep_alive`): the run ends when its last rank has gone
+        (left, killed, or frozen for the TTL), not with the rank that started it, and a later
+        job of the same name never sees a crashed run's keys (starting a run deletes whatever
+        a dead run left). A process that only waits for a rank keeps no run alive."""
         if self._lease is None:
             self._lease = await self._call("lease", self._ttl)
         run_key = self._job_root + b"\x00run"  # below every run id: outside the range wiped
         txn = self._etcd.transactions
         while True:
+            current = await self._call("get", run_key)
+            if current is not None:
+                run, self._run_lease = current.value, current.lease
+                break
+            lease = await self._call("lease", self._ttl)
             fresh = uuid.uuid4().hex.encode()
             ok, _ = await self._call(
                 "transaction",
                 compare=[txn.version(run_key) == 0],
                 success=[
                     txn.delete(self._job_root + b"\x01", _prefix_end(self._job_root)),
-                    txn.put(run_key, fresh, lease=self._lease),
+                    txn.put(run_key, fresh, lease=lease),
                 ],
                 failure=[],
             )
             if ok:
-                run = fresh
+                run, self._run_lease = fresh, lease.id
                 break
-            current = await self._call("get", run_key)
-            if current is not None:  # else the run expired in between: try again
-                run = current.value
-                break
+            await self._call("revoke_lease", lease.id)  # another process started one first: join it
         self._root = self._job_root + run + b"/"
 
+    async def _hold_run(self) -> bool:
+        """Keep the run's lease alive (a rank held in it, or about to be): False if the run
+        ended already (its lease expired: every rank of it gone for the TTL)."""
+        reply = await self._call("refresh_lease", self._run_lease)
+        return reply is not None and reply.TTL > 0
+
     def _enter_run(self, retry: bool) -> None:
-        if retry:  # the run opened in __init__ was the first attempt's; it ends with its creator's lease
+        if retry:  # the run opened in __init__ was the first attempt's; it may have ended since
             self._run(self._open_run(), self.timeout)
 
     def _run_state(self, holder: int | None) -> tuple[str, str] | None:
-        # A run ends with its creator's lease; a rank held by a live lease is waited for (it
-        # gives the rank up when the lease expires), one whose holder left is not.
+        # A run ends when the last of its ranks is gone; a rank held by a live lease is waited
+        # for (it gives the rank up when the lease expires), one whose holder left is not.
         if self._holder_left:
             return "alive", "it left its run, which goes on without it: a rank cannot rejoin"
         return None
@@ -565,6 +579,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 ]
 
             done, _ = self._run(self._once(ops, [self._etcd.transactions.version(claim) == 0], claimant))
+            if done and not self._run(self._hold_run()):
+                # The run ended as this rank joined it (its last rank gone a TTL before): what
+                # was written is in a dead run's keys, which the next run's start deletes.
+                self._run(self._open_run())
+                continue
             if done:
                 self.rank = want
                 self._registered = True
@@ -605,6 +624,14 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 reply = self._run(asyncio.wait_for(self._call("refresh_lease", self._lease.id), max(ttl / 3, 0.5)), ttl)
                 if reply is not None and reply.TTL <= 0:  # expired while this process was frozen
                     self._fail(ChannelClosed(self._fenced_message("found on the next keep-alive")))
+                    return
+                if self._registered and not self._run(asyncio.wait_for(self._hold_run(), max(ttl / 3, 0.5)), ttl):
+                    self._fail(
+                        ChannelClosed(
+                            f"the run of job {self.job!r} at {self.url.shown} ended under rank {self.rank}: "
+                            f"no rank of it kept it alive for {ttl}s"
+                        )
+                    )
                     return
                 last_ok = time.monotonic()
             except Exception as err:  # a member restarting: retry until the lease is gone for good

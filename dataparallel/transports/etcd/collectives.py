@@ -62,6 +62,11 @@ class Interrupted(Exception):
     """A wait for a release was cut short: a peer was lost or the channel broke."""
 
 
+def _seen(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class ReleaseWatch:
     """The release keys (``__dp/release/``) as this channel has seen them: one etcd watch for
     all of the channel's collectives. The view is the prefix read at one revision plus every
@@ -82,6 +87,9 @@ class ReleaseWatch:
         :meth:`interrupt` is called meanwhile."""
         if self._opened is None or (self._opened.done() and self._opened.exception() is not None):
             self._opened = asyncio.ensure_future(self._open())
+            # Its error is read by the next wait; if every waiter was cancelled meanwhile, it
+            # counts as seen (asyncio would log it as an exception never retrieved).
+            self._opened.add_done_callback(_seen)
         await asyncio.shield(self._opened)  # one opening, shared by concurrent waiters
         if key in self._seen:
             return self._seen[key]

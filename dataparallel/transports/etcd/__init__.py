@@ -668,7 +668,10 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         if self._lease is not None:
             await self._call("revoke_lease", self._lease.id)
         if self._registered and remaining <= 0:
-            await self._call("delete_prefix", self._root)  # the last one out cleans up
+            # The last one out cleans up and ends the run (a rank joining it meanwhile finds
+            # it over at its claim and joins the next: _claim_rank).
+            await self._call("delete_prefix", self._root)
+            await self._call("revoke_lease", self._run_lease)
         if isinstance(self._liveness, LeaseLiveness):
             await self._liveness.cancel()
         await self._releases.cancel()

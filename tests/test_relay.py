@@ -70,6 +70,21 @@ RANK = textwrap.dedent(
                 out["at"] = time.time()
             print(json.dumps(out), flush=True)
             sys.exit(0)
+        elif mode == "leave":  # rank 4 closes without entering the barrier the others wait in
+            if rank == 4:
+                ch.barrier("before")
+                time.sleep(0.5)
+            else:
+                ch.barrier("before")
+                start = time.time()
+                try:
+                    ch.barrier("never", timeout=60)
+                except dp.ControlError as err:
+                    out["error"] = type(err).__name__
+                    out["message"] = str(err)
+                    out["after"] = time.time() - start
+            print(json.dumps(out), flush=True)
+            sys.exit(0)
         elif mode == "gloo":
             import torch, torch.distributed as dist
             dist.init_process_group("gloo", store=ch.as_store(), rank=rank, world_size=world)
@@ -250,6 +265,20 @@ def test_a_rank_killed_behind_a_relay_is_peer_lost_to_every_other_rank(nodes, re
         for p in procs:
             p.kill()
             p.wait(timeout=10)
+
+
+def test_a_rank_that_closed_without_entering_a_barrier_ends_it_behind_a_relay(nodes):
+    """As on a direct channel: a rank that closed cleanly without entering a barrier ends it
+    at once for every other rank, on its node and the other, with PeerLeft naming it (not a
+    timeout a minute later)."""
+    results = nodes.run("leave")
+    for r, out in enumerate(results):
+        if r == 4:
+            continue
+        assert out.get("error") == "PeerLeft" and "rank 4" in out["message"], (r, out)
+        # It left half a second after the barrier before; the others are told within a
+        # liveness poll (a second) of it, and some margin.
+        assert out["after"] < 0.5 + 1.0 + 3.0, (r, out)
 
 
 def _without_watch(handle):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
+from dataparallel.control.collectives import Needs
 from dataparallel.control.liveness import loss_key
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.relay.local import LocalClient, NoReply
@@ -78,6 +79,7 @@ class RelayedChannel(ControlChannel):
             self._local.close()
             raise ConfigError(f"{url.shown!r}: rank {self.rank} was given " + "; ".join(problems))
         self._barriers = threading.Lock()
+        self._within = threading.local()  # .deadline: the wait this thread's calls are made for
         self._watched = False
 
     def _call(self, op: int, payload: bytes, waits: float | None = None) -> bytes:
@@ -88,6 +90,9 @@ class RelayedChannel(ControlChannel):
         cut off, as a coordinator that stopped answering is (ChannelClosed; a waiting read's is
         ReadUnanswered, see :meth:`_read`)."""
         bound = (self.timeout if waits is None else waits) + _SLACK
+        within = getattr(self._within, "deadline", None)
+        if within is not None:  # a call a barrier's wait makes (its departure check): within the barrier's bound
+            bound = min(bound, max(within - time.monotonic(), 0.05) + _SLACK)
         closing = self._left_to_close(at_least=0.05)
         if closing is not None:
             bound = min(bound, closing)
@@ -179,13 +184,20 @@ class RelayedChannel(ControlChannel):
         if not self._barriers.acquire(timeout=budget):
             raise ControlTimeout(f"barrier {name!r} (this rank's previous barrier still waits)", budget)
         try:
-            self._next_seq("barrier", name)
+            seq = self._next_seq("barrier", name)
             left = max(deadline - time.monotonic(), 1e-3)
+            what = f"barrier {name!r} round {seq}"
+            others = tuple(r for r in range(self.world_size) if r != self.rank)
             try:
                 generation = self._local.arrive(name, left)
-                # In slices, between which a lost peer (the core's liveness) ends the wait.
+                # In slices, between which a lost peer (the core's liveness) or a rank that
+                # closed without entering this round (its departure record) ends the wait.
                 wait = lambda slice_: self._local.released(generation, slice_)  # noqa: E731
-                self._await_with(wait, left, f"barrier {name!r}")
+                self._within.deadline = deadline
+                try:
+                    self._await_with(wait, left, f"barrier {name!r}", needs=Needs("barrier", name, seq, others, what))
+                finally:
+                    self._within.deadline = None
             except ChannelClosed as err:
                 if not self._closed:
                     self._fail(err)

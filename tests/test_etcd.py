@@ -8,7 +8,7 @@ import time
 from functools import partial
 
 import pytest
-from etcdserver import EtcdServer, require_etcd, start_cluster
+from etcdserver import EtcdServer, cluster_leader, require_etcd, start_cluster
 from jobutil import exercise, open_job, spawn
 
 import dataparallel as dp
@@ -70,6 +70,36 @@ def test_job_carries_on_when_a_cluster_member_dies(tmp_path):
         exercise(channels, "two-members")
         assert channels[0].lost_peers() == {}
         close_all(channels)
+    finally:
+        for m in members:
+            m.stop()
+
+
+@pytest.mark.timeout(120)
+def test_calls_failing_together_on_a_dead_member_move_on_once(tmp_path):
+    """Calls in flight together when the member they talk to dies move to the next member
+    together, once: the client is replaced once (each failing call moving it on by one
+    member could bring some back to the dead one)."""
+    members = start_cluster(tmp_path, 3)
+    try:
+        leader = cluster_leader(members)
+        followers = [m for m in members if m is not leader]
+        # The first member a follower (its death elects nobody), the next one alive.
+        order = [followers[0], leader, followers[1]]
+        endpoints = ",".join(f"127.0.0.1:{m.client_port}" for m in order)
+        with dp.connect(with_options(f"etcd://{endpoints}/failover", **OPTS), rank=0, world_size=1, timeout=30) as ch:
+            made: list[int] = []
+            new_client = ch._new_client
+
+            def counted():
+                made.append(ch._current)
+                return new_client()
+
+            ch._new_client = counted
+            order[0].stop()
+            run_all([partial(ch.set, f"k{i}", b"v") for i in range(12)])
+            assert made == [1], f"the client was replaced {len(made)} times, for members {made}"
+            assert all(ch.get(f"k{i}", timeout=5) == b"v" for i in range(12))
     finally:
         for m in members:
             m.stop()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import zygote
-from etcdserver import EtcdServer, require_etcd, start_cluster
+from etcdserver import EtcdServer, cluster_leader, require_etcd, start_cluster
 
 from dataparallel.testing import free_port, with_options
 
@@ -236,7 +236,7 @@ def test_etcd_leader_killed_in_a_three_member_cluster(tmp_path):
         job = Job(url, tmp_path, epochs=4, liveness=10.0)
         try:
             job.wait_training()
-            leader = _leader(members)
+            leader = cluster_leader(members)
             leader.stop()
             hit = time.monotonic()
             ends = [job.finish(rank, timeout=120) for rank in (0, 1)]
@@ -251,18 +251,6 @@ def test_etcd_leader_killed_in_a_three_member_cluster(tmp_path):
     finally:
         for m in members:
             m.stop()
-
-
-def _leader(members: list[EtcdServer]) -> EtcdServer:
-    """The member that is leader, asked over etcd's HTTP status endpoint of each member."""
-    import urllib.request
-
-    for m in members:
-        with urllib.request.urlopen(f"http://127.0.0.1:{m.client_port}/v3/maintenance/status", data=b"{}") as r:
-            status = json.loads(r.read())
-        if status["leader"] == status["header"]["member_id"]:
-            return m
-    raise AssertionError("no leader")
 
 
 @pytest.mark.timeout(120)

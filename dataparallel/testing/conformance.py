@@ -1040,7 +1040,11 @@ class LivenessTests(ChannelHarness):
                 os.kill(proc.pid, sig)
                 since = time.monotonic()
                 self._expect_peer_lost(channels, victim, since, bound)
-                assert victim in channels[0].lost_peers()
+                lost = channels[0].lost_peers().get(victim)
+                assert lost is not None, f"rank {victim} is not among rank 0's lost peers"
+                # Every transport names the lost process, as the coordinator's sessions, the
+                # heartbeats' peer records and the relay's supervision all can.
+                assert f"pid {proc.pid}" in str(lost), f"the loss does not name the process: {lost}"
             finally:
                 close_all(channels)
         finally:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import json
 import math
 import threading
 import time
@@ -369,7 +370,9 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                     raise ChannelClosed(
                         f"etcd at {self.url.shown} unreachable for {self.liveness_timeout:g}s: {err}"
                     ) from err
-                if len(self._endpoints) > 1:
+                if len(self._endpoints) > 1 and self._client is client:
+                    # Only the first of the calls failing together on a member moves on, to the
+                    # next member (each moving one on could bring them back to the dead one).
                     await self._etcd.close()
                     self._current = (self._current + 1) % len(self._endpoints)
                     self._client = self._new_client()
@@ -811,6 +814,15 @@ class LeaseLiveness(Liveness):
         if await ch._call("get", ch._k(f"{_LEFT}{rank}")) is not None:
             self._left.add(rank)
             return
-        reason = f"its etcd lease expired (no keep-alive for {ch.liveness_timeout:g}s)"
-        self._record(LostPeer(rank, time.time() - ch.liveness_timeout, reason))
+        # etcd ends a lease its TTL after its last keep-alive, and the alive key's deletion
+        # reaches this watch at once: that keep-alive is the rank's last sign of life.
+        reason = f"its etcd lease expired (no keep-alive for {ch._ttl}s)"
+        try:
+            peer = await ch._call("get", ch._k(ch._scoped(peer_key(rank))))
+            info = json.loads(peer.value) if peer is not None else None
+        except (ControlError, ValueError):
+            info = None
+        if isinstance(info, dict):
+            reason = f"{reason}; it ran as pid {info.get('pid')} on {info.get('host')}"
+        self._record(LostPeer(rank, time.time() - ch._ttl, reason))
         ch._releases.interrupt()  # blocked collectives raise PeerLost now

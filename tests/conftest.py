@@ -38,8 +38,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 #: pytest-timeout's alarm fires once, and only where the main thread runs Python: a test still
 #: blocked this long after it (a teardown waiting on what the alarm interrupted, a call into C
 #: that a signal does not end) has every thread's stack written to the run's stderr and its
-#: process ended, so that the test fails with its stacks (under pytest-xdist the worker is
-#: replaced and the run goes on) instead of holding the run until CI gives up on it.
+#: process ended, so that the test fails with its stacks instead of holding the run until CI
+#: gives up on it (``.ci/run`` then ends the parallel phase: see there). Off where
+#: pytest-timeout is (not loaded, a bound of 0, a debugger attached).
 HARD_GRACE = 60.0
 
 #: The signal that makes every pytest process of a run write its threads' stacks to the run's
@@ -52,13 +53,21 @@ _stderr: TextIO | None = None
 
 
 def _item_timeout(item: pytest.Item) -> float:
-    """The item's pytest-timeout bound in seconds: its ``timeout`` marker, or the ini value."""
+    """The item's pytest-timeout bound in seconds (its ``timeout`` marker, else
+    ``--timeout``, ``PYTEST_TIMEOUT`` or the ini value, as pytest-timeout reads them); 0 for
+    none."""
+    if not item.config.pluginmanager.hasplugin("timeout"):
+        return 0.0
+    import pytest_timeout
+
+    if pytest_timeout.is_debugging():
+        return 0.0
     marker = item.get_closest_marker("timeout")
     if marker is not None:
         value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
         if value is not None:
             return float(value)
-    return float(item.config.getini("timeout") or 0)
+    return float(pytest_timeout.get_env_settings(item.config).timeout or 0)
 
 
 #: When the running test's process is ended (time.monotonic()), or None between tests.

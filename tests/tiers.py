@@ -18,6 +18,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_tcpstore_and_cli_exit_codes",
     },
     "test_conformance_etcd.py": {
+        "TestEtcdChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestEtcdChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestEtcdChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestEtcdChannel::test_a_connect_that_waits_says_what_it_waits_for",
@@ -41,6 +42,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestEtcdChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_conformance_grpc.py": {
+        "TestGrpcChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestGrpcChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestGrpcChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestGrpcChannel::test_a_connect_that_waits_says_what_it_waits_for",
@@ -59,6 +61,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestGrpcChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_conformance_memory.py": {
+        "TestMemoryChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestMemoryChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestMemoryChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestMemoryChannel::test_a_killed_jobs_rerun_under_the_same_name_starts_clean",
@@ -68,6 +71,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestMemoryChannel::test_only_control_errors_escape_when_the_coordinator_goes",
     },
     "test_conformance_tcpstore.py": {
+        "TestTCPStoreChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestTCPStoreChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestTCPStoreChannel::test_a_connect_that_waits_says_what_it_waits_for",
         "TestTCPStoreChannel::test_a_connect_to_nothing_keeps_its_timeout",
@@ -101,6 +105,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_a_transport_atomic_only_within_a_process_fails_fast_naming_the_primitive",
     },
     "test_conformance_zmq.py": {
+        "TestZmqChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestZmqChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestZmqChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestZmqChannel::test_a_connect_that_waits_says_what_it_waits_for",

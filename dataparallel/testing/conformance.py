@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 import pytest
 
 import dataparallel as dp
-from dataparallel.control.registry import locate
+from dataparallel.control.registry import locate, resolve
 
 from .common import count_multi_gets, held_rank, with_options
 from .netproxy import proxy_in_front
@@ -650,6 +650,29 @@ class MembershipTests(ChannelHarness):
             assert channels[0].get("still", timeout=5) == b"2"
         finally:
             close_all(channels)
+
+    @pytest.mark.timeout(60)
+    def test_a_channel_that_holds_no_rank_keeps_its_run(self, channel_url: str) -> None:
+        """A channel that never joins as a rank (a torchrun agent's, an elastic job's join
+        queue: ``rank=None``, the token agreed, no ``dp.connect``) keeps the job's run as a
+        rank does: what it wrote is there for one that comes more than a liveness timeout
+        later, in the same run, not wiped by a new one."""
+        url, cls = resolve(with_options(channel_url, **FAST_LIVENESS))
+        first = cls(url, rank=None, world_size=1, job="norank", timeout=30)
+        try:
+            first.agree_on_token()
+            first.set("state", b"kept")
+            time.sleep(FAST_LIVENESS["liveness_timeout"] + 2.0)
+            second = cls(url, rank=None, world_size=1, job="norank", timeout=30)
+            try:
+                second.agree_on_token()
+                assert second.check(["state"]), "the first channel's key is gone"
+                assert second.get("state", timeout=5) == b"kept"
+                assert first.get("state", timeout=5) == b"kept"
+            finally:
+                second.close()
+        finally:
+            first.close()
 
     @pytest.mark.timeout(90)
     def test_ranks_assigned_at_connect_write_nothing_to_stderr(

@@ -119,7 +119,13 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         self._current = 0
         self._client: EtcdClient | None = None
         self._lease: Any = None  # aetcd's lease, once granted
-        self._run_lease = 0  # the id of the run's lease (see _open_run)
+        self._run_key = self._job_root + b"\x00run"  # below every run id: outside the range a new run wipes
+        self._run_id = b""  # the current run's id, and its lease's (see _open_run)
+        self._run_lease = 0
+        # Whether this channel keeps its run alive: from the start, unless it waits for a
+        # rank another process holds (a rerun waiting for a dead run to end must not keep it
+        # alive); again once it holds its rank.
+        self._holds_run = True
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._registered = False
@@ -143,13 +149,24 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         (:meth:`_hold_run`, :meth:`_keep_alive`): the run ends when its last rank has gone
         (left, killed, or frozen for the TTL), not with the rank that started it, and a later
         job of the same name never sees a crashed run's keys (starting a run deletes whatever
-        a dead run left). A process that only waits for a rank keeps no run alive."""
+        a dead run left). A channel that holds no rank and never will (the torchrun backends',
+        an elastic job's join queue) keeps its run alive as a rank does; one that waits for a
+        rank held by another keeps none alive (:attr:`_holds_run`)."""
         if self._lease is None:
             self._lease = await self._call("lease", self._ttl)
-        run_key = self._job_root + b"\x00run"  # below every run id: outside the range wiped
+        run_key = self._run_key
         txn = self._etcd.transactions
         while True:
             current = await self._call("get", run_key)
+            if current is not None and current.lease == 0:
+                # A run key on no lease (put by hand or by a tool) would never end: a dead run.
+                await self._call(
+                    "transaction",
+                    compare=[txn.mod(run_key) == current.mod_revision],
+                    success=[txn.delete(run_key)],
+                    failure=[],
+                )
+                continue
             if current is not None:
                 run, self._run_lease = current.value, current.lease
                 break
@@ -168,13 +185,15 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 run, self._run_lease = fresh, lease.id
                 break
             await self._call("revoke_lease", lease.id)  # another process started one first: join it
+        self._run_id = run
         self._root = self._job_root + run + b"/"
 
     async def _hold_run(self) -> bool:
-        """Keep the run's lease alive (a rank held in it, or about to be): False if the run
-        ended already (its lease expired: every rank of it gone for the TTL)."""
+        """Keep the run's lease alive: False if the run has ended (its lease expired, every
+        rank of it gone for the TTL, or revoked by its last rank out); an unanswered refresh
+        is no verdict (True: the next one asks again)."""
         reply = await self._call("refresh_lease", self._run_lease)
-        return reply is not None and reply.TTL > 0
+        return reply is None or reply.TTL > 0
 
     def _enter_run(self, retry: bool) -> None:
         if retry:  # the run opened in __init__ was the first attempt's; it may have ended since
@@ -372,10 +391,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                     ) from err
                 if len(self._endpoints) > 1 and self._client is client:
                     # Only the first of the calls failing together on a member moves on, to the
-                    # next member (each moving one on could bring them back to the dead one).
-                    await self._etcd.close()
+                    # next member (each moving one on could bring them back to the dead one);
+                    # the old client is closed once the new one is in place.
                     self._current = (self._current + 1) % len(self._endpoints)
                     self._client = self._new_client()
+                    await client.close()
                 await asyncio.sleep(0.2)
             except aetcd.exceptions.ClientError as err:
                 if _token_dropped(err) and self._etcd.authenticates and not renewed:
@@ -444,13 +464,14 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     def _record_key(self, seq: int) -> bytes:
         return self._k(f"{_OPS}{self._lease.id:x}/{seq}")
 
-    async def _once(self, ops, guard=(), result: bytes = b"") -> tuple[bool, bytes]:
+    async def _once(self, ops, guard=(), result: bytes = b"", otherwise=()) -> tuple[bool, Any]:
         """Commit ``ops(txn)`` (plus the record of ``result``) if ``guard`` holds, exactly
         once. Returns (True, result) once committed, by this call or by an earlier attempt of
-        it whose reply was lost; (False, b"") if the guard failed."""
-        return await self._commit(ops, guard, result)
+        it whose reply was lost; (False, what the reads ``otherwise`` found) if the guard
+        failed (they run in the same transaction)."""
+        return await self._commit(ops, guard, result, otherwise=otherwise)
 
-    async def _commit(self, ops, guard=(), result: bytes = b"", reads=()) -> Any:
+    async def _commit(self, ops, guard=(), result: bytes = b"", reads=(), otherwise=()) -> Any:
         """:meth:`_once`; with ``reads`` (operations run after ``ops`` in the same
         transaction) returns their results, or None where an earlier attempt committed (its
         reads are lost with its reply)."""
@@ -462,7 +483,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             "transaction",
             compare=[txn.version(record) == 0, *guard],
             success=[*ops(txn), txn.put(record, result, lease=self._lease), *prune, *reads],
-            failure=[txn.get(record)],
+            failure=[txn.get(record), *otherwise],
         )
         if reads:
             return found[len(found) - len(reads) :] if ok else None
@@ -470,7 +491,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             return True, result
         if found[0]:
             return True, found[0][0][0]  # applied by an attempt whose reply was lost
-        return False, b""
+        return False, found[1:]
 
     async def _cas_loop(self, key: bytes, update) -> bytes:
         """Read ``key``, ``update(value) -> (result, new)`` with new a value to store,
@@ -571,6 +592,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             if want is None:
                 want = self._add(self._scoped(NEXT_RANK), 1) - 1
                 if want >= self.world_size:
+                    self._holds_run = False  # waiting for a full job's rank keeps no run alive
                     return None, b""
             claim = self._k(self._scoped(claim_key(want)))
 
@@ -581,21 +603,29 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                     txn.put(self._k(self._scoped(peer_key(want))), peer),
                 ]
 
-            done, _ = self._run(self._once(ops, [self._etcd.transactions.version(claim) == 0], claimant))
-            if done and not self._run(self._hold_run()):
-                # The run ended as this rank joined it (its last rank gone a TTL before): what
+            txn = self._etcd.transactions
+            guard = [txn.version(claim) == 0, txn.value(self._run_key) == self._run_id]
+            done, found = self._run(self._once(ops, guard, claimant, otherwise=[txn.get(self._run_key)]))
+            run_over = not done and not (found and found[0] and found[0][0][0] == self._run_id)
+            if run_over or (done and not self._run(self._hold_run())):
+                # The run ended as this rank joined it (its last rank gone, or leaving): what
                 # was written is in a dead run's keys, which the next run's start deletes.
+                # Into the job's next run, whose token is checked again.
                 self._run(self._open_run())
+                if not self.native_auth and not self._token_agrees():
+                    raise AuthError(self._token_differs)
                 continue
             if done:
                 self.rank = want
                 self._registered = True
+                self._holds_run = True
                 return want, b""
             if rank is None:
                 continue  # held: the next one
             holder, left = self._run(self._read([claim, self._k(f"{_LEFT}{rank}")]))
             if holder is not None:
                 self._holder_left = left is not None
+                self._holds_run = False  # waiting for another's rank keeps no run alive
                 return None, holder
             # Gone between the transaction and the read (its run was wiped): claim again.
 
@@ -628,7 +658,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 if reply is not None and reply.TTL <= 0:  # expired while this process was frozen
                     self._fail(ChannelClosed(self._fenced_message("found on the next keep-alive")))
                     return
-                if self._registered and not self._run(asyncio.wait_for(self._hold_run(), max(ttl / 3, 0.5)), ttl):
+                if (
+                    self._holds_run
+                    and not self._run(asyncio.wait_for(self._hold_run(), max(ttl / 3, 0.5)), ttl)
+                    and not self._stop.is_set()  # not the run's end its own departure made
+                ):
                     self._fail(
                         ChannelClosed(
                             f"the run of job {self.job!r} at {self.url.shown} ended under rank {self.rank}: "
@@ -671,10 +705,13 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         if self._lease is not None:
             await self._call("revoke_lease", self._lease.id)
         if self._registered and remaining <= 0:
-            # The last one out cleans up and ends the run (a rank joining it meanwhile finds
-            # it over at its claim and joins the next: _claim_rank).
+            # The last one out ends the run, then cleans up: a rank joining it meanwhile finds
+            # it over at its claim (guarded by the run's key) and joins the next (_claim_rank).
+            try:  # not through _call: a lease already gone is no fencing of this rank
+                await self._etcd.revoke_lease(self._run_lease)
+            except Exception:
+                pass  # expired or revoked already, or etcd out of reach: it expires on its own
             await self._call("delete_prefix", self._root)
-            await self._call("revoke_lease", self._run_lease)
         if isinstance(self._liveness, LeaseLiveness):
             await self._liveness.cancel()
         await self._releases.cancel()

@@ -101,6 +101,8 @@ class RelayedChannel(ControlChannel):
         except NoReply as err:
             if waits is not None:
                 raise
+            if within is not None:  # the barrier's wait goes on (and ends at its deadline)
+                raise ReadUnanswered(f"node relay: no answer within {bound:.2f}s ({err})") from None
             raise ChannelClosed(f"node relay: no answer within {bound:.2f}s ({err})") from None
 
     # ------------------------------------------------------------------ hooks
@@ -173,6 +175,15 @@ class RelayedChannel(ControlChannel):
         self._local.close()
 
     # ------------------------------------------------------------------ collectives
+    def _raise_if_departed(self, needs: Needs, during: str) -> None:
+        # A departure check the relay left unanswered within its slice is asked again at the
+        # next one: a busy relay is no closed channel (a frozen one ends the barrier at its
+        # deadline).
+        try:
+            super()._raise_if_departed(needs, during)
+        except ReadUnanswered:
+            pass
+
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """As every channel's barrier; the node's ranks meet in shared memory and their relay
         enters the barrier once for them. Every rank enters its barriers in the same order

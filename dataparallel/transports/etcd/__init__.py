@@ -258,7 +258,9 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
 
     async def _connect(self) -> None:
         start = time.monotonic()
-        deadline, probe_at = start + self.timeout, start + _PROBE_AFTER
+        # Given up a little before the timeout: closing the last attempt's client and the
+        # channel's shutdown come out of the caller's budget, not on top of it.
+        deadline, probe_at = start + _wait_within(self.timeout), start + _PROBE_AFTER
         last: Exception | None = None
         while time.monotonic() < deadline:
             client = self._new_client()

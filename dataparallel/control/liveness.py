@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ChannelClosed, ControlError
 
@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 _HB = "__dp/hb/"
 _LOST = "__dp/lost"
 _CLOSED = b"closed"
+
+
+def with_process(reason: str, info: dict[str, Any]) -> str:
+    """A loss's ``reason`` naming the process the rank ran as (its peer record: host, pid)."""
+    return f"{reason}; it ran as pid {info.get('pid')} on {info.get('host')}"
 
 
 def loss_report(rank: int, last_seen: float | None, reason: str, by: int | str | None) -> bytes:
@@ -299,7 +304,7 @@ class StoreHeartbeats(Liveness):
     def _declare(self, rank: int, last_seen: float | None, reason: str) -> None:
         info = self._ch.peer_info(rank)
         if info:
-            reason = f"{reason}; it ran as pid {info.get('pid')} on {info.get('host')}"
+            reason = with_process(reason, info)
         self._ch._compare_set(self._key(_LOST), b"", loss_report(rank, last_seen, reason, self._ch.rank))
         self._read_reports()  # the first loss published is everyone's first_lost()
         self._record(LostPeer(rank, last_seen, reason))  # later ones count here (lost(), departures)

@@ -55,7 +55,7 @@ from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.check import tls_diagnosis
 from dataparallel.control.eventloop import client_loop
 from dataparallel.control.keyspace import NEXT_RANK, claim_key, peer_key
-from dataparallel.control.liveness import Liveness, LostPeer
+from dataparallel.control.liveness import Liveness, LostPeer, with_process
 from dataparallel.control.registry import ChannelURL
 from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError
 
@@ -862,6 +862,6 @@ class LeaseLiveness(Liveness):
         except (ControlError, ValueError):
             info = None
         if isinstance(info, dict):
-            reason = f"{reason}; it ran as pid {info.get('pid')} on {info.get('host')}"
+            reason = with_process(reason, info)
         self._record(LostPeer(rank, time.time() - ch._ttl, reason))
         ch._releases.interrupt()  # blocked collectives raise PeerLost now

@@ -40,7 +40,7 @@ _LAZY = {
     "init_process_group": "control.process_group",
     "abort_process_group": "control.process_group",
     "launch": "launching.launcher",
-    "in_worker": "launching.launcher",
+    "in_worker": "config.environments",
     "relaunch": "launching.launcher",
     "load_config": "config",
     "JobConfig": "config",

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .control.channel import ControlChannel
-from .control.membership import open_queue, running
+from .control.membership import newcomer
 from .control.registry import ChannelURL, resolve
 
 log = logging.getLogger(__name__)
@@ -75,14 +75,16 @@ def connect(
         # A follower never hosts the coordinator: it may ask the join queue before it makes a
         # channel of the job's first generation (whose rank and size a newcomer's need not fit).
         if elastic and rank not in (0, None):
-            queue = _newcomer(parsed, cls, job, token, timeout)
+            queue = newcomer(parsed, cls, job, token, timeout)
             if queue is not None:
                 queue.config = config
                 return queue
-        channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
+        # Under torchrun with its agent's store as the URL, no worker hosts it (rank 0 included).
+        serve = not config.agent_store
+        channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout, serve=serve)
         try:
             if elastic and rank is None:  # it may host the coordinator: asked once there is one
-                queue = _newcomer(parsed, cls, job, token, timeout)
+                queue = newcomer(parsed, cls, job, token, timeout)
                 if queue is not None:
                     channel.close()
                     queue.config = config
@@ -95,22 +97,24 @@ def connect(
     return channel
 
 
-def _newcomer(
-    url: ChannelURL, cls: type[ControlChannel], job: str, token: str | None, timeout: float
-) -> ControlChannel | None:
-    """Where ``job`` is training elastically: a channel to its join queue, through which
-    ``dp.fit`` waits for a seat (see :mod:`dataparallel.control.membership`). None: it is not running."""
-    queue = open_queue(url, cls, job, token, timeout)
-    try:
-        if running(queue):
-            log.warning("job %r is running: this process joins it at an epoch boundary, once dp.fit is called", job)
-            queue._newcomer_of = job
-            return queue
-    except BaseException:
-        queue.close()
-        raise
-    queue.close()
-    return None
+def reopen(like: ControlChannel, *, rank: int, world_size: int, job: str) -> ControlChannel:
+    """A channel to ``job`` as ``rank`` of ``world_size`` on ``like``'s coordinator or store,
+    with its URL, token, timeout and settings as :func:`connect` resolved them for ``like``
+    (nothing read or parsed again): an elastic job's next generation. Returns once the rank
+    is held, as :func:`connect` does."""
+    cls = type(like)
+    with _waiting_notice(like.url, getattr(cls, "SERVICE", "the coordinator")):
+        serve = like.config is None or not like.config.agent_store
+        channel = cls(
+            like.url, rank=rank, world_size=world_size, job=job, token=like.token, timeout=like.timeout, serve=serve
+        )
+        try:
+            channel._join()
+            channel.config = like.config
+        except BaseException:
+            channel.close()
+            raise
+    return channel
 
 
 #: Seconds between two "still connecting" notices.

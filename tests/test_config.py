@@ -138,6 +138,40 @@ def test_bad_files(tmp_path):
         load_config(env={}, file=_file(tmp_path, 'world_size = "many"'))
 
 
+def test_rank_0_never_hosts_the_store_torchruns_agent_serves(monkeypatch):
+    """Under torchrun with TORCHELASTIC_USE_AGENT_STORE, MASTER_ADDR:MASTER_PORT is the agent's
+    own store: the configuration says so, and rank 0 joins it as a client (it hosts nothing)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dataparallel.testing.conformance import free_port
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": "agent-test",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    assert load_config(env=env).agent_store
+    assert not load_config(env={**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}).agent_store
+    assert not load_config({"transport": "zmq"}, env=env).agent_store  # a channel of its own at MASTER_PORT + 1
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir("/")
+    with dp.connect(timeout=10) as ch:
+        assert ch.url.raw == f"tcpstore://127.0.0.1:{port}" and ch.rank == 0
+        assert not ch.may_host
+        ch.set("k", b"v")
+        assert ch.get("k") == b"v"
+    del agent
+
+
 def test_connect_with_no_arguments_reads_the_configuration(monkeypatch):
     monkeypatch.setenv("DP_URL", "memory://config-test")
     monkeypatch.setenv("DP_WORLD_SIZE", "1")

@@ -259,3 +259,24 @@ def _expand_one(pattern: str) -> list[str]:
         width = len(low)
         values += [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
     return [f"{head}{value}{rest}" for value in values for rest in _expand_one(tail)]
+
+
+def in_worker(env: Mapping[str, str] | None = None) -> bool:
+    """True in a process started by ``dataparallel launch``, torchrun, or a cluster launcher
+    (``srun``, ``mpirun``)."""
+    env = os.environ if env is None else env
+    return any(e.detects(env) for e in LAUNCH_ENVIRONMENTS) or bool(env.get("DP_RANK") or env.get("RANK"))
+
+
+def serves_store(env: Mapping[str, str], url: str) -> bool:
+    """True when ``url`` is the TCPStore torchrun's agent serves for its workers
+    (``TORCHELASTIC_USE_AGENT_STORE``, at ``MASTER_ADDR:MASTER_PORT``): no worker hosts it."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    try:
+        parsed, _ = locate(url)
+    except ConfigError:
+        return False
+    return parsed.scheme == "tcpstore" and [(h, str(p)) for h, p in parsed.hosts] == [
+        (env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
+    ]

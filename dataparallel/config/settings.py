@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..control.registry import MASK, is_secret_option, locate, mask_url
 from ..errors import ConfigError
-from .environments import DEFAULT_PORT, check_launchers_agree, from_cluster, from_torchrun
+from .environments import DEFAULT_PORT, check_launchers_agree, from_cluster, from_torchrun, serves_store
 from .hosts import place_hosts
 
 if sys.version_info >= (3, 11):
@@ -160,6 +160,9 @@ class JobConfig:
     #: The job's hosts and their slots (workers; None: ``nprocs``, else 1), from ``hosts``
     #: (``h1:2,h2:2``) or ``hostfile``: ``dataparallel launch`` starts each over ssh.
     hosts: tuple[tuple[str, int | None], ...] = ()
+    #: The URL is the store torchrun's agent serves for its workers
+    #: (``TORCHELASTIC_USE_AGENT_STORE``): no rank hosts it, rank 0 included.
+    agent_store: bool = False
     origin: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -278,6 +281,7 @@ def load_config(
         max_world_size=values.get("max_world_size"),
         log_format=values.get("log_format", "text"),
         hosts=values.get("__hosts", ()),
+        agent_store=url is not None and serves_store(env, url),
         origin={k: v for k, v in origin.items() if not k.startswith("__")},
     )
     _validate(config)

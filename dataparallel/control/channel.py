@@ -277,9 +277,6 @@ class ControlChannel(Collectives, abc.ABC):
         self._run_seen: dict[int, tuple[bytes | None, float]] = {}
         self._run_alive: dict[int, float] = {}
         self._run_verdict = ""
-        #: Set by ``dp.connect`` on a newcomer's channel (to the join queue of this elastic
-        #: job, which is running): ``dp.fit`` waits through it for a seat in the job.
-        self._newcomer_of: str | None = None
         #: The job's settings as ``dp.connect`` resolved them, once (flags and arguments, the
         #: ``DP_*`` environment, ``dataparallel.toml``): what ``dp.fit`` falls back on for
         #: what its options leave unset (``elastic``, world size bounds, log format). None for

@@ -41,6 +41,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -166,6 +167,34 @@ def open_queue(
         queue.close()
         raise
     return queue
+
+
+#: The join queues :func:`newcomer` opened, with the job each waits to join.
+_NEWCOMERS: weakref.WeakKeyDictionary[ControlChannel, str] = weakref.WeakKeyDictionary()
+
+
+def newcomer(
+    url: ChannelURL, cls: type[ControlChannel], job: str, token: str | None, timeout: float
+) -> ControlChannel | None:
+    """Where ``job`` is training elastically: a channel to its join queue, through which
+    ``dp.fit`` waits for a seat (:func:`await_admission`); None where it is not running."""
+    queue = open_queue(url, cls, job, token, timeout)
+    try:
+        if running(queue):
+            log.warning("job %r is running: this process joins it at an epoch boundary, once dp.fit is called", job)
+            _NEWCOMERS[queue] = job
+            return queue
+    except BaseException:
+        queue.close()
+        raise
+    queue.close()
+    return None
+
+
+def joining(channel: ControlChannel) -> str | None:
+    """The job ``channel`` waits to join as a newcomer (a join queue :func:`newcomer`
+    opened, which holds no rank), or None: it holds its rank."""
+    return _NEWCOMERS.get(channel)
 
 
 def _silence(queue: ControlChannel) -> float:

@@ -20,9 +20,9 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from ..config import CLUSTER, LAUNCH_ENVIRONMENTS, JobConfig
+from ..config import CLUSTER, JobConfig
 from ..control.registry import locate, mask_url, resolve
 from ..errors import ConfigError
 from .relay import RelayHost
@@ -114,128 +114,152 @@ def launch(
     """
     if config.hosts and lifeline is None:
         return launch_hosts(command, config, grace=grace, prefix=prefix, log=log, ssh=ssh)
-    config = _node_of_cluster(config)
-    url, nprocs, world = plan(config, first_rank)
-    log = log or sys.stderr
+    node = _NodeLaunch(command, config, grace=grace, prefix=prefix, log=log, first_rank=first_rank)
     if lifeline is not None:
         threading.Thread(target=_on_end, args=(lifeline,), daemon=True).start()
-    as_json = config.log_format == "json"
-    if as_json:  # every line out of this launcher a JSON object, its own included
-        log, prefix = JsonLines(log, source="launch"), True
-    base = config.node_rank * nprocs if first_rank is None else first_rank
-    env = dict(os.environ)
-    stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
-    for name in (*stale, "DP_RDZV_ROUND", "DP_HOSTS", "DP_HOSTFILE", "DP_RELAY"):
-        env.pop(name, None)  # the URL says it all (no torchrun agent's round applies, no hosts list)
-    env.update(
-        DP_URL=url,
-        DP_WORLD_SIZE=str(world),
-        DP_JOB=config.job,
-        DP_TIMEOUT=f"{config.timeout:g}",
-        DP_NODES=str(config.nodes),
-        DP_NODE_RANK=str(config.node_rank),
-        DP_NPROCS=str(nprocs),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        GROUP_RANK=str(config.node_rank),
-        PYTHONUNBUFFERED="1",
-    )
-    if config.token:
-        env["DP_TOKEN"] = config.token
-    if config.elastic:
-        env["DP_ELASTIC"] = "1"
-    for bound in ("min_world_size", "max_world_size"):  # read by TrainOptions
-        if getattr(config, bound) is not None:
-            env[f"DP_{bound.upper()}"] = str(getattr(config, bound))
-    if as_json:
-        env["DP_LOG_FORMAT"] = "json"  # dp.fit's per-epoch lines become JSON objects too
-    master = _master_address(url, config.nodes)
-    if master is not None:  # for scripts that call init_process_group() with env://, as under torchrun
-        env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), TORCHELASTIC_RUN_ID=config.job)
-    threads = _omp_threads(env, nprocs)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-        print(
-            f"[launch] OMP_NUM_THREADS={threads} for each worker ({_cores()} cores / {nprocs} workers on this node; "
-            "set OMP_NUM_THREADS to choose)",
-            file=log,
-            flush=True,
+    return node.run(own_stdin=lifeline is None)
+
+
+class _NodeLaunch:
+    """One node's part of a launch: its workers' environment (:meth:`environment`), the
+    group's attempts (:meth:`run`; a failed group restarted whole, ``max_restarts`` times)
+    and, elastic, its lost followers started again (:meth:`replace`)."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        config: JobConfig,
+        *,
+        grace: float,
+        prefix: bool,
+        log: Log | None,
+        first_rank: int | None,
+    ) -> None:
+        config = _node_of_cluster(config)
+        self.url, self.nprocs, self.world = plan(config, first_rank)
+        self.command, self.config, self.grace = list(command), config, grace
+        self.log, self.prefix = log or sys.stderr, prefix
+        self.as_json = config.log_format == "json"
+        if self.as_json:  # every line out of this launcher a JSON object, its own included
+            self.log, self.prefix = JsonLines(self.log, source="launch"), True
+        self.base = config.node_rank * self.nprocs if first_rank is None else first_rank
+        self.env = self.environment()
+        #: Restarts of the group so far (the same count on every node, so that the nodes'
+        #: attempts stay in step) and, elastic, of this node's lost followers: each up to
+        #: ``max_restarts``.
+        self.attempt, self.replaced = 0, 0
+        self.stdin: int | None = None
+
+    def environment(self) -> dict[str, str]:
+        """What every worker of the node finds in its environment, besides its ranks."""
+        config, url, world, nprocs = self.config, self.url, self.world, self.nprocs
+        env = dict(os.environ)
+        stale = ("DP_TRANSPORT", "DP_HOST", "DP_PORT", "DP_OPTIONS", "MASTER_ADDR", "MASTER_PORT", "DP_RDZV_URL")
+        for name in (*stale, "DP_RDZV_ROUND", "DP_HOSTS", "DP_HOSTFILE", "DP_RELAY"):
+            env.pop(name, None)  # the URL says it all (no torchrun agent's round applies, no hosts list)
+        env.update(
+            DP_URL=url,
+            DP_WORLD_SIZE=str(world),
+            DP_JOB=config.job,
+            DP_TIMEOUT=f"{config.timeout:g}",
+            DP_NODES=str(config.nodes),
+            DP_NODE_RANK=str(config.node_rank),
+            DP_NPROCS=str(nprocs),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(nprocs),
+            GROUP_RANK=str(config.node_rank),
+            PYTHONUNBUFFERED="1",
         )
-    print(
-        f"[launch] node {config.node_rank}/{config.nodes}: ranks {base}..{base + nprocs - 1} of {world} "
-        f"on {mask_url(url)} (job {config.job!r})",
-        file=log,
-        flush=True,
-    )
-    restarts = config.max_restarts
-    # Restarts of the group (the same count on every node, so the nodes' attempts stay in
-    # step) and, elastic, of lost followers (this node's own), each up to max_restarts.
-    left, attempt, replaced = restarts, 0, 0
-    stdin = subprocess.DEVNULL if lifeline is not None else None  # the lifeline is the launcher's
+        if config.token:
+            env["DP_TOKEN"] = config.token
+        if config.elastic:
+            env["DP_ELASTIC"] = "1"
+        for bound in ("min_world_size", "max_world_size"):  # the workers' settings, as dp.connect reads them
+            if getattr(config, bound) is not None:
+                env[f"DP_{bound.upper()}"] = str(getattr(config, bound))
+        if self.as_json:
+            env["DP_LOG_FORMAT"] = "json"  # dp.fit's per-epoch lines become JSON objects too
+        master = _master_address(url, config.nodes)
+        if master is not None:  # for scripts that call init_process_group() with env://, as under torchrun
+            env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), TORCHELASTIC_RUN_ID=config.job)
+        threads = _omp_threads(env, nprocs)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+            self.say(
+                f"OMP_NUM_THREADS={threads} for each worker ({_cores()} cores / {nprocs} workers on this node; "
+                "set OMP_NUM_THREADS to choose)"
+            )
+        return env
 
-    def start(supervisor: Supervisor, rank: int, local: int) -> None:
-        worker_env = {
-            **env,
-            "DP_RANK": str(rank),
-            "DP_LOCAL_RANK": str(local),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local),
-        }
-        supervisor.start(rank, local, list(command), worker_env, prefix, stdin=stdin)
+    def say(self, line: str) -> None:
+        print(f"[launch] {line}", file=self.log, flush=True)
 
-    def replace(supervisor: Supervisor, lost: Worker) -> bool:
-        """Elastic: start a lost follower again; it joins the running job at an epoch boundary."""
-        nonlocal replaced
-        if replaced >= restarts or lost.rank == 0:  # the first driver's rank is never queued again
-            return False
-        if any(w.rank == 0 and w.proc.returncode not in (None, 0) for w in supervisor.workers):
-            return False  # the job may have ended with its driver (a coordinator hosted by it): nothing to join
-
-        replaced += 1
-        print(
-            f"[launch] starting {lost.label} again (restart {replaced} of {restarts}): it joins the job "
-            "at its next epoch boundary (elastic)",
-            file=log,
-            flush=True,
+    def run(self, own_stdin: bool = True) -> int:
+        """The node's workers until they end (see :func:`launch`). ``own_stdin`` False: the
+        launcher's stdin is its lifeline, which no worker reads."""
+        config, base = self.config, self.base
+        self.stdin = None if own_stdin else subprocess.DEVNULL
+        self.say(
+            f"node {config.node_rank}/{config.nodes}: ranks {base}..{base + self.nprocs - 1} of {self.world} "
+            f"on {mask_url(self.url)} (job {config.job!r})"
         )
-        start(supervisor, lost.rank, lost.local_rank)
-        return True
+        # With a relay: the node's part of the job, joined before any worker starts (node 0's
+        # hosts the coordinator for every attempt), and a relay per attempt of the group.
+        try:
+            with handling_signals(_interrupt):
+                if not config.relay:
+                    return self.attempts(None)
+                relays = RelayHost(
+                    config, self.url, nprocs=self.nprocs, world=self.world, first_rank=base, log=self.log
+                )
+                with relays:
+                    return self.attempts(relays)
+        except _Interrupted as stop:  # no worker running: joining or leaving the relays' channel
+            self.say(f"stopped by signal {stop.signum} ({signal.Signals(stop.signum).name})")
+            return 128 + stop.signum
 
-    def run_attempts(relays: RelayHost | None) -> int:
-        nonlocal left, attempt
+    def attempts(self, relays: RelayHost | None) -> int:
+        """The worker group, started again after a failure while ``max_restarts`` allows."""
+        env, restarts = self.env, self.config.max_restarts
         while True:
-            if attempt:
+            if self.attempt:
                 # A new job name: the restarted group never meets the failed group's keys.
-                env["DP_JOB"] = f"{config.job}.attempt{attempt}"
-                env["DP_RESTART_COUNT"] = str(attempt)
-            supervisor = Supervisor(grace, log, tolerate=config.elastic, as_json=as_json, replace=replace)
+                env["DP_JOB"] = f"{self.config.job}.attempt{self.attempt}"
+                env["DP_RESTART_COUNT"] = str(self.attempt)
+            supervisor = Supervisor(
+                self.grace, self.log, tolerate=self.config.elastic, as_json=self.as_json, replace=self.replace
+            )
             with contextlib.ExitStack() as stack:
                 if relays is not None:  # joined upstream before any worker starts; closed after the last ends
                     env["DP_URL"] = stack.enter_context(relays.attempt(env["DP_JOB"]))
                 with supervisor.forwarding_signals():
-                    for local in range(nprocs):
-                        start(supervisor, base + local, local)
+                    for local in range(self.nprocs):
+                        self.start(supervisor, self.base + local, local)
                     code = supervisor.wait()
-            if code == 0 or supervisor.signalled is not None or left <= 0:
+            if code == 0 or supervisor.signalled is not None or self.attempt >= restarts:
                 return code
-            left, attempt = left - 1, attempt + 1
-            print(
-                f"[launch] worker group failed (exit code {code}); restarting it, attempt {attempt} of {restarts}",
-                file=log,
-                flush=True,
-            )
+            self.attempt += 1
+            self.say(f"worker group failed (exit code {code}); restarting it, attempt {self.attempt} of {restarts}")
 
-    # With a relay: the node's part of the job, joined before any worker starts (node 0's
-    # hosts the coordinator for every attempt), and a relay per attempt of the group.
-    try:
-        with handling_signals(_interrupt):
-            if not config.relay:
-                return run_attempts(None)
-            with RelayHost(config, url, nprocs=nprocs, world=world, first_rank=base, log=log) as relays:
-                return run_attempts(relays)
-    except _Interrupted as stop:  # no worker running: joining or leaving the relays' channel
-        print(f"[launch] stopped by signal {stop.signum} ({signal.Signals(stop.signum).name})", file=log, flush=True)
-        return 128 + stop.signum
+    def start(self, supervisor: Supervisor, rank: int, local: int) -> None:
+        ranks = {"DP_RANK": str(rank), "DP_LOCAL_RANK": str(local), "RANK": str(rank), "LOCAL_RANK": str(local)}
+        supervisor.start(rank, local, self.command, {**self.env, **ranks}, self.prefix, stdin=self.stdin)
+
+    def replace(self, supervisor: Supervisor, lost: Worker) -> bool:
+        """Elastic: start a lost follower again (the supervisor asks, for each worker that
+        failed); it joins the running job at an epoch boundary. False: it stays lost."""
+        restarts = self.config.max_restarts
+        if self.replaced >= restarts or lost.rank == 0:  # the first driver's rank is never queued again
+            return False
+        if any(w.rank == 0 and w.proc.returncode not in (None, 0) for w in supervisor.workers):
+            return False  # the job may have ended with its driver (a coordinator hosted by it): nothing to join
+        self.replaced += 1
+        self.say(
+            f"starting {lost.label} again (restart {self.replaced} of {restarts}): it joins the job "
+            "at its next epoch boundary (elastic)"
+        )
+        self.start(supervisor, lost.rank, lost.local_rank)
+        return True
 
 
 class _Interrupted(Exception):
@@ -320,13 +344,6 @@ def _omp_threads(env: dict[str, str], nprocs: int) -> int | None:
     if env.get("OMP_NUM_THREADS"):
         return None
     return max(1, _cores() // max(1, nprocs))
-
-
-def in_worker(env: Mapping[str, str] | None = None) -> bool:
-    """True in a process started by ``dataparallel launch``, torchrun, or a cluster launcher
-    (``srun``, ``mpirun``)."""
-    env = os.environ if env is None else env
-    return any(e.detects(env) for e in LAUNCH_ENVIRONMENTS) or bool(env.get("DP_RANK") or env.get("RANK"))
 
 
 def relaunch(script: str, args: Sequence[str], **settings: object) -> int:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from ..connect import reopen
 from ..control import membership
 from ..control.channel import ControlChannel
 from ..control.process_group import init_process_group
@@ -69,9 +70,12 @@ class ElasticState:
 
     # ------------------------------------------------------------------ generations
     def take_seat(self, queue: ControlChannel) -> ControlChannel:
-        """A newcomer: wait in the join queue until the driver seats it, then join that
-        generation (its channel is closed when training ends)."""
-        job = queue._newcomer_of or queue.job
+        """A newcomer (``queue``: the join queue ``dp.connect`` gave it): wait there until the
+        driver seats it, then join that generation (its channel is closed when training
+        ends). Any other channel is returned as it is."""
+        job = membership.joining(queue)
+        if job is None:
+            return queue
         admission = membership.await_admission(queue, job)
         log.warning(
             "admitted to job %r as rank %d of %d (generation %d)",
@@ -82,18 +86,9 @@ class ElasticState:
 
     def open_generation(self, like: ControlChannel, job: str, generation: int, rank: int, size: int) -> ControlChannel:
         """A channel to ``job``'s ``generation`` as ``rank`` of ``size``, on ``like``'s
-        coordinator or store with its token (closed when training ends)."""
-        from ..connect import connect
-
-        new = connect(
-            like.url.raw,
-            rank=rank,
-            world_size=size,
-            job=membership.generation_job(job, generation),
-            token=like.token,
-            timeout=like.timeout,
-            elastic=False,
-        )
+        coordinator or store with its settings (:func:`~dataparallel.connect.reopen`: the
+        URL, token and configuration as resolved once; closed when training ends)."""
+        new = reopen(like, rank=rank, world_size=size, job=membership.generation_job(job, generation))
         self.opened.append(new)
         return new
 

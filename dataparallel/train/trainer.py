@@ -59,8 +59,7 @@ class Trainer:
         self.opts = spec.options
         self.settings = spec.settings
         self.elastic = ElasticState(self)
-        if channel._newcomer_of is not None:
-            channel = self.elastic.take_seat(channel)
+        channel = self.elastic.take_seat(channel)  # a newcomer's join queue: the seat it is given
         self.ch: ControlChannel = channel
         if channel.rank is None:
             raise ValueError(f"{channel!r} holds no rank: open it with dataparallel.connect")

@@ -171,7 +171,7 @@ class TCPStoreChannel(ControlChannel):
 
     def _open(self, host: str, port: int) -> Connection:
         wait = timedelta(seconds=self.timeout)
-        if self.rank in (None, 0) and self.may_host and not _torchrun_agent_store(host, port):
+        if self.rank in (None, 0) and self.may_host:
             try:
                 with quiet_torch_log():
                     store = dist.TCPStore(host, port, is_master=True, timeout=wait, wait_for_workers=False)
@@ -611,12 +611,3 @@ def _connections_to(addresses: set[str], port: int, keep: bool = False) -> dict[
         for sock in found.values():
             sock.close()
     return found
-
-
-def _torchrun_agent_store(host: str, port: int) -> bool:
-    """True when host:port is the store torchrun's agent already serves for its workers."""
-    env = os.environ
-    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and (host, str(port)) == (
-        env.get("MASTER_ADDR"),
-        env.get("MASTER_PORT"),
-    )

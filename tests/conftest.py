@@ -32,6 +32,11 @@ SERIAL = {
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true", help="run the whole suite, not only the fast tier (tests/tiers.py)")
+    parser.addoption(
+        "--rest",
+        action="store_true",
+        help="run only the tests the fast tier leaves out (CI runs the fast tier, then these)",
+    )
 
 
 #: How long a test may go on past its pytest-timeout bound before its process is ended.
@@ -139,10 +144,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: -HEAVY_FIRST.get(item.path.name, 0.0))  # stable: a file's own order kept
     if config.getoption("--full"):
         return
-    slow = [item for item in items if not _fast(item)]
-    if slow:
-        items[:] = [item for item in items if _fast(item)]
-        config.hook.pytest_deselected(items=slow)
+    rest = config.getoption("--rest")  # the complement of the fast tier
+    left_out = [item for item in items if _fast(item) == rest]
+    if left_out:
+        items[:] = [item for item in items if _fast(item) != rest]
+        config.hook.pytest_deselected(items=left_out)
 
 
 def _ci() -> bool:

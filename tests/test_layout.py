@@ -4,6 +4,7 @@ import cycle between modules except through imports made for type checking only.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,36 @@ def test_every_module_belongs_to_a_part_of_the_map():
     parts = {part_of(m) for m in MODULES}
     assert parts <= set(ALLOWED), f"modules outside the map: {sorted(parts - set(ALLOWED))}"
     assert {"control", "transports", "config", "train", "launching", "testing"} <= parts
+
+
+DOCS = PACKAGE.parent / "docs" / "development.md"
+
+
+def documented_map() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """The map as docs/development.md's "Layout" table states it: each part's imports, and
+    those it may make for type checking only (a "(PART for type checking only)" note)."""
+    text = DOCS.read_text().split("## Layout", 1)[1].split("Around the package", 1)[0]
+    allowed: dict[str, set[str]] = {}
+    typing: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`dataparallel/"):
+            continue
+        first = cells[0].split("`")[1]  # dataparallel/control/, dataparallel/errors.py, ...
+        name = first.removeprefix("dataparallel/").removesuffix("/").removesuffix(".py")
+        part = "api" if name == "__init__" else part_of(f"dataparallel.{name}")
+        column = cells[2]
+        for note in re.findall(r"\(([^)]*) for type checking only\)", column):
+            typing[part] = {t.strip() for t in note.split(",")}
+        column = re.sub(r"\([^)]*\)", "", column)
+        allowed[part] = {t.strip() for t in column.split(",") if t.strip() not in ("", "—")}
+    return allowed, typing
+
+
+def test_the_documented_map_is_the_one_checked():
+    allowed, typing = documented_map()
+    assert allowed == ALLOWED, "docs/development.md's Layout table and ALLOWED here differ"
+    assert typing == TYPE_ONLY, "docs/development.md's type-checking-only imports and TYPE_ONLY here differ"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

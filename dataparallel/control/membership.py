@@ -169,8 +169,9 @@ def open_queue(
     return queue
 
 
-#: The join queues :func:`newcomer` opened, with the job each waits to join.
-_NEWCOMERS: weakref.WeakKeyDictionary[ControlChannel, str] = weakref.WeakKeyDictionary()
+#: The join queues :func:`newcomer` opened (by ``id``, dropped when the channel is: a
+#: transport's channel need not be hashable), with the job each waits to join.
+_NEWCOMERS: dict[int, str] = {}
 
 
 def newcomer(
@@ -182,7 +183,8 @@ def newcomer(
     try:
         if running(queue):
             log.warning("job %r is running: this process joins it at an epoch boundary, once dp.fit is called", job)
-            _NEWCOMERS[queue] = job
+            _NEWCOMERS[id(queue)] = job
+            weakref.finalize(queue, _NEWCOMERS.pop, id(queue), None)
             return queue
     except BaseException:
         queue.close()
@@ -194,7 +196,7 @@ def newcomer(
 def joining(channel: ControlChannel) -> str | None:
     """The job ``channel`` waits to join as a newcomer (a join queue :func:`newcomer`
     opened, which holds no rank), or None: it holds its rank."""
-    return _NEWCOMERS.get(channel)
+    return _NEWCOMERS.get(id(channel))
 
 
 def _silence(queue: ControlChannel) -> float:

@@ -74,6 +74,7 @@ _HEADER_BYTES = 64
 _AREA_HEAD = 320
 _BEAT = struct.Struct("<d")
 _ARRIVAL = struct.Struct("<QId")  # at offset 8: generation, name length, timeout; the name follows
+_GENERATION = struct.Struct("<Q")  # the generation alone
 _NAME_AT = 8 + _ARRIVAL.size
 _NAME_BYTES = _AREA_HEAD - _NAME_AT
 #: The node's area (the relay writes, the ranks only read): ``_OUTCOMES`` records of
@@ -287,6 +288,10 @@ class LocalServer:
         self._node_ro = os.open(f"/proc/self/fd/{self._node_fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._arrivals = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._completed = 0  # the last generation handed to on_barrier
+        #: The next barrier's wait, in O(1) per arrival: the live members in rank order, and
+        #: how many of them (a prefix) are known to have reached the next generation.
+        self._live: list[_Member] = []
+        self._reached = 0
         self._release_lock = threading.Lock()
         self._listener.listen(max(64, ranks))
         self._listener.setblocking(False)
@@ -411,10 +416,20 @@ class LocalServer:
                         call.fail(ControlError(f"the node relay failed: {type(err).__name__}: {err}"))
 
     def _arrived(self) -> None:
-        """Hand on every barrier generation that all local ranks have reached."""
-        members = [m for m in self._members.values() if not m.gone]
+        """Hand on every barrier generation that all local ranks have reached. Called once
+        per wake-up of the arrivals' eventfd (an arrival or several): it looks at the first
+        member not yet known to have arrived, and at the others only as that one has (a
+        generation only grows while a member lives), so a barrier costs O(ranks) here in
+        all, not O(ranks) per arrival."""
+        members = self._live
         if len(members) < self.ranks:
             return  # a rank not joined yet (or gone: the relay's on_gone decides what follows)
+        target = self._completed + 1
+        while self._reached < len(members):
+            if _GENERATION.unpack_from(members[self._reached].area, 8)[0] < target:
+                return
+            self._reached += 1
+        self._reached = 0
         arrivals = [_ARRIVAL.unpack_from(m.area, 8) for m in members]
         reached = min(generation for generation, _, _ in arrivals)
         while self._completed < reached:
@@ -433,6 +448,11 @@ class LocalServer:
             except Exception as err:
                 log.exception("relay barrier handler failed at generation %d", self._completed)
                 self.release(self._completed, ERROR, _error_text(err))
+
+    def _members_changed(self) -> None:
+        """A member joined or went: the next barrier's count starts over."""
+        self._live = sorted((m for m in self._members.values() if not m.gone), key=lambda m: m.rank)
+        self._reached = 0
 
     def release(self, generation: int, status: int = OK, payload: bytes = b"") -> None:
         """End barrier ``generation`` for every local rank with ``status`` and ``payload``
@@ -564,6 +584,7 @@ class LocalServer:
             member.close()
             raise
         self._members[rank] = member
+        self._members_changed()
         self._poll.register(member.doorbell, select.EPOLLIN)
         self._fd_owner[member.doorbell] = ("door", member)
         self._poll.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
@@ -577,6 +598,7 @@ class LocalServer:
             if member.gone:
                 return
             member.gone = True
+        self._members_changed()
         for fd in (member.doorbell, member.conn.fileno(), member.pidfd):
             if fd is not None and fd >= 0:
                 self._fd_owner.pop(fd, None)

@@ -73,6 +73,45 @@ def test_wrong_or_missing_token_is_refused_and_the_job_carries_on():
         close_all(channels)
 
 
+def test_a_stream_the_path_ends_with_internal_is_resumed_not_fatal():
+    """gRPC's core ends a stream with INTERNAL where the connection under it breaks in some
+    ways (a reset mid-frame: "Internal error from Core"; an RST_STREAM from a proxy), not only
+    UNAVAILABLE: that is a broken path, and the channel resumes on a new stream as it does
+    after a reset. A gRPC proxy in front of the coordinator ends the first two streams with
+    INTERNAL after their first request, then forwards."""
+    from concurrent import futures
+
+    from dataparallel.control.v1 import control_pb2_grpc
+
+    url = f"grpc://127.0.0.1:{free_port()}"
+    host = dp.connect(url, rank=0, world_size=2, job="resumed", timeout=20)
+    upstream = grpc.insecure_channel(f"127.0.0.1:{host.port}")
+    ended: list[int] = []
+
+    class Proxy(control_pb2_grpc.ControlServiceServicer):
+        def Stream(self, request_iterator, context):  # noqa: N802 (the service's name)
+            if len(ended) < 2:
+                next(request_iterator, None)
+                ended.append(1)
+                context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
+            call = control_pb2_grpc.ControlServiceStub(upstream).Stream(request_iterator)
+            context.add_callback(call.cancel)
+            yield from call
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    control_pb2_grpc.add_ControlServiceServicer_to_server(Proxy(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with dp.connect(f"grpc://127.0.0.1:{port}", rank=1, world_size=2, job=host.job, timeout=20) as through:
+            exercise([host, through], "through-a-path-that-ended-two-streams")
+        assert len(ended) == 2
+    finally:
+        server.stop(0)
+        upstream.close()
+        close_all([host])
+
+
 def test_hostile_calls_get_errors_and_the_job_carries_on():
     url = f"grpc://127.0.0.1:{free_port()}"
     channels = open_job(url, 2, token="t")

@@ -371,6 +371,34 @@ def test_a_node_barrier_is_one_handler_call_per_generation_in_order(tmp_path):
     assert long is not None and long.startswith(b"x" * 200) and b"#" in long and len(long) <= 300
 
 
+def test_a_node_barrier_wakes_the_relay_once_not_once_per_rank(tmp_path):
+    """Each rank takes a token from the node's semaphore; only the one that finds none rings
+    the relay. Counted: the relay's looks at its ranks' arrivals (one per wake-up, plus one a
+    second while idle), against the barriers: before the tokens, each of the 8 ranks' arrival
+    could wake it."""
+    relay = Relay(tmp_path / "relay", ranks=8)
+    looks = [0]
+    arrived = relay.server._arrived
+
+    def counted() -> None:
+        looks[0] += 1
+        arrived()
+
+    relay.server._arrived = counted  # type: ignore[method-assign]
+    rounds = 60
+    try:
+        procs = [
+            rank_process(relay.server.path, r, [["barrier", [f"b/{i}", 20]] for i in range(rounds)]) for r in range(8)
+        ]
+        start = time.monotonic()
+        got = [outputs(p, timeout=120) for p in procs]
+        elapsed = time.monotonic() - start
+    finally:
+        relay.close()
+    assert got == [[["ok", ""]] * rounds] * 8
+    assert looks[0] <= rounds + elapsed + 8, f"{looks[0]} looks for {rounds} barriers in {elapsed:.1f}s"
+
+
 def test_ranks_in_different_barriers_are_told_and_an_error_outcome_is_typed(tmp_path):
     from dataparallel.control.relay.local import ERROR, error_bytes
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +36,14 @@ MAX_RECORDED = 4096
 @dataclass(frozen=True)
 class Needs:
     """What a wait needs to complete: each of ``ranks`` entering round ``seq`` of the
-    collective ``kind``/``name`` (``what`` names it in messages)."""
+    collective ``kind``/``name`` (``what`` names it in messages). ``ranks`` may be a
+    ``range`` (the whole job: the waiting rank, which has not departed, among them), so that
+    a wait of many ranks costs nothing to describe."""
 
     kind: str
     name: str
     seq: int
-    ranks: tuple[int, ...]
+    ranks: Collection[int]
     what: str
 
 
@@ -115,8 +117,7 @@ class Collectives:
             return f"{min(now, self.world_size)}/{self.world_size} ranks had arrived"
 
         what = f"barrier {name!r} round {round_}"
-        others = tuple(r for r in range(self.world_size) if r != self.rank)
-        self._await(done, timeout, what, progress, Needs("barrier", name, seq, others, what))
+        self._await(done, timeout, what, progress, Needs("barrier", name, seq, range(self.world_size), what))
 
     def broadcast(
         self,
@@ -217,9 +218,8 @@ class Collectives:
     def _raise_if_departed(self, needs: Needs, during: str) -> None:
         """PeerLeft if a rank ``needs`` names has closed without entering its round."""
         departed = self._departures()
-        for rank in needs.ranks:
-            record = departed.get(rank)
-            if record is not None and record.missed(needs):
+        for rank in sorted(departed):
+            if rank in needs.ranks and departed[rank].missed(needs):
                 raise PeerLeft(rank, needs.what, during)
 
     def _check_rank(self, rank: int, what: str) -> None:

@@ -21,14 +21,21 @@ own fields; the eventfd write and read between them order the memory (both are s
 A rank has several slots, so that a thread blocked in a long call (a get waiting for its key)
 never holds up another thread's call.
 
-**A barrier** takes no slot and no handler call per rank: a rank writes the barrier's
-generation (its count of barriers so far) and its name into its area and adds one to
-the node's arrivals eventfd; the relay, woken once for however many arrived, reads every
-rank's generation, and once every local rank has reached one it calls its barrier handler
-once for the node. The handler (a relay sends the node's one upstream request there) releases
-the generation with an outcome: the relay writes it into the node's area, read-only to the
-ranks, and rings each rank's barrier bell. A rank that gave up waiting (its timeout) has
-still arrived: the next barrier it enters is the next generation, as with any channel.
+**A barrier** takes no slot and no handler call per rank, and wakes the relay once: a rank
+writes the barrier's generation (its count of barriers so far) and its name into its area
+and takes a token from the node's semaphore (an eventfd holding one token fewer than the
+ranks still to arrive); the rank that finds none left is the last, and rings the node's
+arrivals eventfd. The relay then checks every rank's generation and calls its barrier
+handler once for the node. The handler (a relay sends the node's one upstream request there)
+releases the generation with an outcome: the relay loads the semaphore for the next
+generation, writes the outcome into the node's area, read-only to the ranks, and rings that
+generation's release eventfd once, which wakes every rank waiting on it (four rotate; each
+is emptied two generations before its next use, when no rank can still wait on it). The
+tokens only save wake-ups: a rank that finds none too early rings for nothing (the relay
+finds a rank missing), and should a rank that gave up on a barrier arrive at the next while
+the relay loads it, the relay still looks once a second. A rank that gave up waiting (its
+timeout) has still arrived: the next barrier it enters is the next generation, as with any
+channel.
 
 **Liveness.** A rank stamps its slot area with ``time.monotonic()`` (one clock for every
 process on the machine) whenever it is asked to beat; the relay reads how long each rank has
@@ -64,7 +71,7 @@ log = logging.getLogger(__name__)
 
 #: Version of the local leg's layout and hello; a rank and a relay of another version refuse
 #: each other at the hello.
-LOCAL_PROTOCOL = 2  # 2: a rank registers its loss key (ops 11, 12 of the node relay)
+LOCAL_PROTOCOL = 3  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens
 
 #: Slot header: request seq, reply seq, op, request length, status, reply length.
 _HEADER = struct.Struct("<QQIIiI")
@@ -111,6 +118,9 @@ _HELLO_MAX = 4096
 _HELLO_WITHIN = 5.0
 #: Most slots a rank may have (their bells travel in one message).
 MAX_SLOTS = 32
+#: The descriptors a rank gets besides its slots' bells: its area, its doorbell, the node's
+#: area, arrivals and tokens, and the barriers' release eventfds.
+_NODE_FDS = 5 + _OUTCOMES
 
 
 def _eventfd_ring(fd: int) -> None:
@@ -178,7 +188,6 @@ class _Member:
         os.ftruncate(self.memfd, geometry.area_bytes)
         self.area = mmap.mmap(self.memfd, geometry.area_bytes)
         self.doorbell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self.barrier_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self.bells = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in range(geometry.slots)]
         self.seen = [0] * geometry.slots
         self.lock = threading.Lock()  # the reply fields of its slots
@@ -196,7 +205,6 @@ class _Member:
         for fd in [
             self.memfd,
             self.doorbell,
-            self.barrier_bell,
             *self.bells,
             *([self.pidfd] if self.pidfd is not None else []),
         ]:
@@ -287,6 +295,8 @@ class LocalServer:
         # The ranks get the node's area through a read-only descriptor: they cannot map it writable.
         self._node_ro = os.open(f"/proc/self/fd/{self._node_fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._arrivals = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._tokens = os.eventfd(ranks - 1, os.EFD_CLOEXEC | os.EFD_NONBLOCK | os.EFD_SEMAPHORE)
+        self._released = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in range(_OUTCOMES)]
         self._completed = 0  # the last generation handed to on_barrier
         #: The next barrier's wait, in O(1) per arrival: the live members in rank order, and
         #: how many of them (a prefix) are known to have reached the next generation.
@@ -340,7 +350,7 @@ class LocalServer:
         self._hellos.clear()
         self._poll.close()
         self._listener.close()
-        for fd in (self._wake, self._arrivals, self._node_fd, self._node_ro):
+        for fd in (self._wake, self._arrivals, self._tokens, *self._released, self._node_fd, self._node_ro):
             os.close(fd)
         self._node.close()
         try:
@@ -365,6 +375,8 @@ class LocalServer:
                 events = self._poll.poll(max(wait, 0.01))
             except InterruptedError:
                 continue
+            if not events:  # the once-a-second look (see "A barrier" above)
+                self._arrived()
             for fd, _ in events:
                 hello = self._hellos.get(fd)
                 if hello is not None:
@@ -463,13 +475,37 @@ class LocalServer:
             at = _outcome_at(generation)
             if _OUTCOME.unpack_from(self._node, at)[0] >= generation:
                 return  # released already, or a later generation holds the record (a late release)
+            # The next generation's tokens, before any rank is let go to it: one fewer than
+            # the ranks not there yet (a rank that gave up on this one may be).
+            self._drain_tokens()
+            ahead = self._count_ahead(generation)
+            if self.ranks - ahead > 1:
+                os.eventfd_write(self._tokens, self.ranks - ahead - 1)
+            else:  # every rank but one (or all) is there already: the relay looks now
+                _eventfd_ring(self._arrivals)
+            self._drain(self._released[(generation + 2) % _OUTCOMES])  # no rank waits on it now
             self._node[at + _OUTCOME.size : at + _OUTCOME.size + len(payload)] = payload
             struct.pack_into("<iI", self._node, at + 8, status, len(payload))
             struct.pack_into("<Q", self._node, at, generation)
-            for member in list(self._members.values()):
-                with member.lock:
-                    if not member.gone:
-                        _eventfd_ring(member.barrier_bell)
+            _eventfd_ring(self._released[generation % _OUTCOMES])
+
+    def _count_ahead(self, generation: int) -> int:
+        """How many live ranks have arrived past ``generation`` already."""
+        ahead = 0
+        for member in list(self._live):
+            try:
+                if _GENERATION.unpack_from(member.area, 8)[0] > generation:
+                    ahead += 1
+            except ValueError:  # gone meanwhile: its area is closed
+                pass
+        return ahead
+
+    def _drain_tokens(self) -> None:
+        while True:
+            try:
+                os.eventfd_read(self._tokens)
+            except OSError:
+                return
 
     def _answer(self, member: _Member, slot: int, seq: int, status: int, payload: bytes) -> None:
         geo = self.geometry
@@ -577,7 +613,8 @@ class LocalServer:
         # A rank taking a local rank (a first or a restarted worker) starts at the node's
         # barrier count: set before the rank can see its area.
         _ARRIVAL.pack_into(member.area, 8, self._completed, 0, 0.0)
-        fds = [member.memfd, member.doorbell, self._node_ro, self._arrivals, member.barrier_bell, *member.bells]
+        fds = [member.memfd, member.doorbell, self._node_ro, self._arrivals, self._tokens, *self._released]
+        fds += member.bells
         try:
             socket.send_fds(conn, [_frame(header)], fds)
         except OSError:
@@ -638,7 +675,7 @@ class LocalClient:
             if uid != os.getuid():
                 raise AuthError(f"the process serving {path} (pid {pid}) is user {uid}, not this user ({os.getuid()})")
             _send_json(self._conn, {"protocol": LOCAL_PROTOCOL, "rank": rank})
-            data, fds, _flags, _addr = socket.recv_fds(self._conn, _HELLO_MAX, MAX_SLOTS + 5)
+            data, fds, _flags, _addr = socket.recv_fds(self._conn, _HELLO_MAX, MAX_SLOTS + _NODE_FDS)
         except AuthError:
             self._conn.close()
             raise
@@ -651,7 +688,7 @@ class LocalClient:
                 kind = {"AuthError": AuthError, "BadMessage": BadMessage}.get(header["error"], ConfigError)
                 raise kind(f"node relay at {path} refused local rank {rank}: {header['message']}")
             self.geometry = Geometry(slots=header["slots"], slot_bytes=header["slot_bytes"])
-            if len(fds) != 5 + self.geometry.slots:
+            if len(fds) != _NODE_FDS + self.geometry.slots:
                 raise BadMessage(f"node relay at {path}: {len(fds)} descriptors for {self.geometry.slots} slots")
         except BaseException:
             self._conn.close()
@@ -660,7 +697,9 @@ class LocalClient:
             raise
         self.info: dict = header.get("info") or {}
         self.local_rank: int = header["rank"]
-        memfd, self._doorbell, node_fd, self._arrivals, self._barrier_bell, *self._bells = fds
+        memfd, self._doorbell, node_fd, self._arrivals, self._tokens = fds[:5]
+        self._released = fds[5:_NODE_FDS]
+        self._bells = fds[_NODE_FDS:]
         self._area = mmap.mmap(memfd, self.geometry.area_bytes)
         self._node = mmap.mmap(node_fd, _NODE_BYTES, prot=mmap.PROT_READ)
         os.close(memfd)
@@ -705,7 +744,12 @@ class LocalClient:
             struct.pack_into("<Id", self._area, 16, len(raw), float(timeout))
             struct.pack_into("<Q", self._area, 8, self._generation)
             try:
-                _eventfd_ring(self._arrivals)
+                os.eventfd_read(self._tokens)  # not the last to arrive: nothing to ring
+            except BlockingIOError:
+                try:
+                    _eventfd_ring(self._arrivals)
+                except OSError as err:
+                    raise ChannelClosed(f"node relay gone: {err}") from err
             except OSError as err:
                 raise ChannelClosed(f"node relay gone: {err}") from err
             return self._generation
@@ -721,7 +765,7 @@ class LocalClient:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._wait(self._barrier_bell, left)
+                self._wait(self._released[generation % _OUTCOMES], left, drain=False)
             _, status, length = _OUTCOME.unpack_from(self._node, at)
             outcome = bytes(self._node[at + _OUTCOME.size : at + _OUTCOME.size + length])
         if status == OK:
@@ -790,7 +834,7 @@ class LocalClient:
                 log.warning("local rank %d: %d calls still in flight at close", self.rank, self._in_flight)
                 return  # their descriptors stay open rather than be closed under them
         self._conn.close()
-        for fd in [self._doorbell, self._arrivals, self._barrier_bell, *self._bells]:
+        for fd in [self._doorbell, self._arrivals, self._tokens, *self._released, *self._bells]:
             os.close(fd)
         for area in (self._area, self._node):
             try:
@@ -817,14 +861,16 @@ class LocalClient:
                 self._in_flight -= 1
                 self._free_cv.notify_all()
 
-    def _wait(self, bell: int, left: float) -> None:
-        """Wait up to ``left`` (at most a second) for ``bell``; ChannelClosed once the relay
-        or this client is closed."""
+    def _wait(self, bell: int, left: float, drain: bool = True) -> None:
+        """Wait up to ``left`` (at most a second) for ``bell`` (read once rung, unless
+        ``drain`` is False: a release eventfd, which the relay empties); ChannelClosed once
+        the relay or this client is closed."""
         ready = _readable([bell, self._conn.fileno()], min(left, 1.0))
         if self._closed:
             raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay was closed")
         if bell in ready:
-            LocalServer._drain(bell)
+            if drain:
+                LocalServer._drain(bell)
         elif ready:
             raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
 

@@ -307,7 +307,7 @@ class EtcdCollectives:
         """PeerLeft if a rank ``needs`` names has left (seen by the lease watch) without
         arriving in the round, which is not complete (arrivals read before the release key:
         a round still open when the release was read was open when its arrivals were)."""
-        left = [rank for rank in needs.ranks if rank in self._liveness.left()] if self._liveness else []
+        left = [rank for rank in sorted(self._liveness.left()) if rank in needs.ranks] if self._liveness else []
         if not left:
             return
         round_ = self._round(needs.kind, needs.name, needs.seq)
@@ -343,7 +343,7 @@ class EtcdCollectives:
                 await self._releases.wait(release)
 
         what = f"barrier {name!r} round {seq}"
-        needs = Needs("barrier", name, seq, tuple(r for r in range(n) if r != self.rank), what)
+        needs = Needs("barrier", name, seq, range(n), what)
         self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))), needs)
 
     def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
@@ -366,7 +366,7 @@ class EtcdCollectives:
             return await self._values(round_)
 
         what = f"all_gather {name!r} round {seq}"
-        needs = Needs("allgather", name, seq, tuple(r for r in range(n) if r != self.rank), what)
+        needs = Needs("allgather", name, seq, range(n), what)
         values = self._block(steps(), deadline, what, self._who_arrived(round_, list(range(n))), needs)
         return _by_rank(values, n, what)
 

@@ -203,7 +203,17 @@ class FrameStream:
         else:
             code, details = grpc.StatusCode.UNKNOWN, f"{type(err).__name__}: {err}"
         self.reason = details
-        retry = code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        # The path broke: the coordinator ended the stream, or could not be reached, or the
+        # connection under it broke mid-way, which gRPC's core reports as INTERNAL in some
+        # ways ("Internal error from Core", an RST_STREAM; grpc/grpc#9177) as well as
+        # UNAVAILABLE. The coordinator itself answers every request with a status of ours
+        # and sends no gRPC error. A request that can be resent waits for the next stream.
+        retry = code in (
+            grpc.StatusCode.OK,
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.INTERNAL,
+        )
         failed = []
         with self._lock:
             for request_id, pending in list(self._pending.items()):

@@ -198,7 +198,6 @@ class RelayedChannel(ControlChannel):
             seq = self._next_seq("barrier", name)
             left = max(deadline - time.monotonic(), 1e-3)
             what = f"barrier {name!r} round {seq}"
-            others = tuple(r for r in range(self.world_size) if r != self.rank)
             try:
                 generation = self._local.arrive(name, left)
                 # In slices, between which a lost peer (the core's liveness) or a rank that
@@ -206,7 +205,9 @@ class RelayedChannel(ControlChannel):
                 wait = lambda slice_: self._local.released(generation, slice_)  # noqa: E731
                 self._within.deadline = deadline
                 try:
-                    self._await_with(wait, left, f"barrier {name!r}", needs=Needs("barrier", name, seq, others, what))
+                    self._await_with(
+                        wait, left, f"barrier {name!r}", needs=Needs("barrier", name, seq, range(self.world_size), what)
+                    )
                 finally:
                     self._within.deadline = None
             except ChannelClosed as err:

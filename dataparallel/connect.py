@@ -7,11 +7,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .control.channel import ControlChannel
 from .control.membership import newcomer
 from .control.registry import ChannelURL, resolve
+
+if TYPE_CHECKING:
+    from .config import JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +82,7 @@ def connect(
             if queue is not None:
                 queue.config = config
                 return queue
-        # Under torchrun with its agent's store as the URL, no worker hosts it (rank 0 included).
-        serve = not config.agent_store
-        channel = cls(parsed, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout, serve=serve)
+        channel = _channel(cls, parsed, config, rank=rank, world_size=world_size, job=job, token=token, timeout=timeout)
         try:
             if elastic and rank is None:  # it may host the coordinator: asked once there is one
                 queue = newcomer(parsed, cls, job, token, timeout)
@@ -104,9 +105,15 @@ def reopen(like: ControlChannel, *, rank: int, world_size: int, job: str) -> Con
     is held, as :func:`connect` does."""
     cls = type(like)
     with _waiting_notice(like.url, getattr(cls, "SERVICE", "the coordinator")):
-        serve = like.config is None or not like.config.agent_store
-        channel = cls(
-            like.url, rank=rank, world_size=world_size, job=job, token=like.token, timeout=like.timeout, serve=serve
+        channel = _channel(
+            cls,
+            like.url,
+            like.config,
+            rank=rank,
+            world_size=world_size,
+            job=job,
+            token=like.token,
+            timeout=like.timeout,
         )
         try:
             channel._join()
@@ -115,6 +122,12 @@ def reopen(like: ControlChannel, *, rank: int, world_size: int, job: str) -> Con
             channel.close()
             raise
     return channel
+
+
+def _channel(cls: type[ControlChannel], url: ChannelURL, config: JobConfig | None, **kwargs: Any) -> ControlChannel:
+    """``cls``'s channel at ``url``, not joined yet. Under torchrun with its agent's store as
+    the URL (``config.agent_store``), no worker hosts it, rank 0 included."""
+    return cls(url, serve=config is None or not config.agent_store, **kwargs)
 
 
 #: Seconds between two "still connecting" notices.

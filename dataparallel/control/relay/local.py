@@ -744,12 +744,10 @@ class LocalClient:
             struct.pack_into("<Id", self._area, 16, len(raw), float(timeout))
             struct.pack_into("<Q", self._area, 8, self._generation)
             try:
-                os.eventfd_read(self._tokens)  # not the last to arrive: nothing to ring
-            except BlockingIOError:
                 try:
+                    os.eventfd_read(self._tokens)  # not the last to arrive: nothing to ring
+                except BlockingIOError:  # no token left: the last, who rings
                     _eventfd_ring(self._arrivals)
-                except OSError as err:
-                    raise ChannelClosed(f"node relay gone: {err}") from err
             except OSError as err:
                 raise ChannelClosed(f"node relay gone: {err}") from err
             return self._generation

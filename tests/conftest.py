@@ -9,7 +9,10 @@ import contextlib
 import faulthandler
 import os
 import signal
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -42,10 +45,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 #: How long a test may go on past its pytest-timeout bound before its process is ended.
 #: pytest-timeout's alarm fires once, and only where the main thread runs Python: a test still
 #: blocked this long after it (a teardown waiting on what the alarm interrupted, a call into C
-#: that a signal does not end) has every thread's stack written to the run's stderr and its
-#: process ended, so that the test fails with its stacks instead of holding the run until CI
-#: gives up on it (``.ci/run`` then ends the parallel phase: see there). Off where
-#: pytest-timeout is (not loaded, a bound of 0, a debugger attached).
+#: that a signal does not end) has every thread's stack written to the run's stderr, its own
+#: thread's innermost frames last, and its process ended, so that the test fails with its
+#: stacks instead of holding the run until CI gives up on it (``.ci/run`` then ends the
+#: parallel phase: see there). Off where pytest-timeout is (not loaded, a bound of 0, a
+#: debugger attached).
 HARD_GRACE = 60.0
 
 #: The signal that makes every pytest process of a run write its threads' stacks to the run's
@@ -78,23 +82,52 @@ def _item_timeout(item: pytest.Item) -> float:
 #: When the running test's process is ended (time.monotonic()), or None between tests.
 _deadline: float | None = None
 
+#: How much later faulthandler ends it, should the watchdog thread not get to run (a call
+#: into C that holds the GIL).
+BACKSTOP = 30.0
+
 
 def _arm() -> None:
     if _stderr is not None and _deadline is not None:
-        faulthandler.dump_traceback_later(max(1.0, _deadline - time.monotonic()), exit=True, file=_stderr)
+        left = _deadline + BACKSTOP - time.monotonic()
+        faulthandler.dump_traceback_later(max(1.0, left), exit=True, file=_stderr)
+
+
+def _blocked(nodeid: str, thread: int) -> None:
+    """The watchdog: the test is still blocked. Every thread's stack, then the test's own
+    thread's innermost frames last (a CI log shows its tail), then the process ends."""
+    out = _stderr
+    if out is None:
+        return
+    out.write(f"\n{nodeid}: still blocked {HARD_GRACE:g}s past its timeout; every thread's stack:\n")
+    out.flush()
+    faulthandler.dump_traceback(file=out, all_threads=True)
+    frame = sys._current_frames().get(thread)
+    if frame is not None:
+        stack = "".join(traceback.format_stack(frame)[-12:])
+        out.write(f"{nodeid}: blocked here (the test's thread, innermost call last):\n{stack}")
+    out.flush()
+    os._exit(70)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     global _deadline
     bound = _item_timeout(item)
-    _deadline = time.monotonic() + bound + HARD_GRACE if bound > 0 else None
+    watchdog = None
+    if bound > 0:
+        _deadline = time.monotonic() + bound + HARD_GRACE
+        watchdog = threading.Timer(bound + HARD_GRACE, _blocked, args=(item.nodeid, threading.get_ident()))
+        watchdog.daemon = True
+        watchdog.start()
     _arm()
     try:
         yield
     finally:
         _deadline = None
         faulthandler.cancel_dump_traceback_later()
+        if watchdog is not None:
+            watchdog.cancel()
 
 
 @pytest.hookimpl(trylast=True)

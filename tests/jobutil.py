@@ -102,6 +102,23 @@ class Bystander:
         except BaseException as err:
             self.errors.append(err)
 
+    def __enter__(self) -> Bystander:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop and close without checking anything (the test failed): no thread or channel of
+        the job is left behind to disturb the tests that follow."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=40)  # a round's calls are bounded by 30 s
+        for ch in self.channels:
+            with contextlib.suppress(dp.ControlError):
+                ch.close()
+
     def finish(self) -> None:
         """Stop, check that no round failed and that the job still works, and close it."""
         self._stop.set()

@@ -214,53 +214,57 @@ def attacker_for(scheme: str, url: str):
 @pytest.mark.parametrize("served", ["zmq", "grpc", "grpc+tls"], indirect=True)
 def test_fuzzed_input_neither_crashes_the_coordinator_nor_disturbs_a_job(served):
     scheme, url, proc = served
-    bystander = Bystander(url, TOKEN)
-    attacker = attacker_for(scheme, url)
-    try:
-        hello = pb.Request(
-            id=1, hello=pb.Hello(protocol=PROTOCOL_VERSION, job="fuzz", world_size=4, liveness_timeout=30)
-        )
-        session = attacker.call(hello).session
-        assert session
-        before = rss_mb(proc.pid)
-        fuzz = settings(
-            max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True
-        )
+    with Bystander(url, TOKEN) as bystander:
+        attacker = attacker_for(scheme, url)
+        try:
+            hello = pb.Request(
+                id=1, hello=pb.Hello(protocol=PROTOCOL_VERSION, job="fuzz", world_size=4, liveness_timeout=30)
+            )
+            session = attacker.call(hello).session
+            assert session
+            before = rss_mb(proc.pid)
+            fuzz = settings(
+                max_examples=300,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                derandomize=True,
+            )
 
-        @fuzz
-        @given(st.lists(st.binary(max_size=4096), min_size=1, max_size=4))
-        def random_frames(frames):
-            attacker.send_frames(frames)
+            @fuzz
+            @given(st.lists(st.binary(max_size=4096), min_size=1, max_size=4))
+            def random_frames(frames):
+                attacker.send_frames(frames)
 
-        @fuzz
-        @given(requests(session), st.integers(0, 1 << 16), st.binary(min_size=1, max_size=8), st.booleans())
-        def mutated_frames(request, at, junk, cut):
-            framed = seal(KEY if scheme == "zmq" else GRPC_KEY, request)
-            attacker.send_frames([mutate(framed, at, junk, cut)])
+            @fuzz
+            @given(requests(session), st.integers(0, 1 << 16), st.binary(min_size=1, max_size=8), st.booleans())
+            def mutated_frames(request, at, junk, cut):
+                framed = seal(KEY if scheme == "zmq" else GRPC_KEY, request)
+                attacker.send_frames([mutate(framed, at, junk, cut)])
 
-        @fuzz
-        @given(requests(session))
-        def signed_requests(request):
-            attacker.send(request)
+            @fuzz
+            @given(requests(session))
+            def signed_requests(request):
+                attacker.send(request)
 
-        for run in (random_frames, mutated_frames, signed_requests):
-            run()
-            assert proc.poll() is None, f"the coordinator died during {run.__name__}"
-        # Replays: a signed request sent again is answered from the reply cache, not applied twice.
-        # On a session of its own: the fuzzed ids above reach 2**64 - 1, past which a session
-        # accepts nothing new. Ids no fuzzed request is likely to have: a late reply to one (a
-        # parked get timing out) must not pass for the answer.
-        session = attacker.call(pb.Request(id=10**12 - 1, hello=hello.hello)).session
-        add = pb.Request(id=10**12, session=session, add=pb.Add(key="replayed", amount=5))
-        first, again = attacker.call(add), attacker.call(add)
-        assert first.status == pb.OK and first.number == 5 and again.number == 5
-        check = pb.Request(id=10**12 + 1, session=session, get=pb.Get(key="replayed", timeout=1))
-        assert attacker.call(check).value == b"5"
-        grown = rss_mb(proc.pid) - before
-        assert grown < 100, f"coordinator RSS grew by {grown:.0f} MB under fuzzing"
-    finally:
-        attacker.close()
-    bystander.finish()
+            for run in (random_frames, mutated_frames, signed_requests):
+                run()
+                assert proc.poll() is None, f"the coordinator died during {run.__name__}"
+            # Replays: a signed request sent again is answered from the reply cache, not applied twice.
+            # On a session of its own: the fuzzed ids above reach 2**64 - 1, past which a session
+            # accepts nothing new. Ids no fuzzed request is likely to have: a late reply to one (a
+            # parked get timing out) must not pass for the answer.
+            session = attacker.call(pb.Request(id=10**12 - 1, hello=hello.hello)).session
+            add = pb.Request(id=10**12, session=session, add=pb.Add(key="replayed", amount=5))
+            first, again = attacker.call(add), attacker.call(add)
+            assert first.status == pb.OK and first.number == 5 and again.number == 5
+            check = pb.Request(id=10**12 + 1, session=session, get=pb.Get(key="replayed", timeout=1))
+            assert attacker.call(check).value == b"5"
+            grown = rss_mb(proc.pid) - before
+            assert grown < 100, f"coordinator RSS grew by {grown:.0f} MB under fuzzing"
+        finally:
+            attacker.close()
+        bystander.finish()
     assert proc.poll() is None
 
 

@@ -9,6 +9,7 @@ import os
 import pickle
 import threading
 import time
+import uuid
 
 import pytest
 import zmq
@@ -339,7 +340,11 @@ def _dealer(ctx: zmq.Context, port: int, server_key: bytes | None) -> tuple[zmq.
     if server_key is not None:
         sock.curve_serverkey = server_key
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    # An endpoint of its own: pyzmq's default names it by the socket's descriptor, which the
+    # next socket reuses while the closed one's monitor may still hold the name.
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED, addr=f"inproc://monitor-{uuid.uuid4().hex}"
+    )
     sock.connect(f"tcp://127.0.0.1:{port}")
     return sock, monitor
 
@@ -382,64 +387,64 @@ def test_a_curve_coordinator_under_attack_without_the_token_serves_its_jobs(curv
     in plain text or with a wrong server key, gets no handshake and no answer at all. The
     coordinator lives, its memory stays bounded, and a job on it runs throughout undisturbed."""
     url, port, proc = curve_served
-    bystander = Bystander(url, TOKEN)
-    ctx = zmq.Context()
-    try:
-        for server_key in (None, curve_server_keys("not-the-token")[0]):
-            sock, monitor = _dealer(ctx, port, server_key)
-            assert not _handshake(monitor), f"a handshake succeeded with server key {server_key!r}"
-            try:
-                sock.send(b"x" * 64, zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # no connection to queue it on: fine
-            assert not sock.poll(500), "an intruder without the server key got an answer"
+    with Bystander(url, TOKEN) as bystander:
+        ctx = zmq.Context()
+        try:
+            for server_key in (None, curve_server_keys("not-the-token")[0]):
+                sock, monitor = _dealer(ctx, port, server_key)
+                assert not _handshake(monitor), f"a handshake succeeded with server key {server_key!r}"
+                try:
+                    sock.send(b"x" * 64, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # no connection to queue it on: fine
+                assert not sock.poll(500), "an intruder without the server key got an answer"
+                sock.close()
+                monitor.close()
+
+            sock, monitor = _dealer(ctx, port, curve_server_keys(TOKEN)[0])
+            assert _handshake(monitor), "the CURVE handshake with the right server key failed"
+            replies: dict[int, int] = {}
+            real_key = token_key(TOKEN)
+
+            def receive(wait_ms: int) -> None:
+                while sock.poll(wait_ms):
+                    status = open_frame(real_key, sock.recv(), pb.Reply).status
+                    replies[status] = replies.get(status, 0) + 1
+
+            def send(frames: list[bytes]) -> None:
+                sock.send_multipart(frames)
+                receive(0)
+
+            wrong = token_key("not-the-token")
+            before = rss_mb(proc.pid)
+
+            @settings(max_examples=300, **FEW)
+            @given(st.lists(st.binary(max_size=4096), min_size=1, max_size=4))
+            def random_frames(frames):
+                send(frames)
+
+            @settings(max_examples=300, **FEW)
+            @given(forged_requests())
+            def forged(request):
+                send([seal(wrong, request)])
+                send([request.SerializeToString()])
+
+            @settings(max_examples=300, **FEW)
+            @given(forged_requests(), st.integers(0, 1 << 16), st.binary(min_size=1, max_size=8), st.booleans())
+            def mutated(request, at, junk, cut):
+                send([mutate(seal(wrong, request), at, junk, cut)])
+
+            for run in (random_frames, forged, mutated):
+                run()
+                assert proc.poll() is None, f"the coordinator died during {run.__name__}"
+            receive(500)
+            assert replies.get(pb.AUTH_FAILED, 0) > 100, replies  # the frames did reach the MAC check
+            assert set(replies) <= {pb.AUTH_FAILED, pb.BAD_MESSAGE}, f"an unsigned frame was served: {replies}"
             sock.close()
             monitor.close()
-
-        sock, monitor = _dealer(ctx, port, curve_server_keys(TOKEN)[0])
-        assert _handshake(monitor), "the CURVE handshake with the right server key failed"
-        replies: dict[int, int] = {}
-        real_key = token_key(TOKEN)
-
-        def receive(wait_ms: int) -> None:
-            while sock.poll(wait_ms):
-                status = open_frame(real_key, sock.recv(), pb.Reply).status
-                replies[status] = replies.get(status, 0) + 1
-
-        def send(frames: list[bytes]) -> None:
-            sock.send_multipart(frames)
-            receive(0)
-
-        wrong = token_key("not-the-token")
-        before = rss_mb(proc.pid)
-
-        @settings(max_examples=300, **FEW)
-        @given(st.lists(st.binary(max_size=4096), min_size=1, max_size=4))
-        def random_frames(frames):
-            send(frames)
-
-        @settings(max_examples=300, **FEW)
-        @given(forged_requests())
-        def forged(request):
-            send([seal(wrong, request)])
-            send([request.SerializeToString()])
-
-        @settings(max_examples=300, **FEW)
-        @given(forged_requests(), st.integers(0, 1 << 16), st.binary(min_size=1, max_size=8), st.booleans())
-        def mutated(request, at, junk, cut):
-            send([mutate(seal(wrong, request), at, junk, cut)])
-
-        for run in (random_frames, forged, mutated):
-            run()
-            assert proc.poll() is None, f"the coordinator died during {run.__name__}"
-        receive(500)
-        assert replies.get(pb.AUTH_FAILED, 0) > 100, replies  # the frames did reach the MAC check
-        assert set(replies) <= {pb.AUTH_FAILED, pb.BAD_MESSAGE}, f"an unsigned frame was served: {replies}"
-        sock.close()
-        monitor.close()
-        grown = rss_mb(proc.pid) - before
-        assert grown < 100, f"coordinator RSS grew by {grown:.0f} MB under attack"
-    finally:
-        ctx.destroy(linger=0)
-    bystander.finish()
+            grown = rss_mb(proc.pid) - before
+            assert grown < 100, f"coordinator RSS grew by {grown:.0f} MB under attack"
+        finally:
+            ctx.destroy(linger=0)
+        bystander.finish()
     assert proc.poll() is None

@@ -18,6 +18,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_tcpstore_and_cli_exit_codes",
     },
     "test_conformance_etcd.py": {
+        "TestEtcdChannel::test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang",
         "TestEtcdChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestEtcdChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestEtcdChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
@@ -42,6 +43,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestEtcdChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_conformance_grpc.py": {
+        "TestGrpcChannel::test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang",
         "TestGrpcChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestGrpcChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestGrpcChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
@@ -71,6 +73,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestMemoryChannel::test_only_control_errors_escape_when_the_coordinator_goes",
     },
     "test_conformance_tcpstore.py": {
+        "TestTCPStoreChannel::test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang",
         "TestTCPStoreChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestTCPStoreChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
         "TestTCPStoreChannel::test_a_connect_that_waits_says_what_it_waits_for",

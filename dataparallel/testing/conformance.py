@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gc
 import importlib
 import itertools
 import json
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -2012,6 +2014,67 @@ class TimeoutTests(ChannelHarness):
             }
             timings.update(self._time_all(closes))
         self._check_bounds(timings, "coordinator frozen, killed or dark")
+
+    @pytest.mark.timeout(120)
+    def test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang(
+        self, channel_url: str
+    ) -> None:
+        """An error path drops its channel without closing it after the coordinator (or
+        store) died: once the channel has failed (a call raised ChannelClosed), nothing of
+        its own keeps it alive, and collecting it releases what it holds without waiting on
+        anything. It was used from several threads first (a transport may keep state per
+        thread). All of it runs on a thread of its own, so that a collection that hangs
+        fails the test instead of holding the process. Where there is no coordinator of the
+        channel's own to kill (ranks that are threads of one process, a store in a file), the
+        channel's own liveness is stopped instead."""
+        t = self.PROMISE
+        served = self.cross_process and re.search(r"//[^/?,]*:\d+", channel_url) is not None
+        with contextlib.ExitStack() as stack:
+            if served:
+                server = stack.enter_context(self.silenceable_server(channel_url))
+                url, job = with_options(server.url, **FAST_LIVENESS), getattr(server, "job", "dropped")
+            else:
+                url, job = with_options(channel_url, **FAST_LIVENESS), "dropped"
+                holder = dp.connect(url, rank=0, world_size=2, job=job, timeout=t)
+                stack.callback(_close_quietly, holder)
+            outcome: list[object] = []
+
+            def drop() -> None:
+                try:
+                    ch = dp.connect(url, rank=1, world_size=2, job=job, timeout=t)
+                    run_all([partial(ch.set, f"dropped/{i}", b"x") for i in range(3)])
+                    deadline = time.monotonic() + STEP_TIMEOUT
+                    if served:
+                        os.kill(server.pid, signal.SIGKILL)
+                        while True:
+                            try:
+                                ch.get("dropped/0", timeout=1)
+                            except dp.ChannelClosed:
+                                break
+                            except dp.ControlError:
+                                pass  # a call that failed, not yet the channel
+                            if time.monotonic() > deadline:
+                                outcome.append(f"no call raised ChannelClosed {STEP_TIMEOUT:g}s after the death")
+                                return
+                            time.sleep(0.1)
+                    else:
+                        _stop_liveness(ch)
+                    gone = weakref.ref(ch)
+                    del ch
+                    while gone() is not None and time.monotonic() < deadline:
+                        gc.collect()
+                        time.sleep(0.1)
+                    outcome.append(gone() is None or "the failed channel is still referenced (by its own threads?)")
+                except BaseException as err:
+                    outcome.append(err)
+
+            worker = threading.Thread(target=drop, name="dp-test-drop", daemon=True)
+            worker.start()
+            worker.join(STEP_TIMEOUT + 30)
+            assert not worker.is_alive(), "collecting a channel dropped without close hung"
+            if isinstance(outcome[0], BaseException):
+                raise outcome[0]
+            assert outcome == [True], outcome
 
 
 class _Served:

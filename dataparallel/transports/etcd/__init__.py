@@ -805,21 +805,24 @@ class LeaseLiveness(Liveness):
         watch = await self._open_member_watch()
         alive = ch._k(_ALIVE)
 
+        def over() -> bool:  # closed, or failed for good (etcd lost, fenced): nothing to follow
+            return ch._stop.is_set() or ch.failure is not None
+
         async def follow(watch: Any) -> None:
             # A watch dies with its connection (member restart, failover): re-read and re-watch.
-            while not ch._stop.is_set():
+            while not over():
                 try:
                     async for event in watch:
                         if event.kind == aetcd.rtypes.EventKind.DELETE:
                             await self._judge(int(event.kv.key[len(alive) :]))
                 except Exception:
-                    if ch._stop.is_set():
+                    if over():
                         return
                     await asyncio.sleep(0.2)
                 try:
                     watch = await self._open_member_watch()
                 except Exception:  # etcd still away, or the channel closing
-                    if ch._stop.is_set():
+                    if over():
                         return
                     await asyncio.sleep(0.5)
 

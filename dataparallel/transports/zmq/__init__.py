@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -46,6 +47,12 @@ class ZmqChannel(RemoteChannel):
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
         self._sockets: dict[int, zmq.Socket] = {}
+        # A channel dropped without close (an error path) releases its sockets when it is
+        # collected. Left to pyzmq, a garbage cycle's Context would end in term() and wait
+        # for ever: the collector clears the Context's weak references to sockets of the
+        # same cycle before any finalizer runs, so destroy() finds none to close. The
+        # finalizer holds the context and its sockets; it runs once, on close or collection.
+        self._release = weakref.finalize(self, _release, self._ctx, self._lock, self._sockets)
         self._resend_after = max(1.0, self.liveness_timeout / 2)
         try:
             self._init_remote()
@@ -103,9 +110,7 @@ class ZmqChannel(RemoteChannel):
             raise ChannelClosed(f"{self!r}: socket closed ({err})") from err
 
     def _close_transport(self) -> None:
-        with self._lock:
-            self._ctx.destroy(linger=0)
-            self._sockets.clear()
+        self._release()
         self._stop_hosting()
 
     @classmethod
@@ -237,6 +242,12 @@ def curve_handshake(host: str, port: int, token: str, timeout: float) -> bool | 
         return None  # no verdict: a busy server is not a wrong token
     finally:
         ctx.destroy(linger=0)
+
+
+def _release(ctx: zmq.Context, lock: threading.Lock, sockets: dict[int, zmq.Socket]) -> None:
+    with lock:
+        ctx.destroy(linger=0)
+        sockets.clear()
 
 
 def _try_send(sock: zmq.Socket, frame: bytes) -> bool:

@@ -4,6 +4,16 @@ against one standalone coordinator (``dataparallel serve``), one etcd, or one TC
 
     python -m benchmarks.swarm --sizes 256 1024 --procs 4
     python -m benchmarks.swarm --sizes 1024 --kinds zmq grpc --baseline e87e4ff --repeats 3
+    python -m benchmarks.swarm --shapes 16x8 128x8 --kinds zmq grpc "TCPStore add+wait"
+
+With ``--shapes NODESxRANKS ...``, our transports run as nodes: each node a real node relay
+(:class:`~dataparallel.control.relay.node.NodeRelay`) joined upstream as one member of NODES,
+and its RANKS ranks real ``relay://`` channels through its local leg (shared memory), the
+relays objects and the ranks threads of the same few processes. A node's relay joins upstream
+after the start signal, as its launcher would just before starting its ranks: the rendezvous
+time is the whole job's start-up. TCPStore runs the same number of ranks as before, each its
+own client. Results under each kind, then the shape (``"128x8"``), in
+``benchmarks/results/swarm_shapes.json`` (and ``.png``) unless ``--out`` says otherwise.
 
 With ``--baseline REV``, each of our transports is also measured as it was at git revision
 ``REV`` (checked out into a temporary worktree; its coordinator and ranks run that tree's
@@ -96,6 +106,83 @@ def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int, option
     print(json.dumps({"results": results, "errors": errors}), flush=True)
 
 
+def shape_worker(kind: str, port: int, nodes: list[int], shape: tuple[int, int], barriers: int, options: str) -> None:
+    """This process's share of a NODESxRANKS job: for each of ``nodes``, a relay joined
+    upstream and its ranks' channels through it, each rank a thread (see the module docstring)."""
+    import dataparallel as dp
+    from dataparallel.control.relay.node import NodeRelay
+
+    total, per_node = shape
+    n = total * per_node
+    results: dict[int, dict] = {}
+    errors: list[str] = []
+    go = threading.Event()
+    scratch = tempfile.mkdtemp(prefix="dp-swarm-")
+
+    def rank_main(path: str, rank: int, t0: float) -> None:
+        try:
+            ch = dp.connect(f"relay://{path}", rank=rank, world_size=n, job="swarm", timeout=300)
+            ch.rendezvous()
+            ready = time.time()
+            samples = []
+            for _ in range(barriers):
+                t = time.perf_counter()
+                ch.barrier("b")
+                samples.append(time.perf_counter() - t)
+            ch.barrier("b")  # nobody leaves while others measure
+            results[rank] = {"start": t0, "ready": ready, "barriers": samples}
+            ch.close()
+        except Exception as err:  # reported to the parent, which fails the run
+            errors.append(f"rank {rank}: {type(err).__name__}: {err}")
+
+    def node_main(node: int) -> None:
+        try:
+            go.wait()
+            t0 = time.time()
+            url = f"{kind}://127.0.0.1:{port}" + (f"?{options}" if options else "")
+            up = dp.connect(url, rank=node, world_size=total, job="swarm~nodes", timeout=300)
+            relay = NodeRelay(
+                up, os.path.join(scratch, str(node)), local_ranks=per_node, node_rank=node, nodes=total, job="swarm"
+            )
+        except Exception as err:
+            errors.append(f"node {node}: {type(err).__name__}: {err}")
+            return
+        ranks = [
+            threading.Thread(target=rank_main, args=(relay.path, node * per_node + i, t0), daemon=True)
+            for i in range(per_node)
+        ]
+        for t in ranks:
+            t.start()
+        for t in ranks:
+            t.join(timeout=600)
+        relay.close()
+        up.close()
+
+    threads = [threading.Thread(target=node_main, args=(node,), daemon=True) for node in nodes]
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    while time.time() < start:
+        time.sleep(0.0005)
+    go.set()
+    for t in threads:
+        t.join(timeout=600)
+    print(json.dumps({"results": results, "errors": errors}), flush=True)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"128x8"``: (nodes, ranks per node)."""
+    nodes, _, per_node = text.partition("x")
+    try:
+        shape = int(nodes), int(per_node)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is NODESxRANKS, e.g. 128x8") from None
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least one node of one rank")
+    return shape
+
+
 def _ranks(share: list[int]) -> str:
     return ",".join(map(str, share))
 
@@ -129,15 +216,26 @@ def revision(rev: str) -> Iterator[Path]:
 
 
 def measure(
-    kind: str, n: int, procs: int, barriers: int, cap: float = 300.0, options: str = "", tree: Path | None = None
+    kind: str,
+    n: int,
+    procs: int,
+    barriers: int,
+    cap: float = 300.0,
+    options: str = "",
+    tree: Path | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> dict:
+    """One run of ``n`` ranks (as ``shape``'s nodes, where given: then ``n`` is theirs)."""
     from benchmarks.common import free_port, percentile
     from benchmarks.control_plane import release_together
 
     port = free_port()
     server = start_coordinator(kind, port, tree)
-    shares = [list(range(p, n, procs)) for p in range(procs)]
+    members = n if shape is None else shape[0]  # what the worker processes share: ranks, or nodes
+    shares = [list(range(p, members, procs)) for p in range(procs) if p < members]
     common = ["--port", str(port), "--n", str(n), "--barriers", str(barriers), "--options", options]
+    if shape is not None:
+        common += ["--shape", f"{shape[0]}x{shape[1]}"]
     env, cwd = _at(tree)
     workers = [
         subprocess.Popen(
@@ -180,11 +278,17 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument(
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        help="NODESxRANKS: our transports through node relays (instead of --sizes; TCPStore with NODES*RANKS ranks)",
+    )
     parser.add_argument("--procs", type=int, default=4, help="processes the ranks are spread over")
     parser.add_argument("--barriers", type=int, default=10)
     parser.add_argument("--kinds", nargs="+", default=KINDS)
     parser.add_argument("--cap", type=float, default=300, help="seconds a run may take before it is stopped")
-    parser.add_argument("--out", type=Path, default=RESULTS / "swarm.json")
+    parser.add_argument("--out", type=Path, help="default: results/swarm.json (with --shapes: swarm_shapes.json)")
     parser.add_argument(
         "--options",
         default="",
@@ -197,10 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ranks", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", type=parse_shape, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.port, [int(r) for r in args.ranks.split(",")], args.n, args.barriers, args.options)
+        share = [int(r) for r in args.ranks.split(",")]
+        if args.shape is not None:
+            shape_worker(args.worker, args.port, share, args.shape, args.barriers, args.options)
+        else:
+            worker(args.worker, args.port, share, args.n, args.barriers, args.options)
         return 0
+    if args.out is None:
+        args.out = RESULTS / ("swarm_shapes.json" if args.shapes else "swarm.json")
+    if args.shapes and args.baseline:
+        parser.error("--shapes measures this tree only (no --baseline)")
     from tqdm import tqdm
 
     with contextlib.ExitStack() as stack:
@@ -208,25 +321,39 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(kind, None) for kind in args.kinds]
         if tree is not None:
             runs += [(kind, tree) for kind in args.kinds if not kind.startswith("TCPStore")]
-        result: dict[str, dict[int, dict]] = {_name(k, t, args.baseline): {} for k, t in runs}
-        with tqdm(total=len(args.sizes) * len(runs) * args.repeats, desc="swarm", unit="run") as bar:
-            for n in args.sizes:
+        result: dict[str, dict[int | str, dict]] = {_name(k, t, args.baseline): {} for k, t in runs}
+        # A size N, or a shape: (its key, its rank count, the shape our transports run as).
+        cases: list[tuple[int | str, int, tuple[int, int] | None]] = (
+            [(f"{a}x{b}", a * b, (a, b)) for a, b in args.shapes] if args.shapes else [(n, n, None) for n in args.sizes]
+        )
+        with tqdm(total=len(cases) * len(runs) * args.repeats, desc="swarm", unit="run") as bar:
+            for key, n, shape in cases:
                 repeats: dict[str, list[dict]] = {_name(k, t, args.baseline): [] for k, t in runs}
                 for _ in range(args.repeats):  # interleaved: a drift of the machine touches every kind alike
                     for kind, at in runs:
                         name = _name(kind, at, args.baseline)
-                        bar.set_postfix_str(f"{name} N={n}")
-                        repeats[name].append(measure(kind, n, args.procs, args.barriers, args.cap, args.options, at))
+                        bar.set_postfix_str(f"{name} {key}")
+                        as_nodes = None if kind.startswith("TCPStore") else shape
+                        repeats[name].append(
+                            measure(kind, n, args.procs, args.barriers, args.cap, args.options, at, as_nodes)
+                        )
                         bar.update()
                 for name, runs_of in repeats.items():
-                    result[name][n] = _median_of(runs_of)
+                    result[name][key] = _median_of(runs_of)
     report(result)
     from benchmarks.common import machine
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
+        "command": "python -m benchmarks.swarm " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "procs": args.procs,
+        "layout": (
+            "our transports as NODES node relays (objects) and NODES*RANKS relay:// ranks (threads), TCPStore as "
+            "NODES*RANKS clients (threads)"
+            if args.shapes
+            else "every rank a thread with a real channel"
+        ),
         "options": args.options or "defaults",
         "repeats": args.repeats,
         "baseline": args.baseline,
@@ -254,21 +381,33 @@ def _median_of(runs: list[dict]) -> dict:
     return out
 
 
-def report(result: dict[str, dict[int, dict]]) -> None:
-    print("\nlightweight ranks: rendezvous of all N (s) and barrier (median ms):")
+def _rank_count(key: int | str) -> int:
+    """A result's rank count: its size, or its shape's NODES*RANKS."""
+    if isinstance(key, str) and "x" in key:
+        nodes, per_node = parse_shape(key)
+        return nodes * per_node
+    return int(key)
+
+
+def _label(key: int | str) -> str:
+    return f"N={key}" if str(key).isdigit() else str(key)
+
+
+def report(result: dict[str, dict[int | str, dict]]) -> None:
+    print("\nlightweight ranks (N of them, or NODESxRANKS): rendezvous of all (s) and barrier (median ms):")
     for kind, by_n in result.items():
         for n, r in by_n.items():
             if "error" in r:
-                print(f"  {kind:20s} N={n:<5d} FAILED: {r['error']}")
+                print(f"  {kind:20s} {_label(n):9s} FAILED: {r['error']}")
             else:
                 rdzv, barrier, tail = r["rendezvous_s"], r["barrier_ms"], r.get("barrier_p99_ms", float("nan"))
                 print(
-                    f"  {kind:20s} N={n:<5d} rendezvous {rdzv:7.2f} s   barrier p50 {barrier:8.1f} ms"
+                    f"  {kind:20s} {_label(n):9s} rendezvous {rdzv:7.2f} s   barrier p50 {barrier:8.1f} ms"
                     f"  p99 {tail:8.1f} ms"
                 )
 
 
-def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
+def plot(result: dict[str, dict[int | str, dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,7 +417,7 @@ def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
         return  # every run failed: nothing to draw (the table says why)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for kind, by_n in result.items():
-        ok = {int(n): r for n, r in by_n.items() if "error" not in r}
+        ok = {_rank_count(n): r for n, r in by_n.items() if "error" not in r}
         sizes = sorted(ok)
         axes[0].plot(sizes, [ok[n]["rendezvous_s"] for n in sizes], marker="o", label=kind)
         line = axes[1].plot(sizes, [ok[n]["barrier_ms"] for n in sizes], marker="o", label=kind)[0]
@@ -288,7 +427,7 @@ def plot(result: dict[str, dict[int, dict]], path: Path) -> None:
     for ax, label in zip(axes, ["rendezvous of all ranks, s", "barrier, ms (median; dotted: p99)"], strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("ranks N (threads)")
+        ax.set_xlabel("ranks (threads)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()

@@ -294,3 +294,31 @@ def test_a_watcher_that_could_not_look_blames_no_peer_for_the_gap():
         assert [p.rank for p in watcher.lost()] == [1]
     finally:
         close_all(channels)
+
+
+def test_a_heartbeat_read_left_unanswered_while_joining_is_read_again(monkeypatch):
+    """A transport's read may go unanswered within its bound (ReadUnanswered: a store failing
+    over, a busy relay); the core reads again while its wait lasts. The first heartbeat tick,
+    made while joining, does too: a rank whose first look at its peer's heartbeat went
+    unanswered joins (it used to fail its connect with ReadUnanswered)."""
+    import dataparallel as dp
+    from dataparallel.control.channel import ReadUnanswered
+    from dataparallel.transports.memory import MemoryChannel
+
+    get, unanswered = MemoryChannel._get, []
+
+    def flaky_get(self, key: str, timeout: float) -> bytes | None:
+        if "__dp/hb/" in key and len(unanswered) < 2:  # the first two heartbeat reads
+            unanswered.append(key)
+            raise ReadUnanswered(f"{key!r}: no answer within {timeout:g}s")
+        return get(self, key, timeout)
+
+    monkeypatch.setattr(MemoryChannel, "_get", flaky_get)
+    url = f"memory://unanswered-{free_port()}?heartbeat=0.3"
+    first = dp.connect(url, rank=0, world_size=2, job="j", timeout=20)
+    try:
+        second = dp.connect(url, rank=1, world_size=2, job="j", timeout=20)
+        assert unanswered, "no heartbeat read went unanswered: the test no longer tests anything"
+        second.close()
+    finally:
+        first.close()

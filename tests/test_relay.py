@@ -228,40 +228,39 @@ def test_a_rank_that_was_given_another_job_or_size_is_refused(nodes):
         dp.connect(nodes.url(3), rank=0, world_size=6, job="j", timeout=10)
 
 
-@pytest.mark.parametrize("reported", [True, False], ids=["by its relay", "by heartbeats"])
-def test_a_rank_killed_behind_a_relay_is_peer_lost_to_every_other_rank(nodes, reported):
-    """Killed in the middle of barriers: every other rank, on its node and the other, raises
-    PeerLost naming it. Its relay sees its process end and reports the loss where the run's
-    ranks read losses: with a liveness timeout of 10 s, every rank is told within a tick
-    (0.2 s) and a second of margin. Where the relay cannot tell (the rank's report withdrawn,
-    as a cleanly closing rank's is), the core's heartbeats through the relays still do:
-    within the liveness timeout, 2 s there, and a tick or two."""
-    options = "?heartbeat=0.2&liveness_timeout=" + ("10" if reported else "2")
-    if not reported:
-        for relay in nodes.relays:  # as if no rank had registered its loss key
-            relay.server._handler = _without_watch(relay.server._handler)
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_rank_killed_or_frozen_behind_a_relay_is_peer_lost_to_every_other_rank(nodes, how):
+    """Killed or frozen (SIGSTOP) in the middle of barriers: every other rank, on its node and
+    the other, raises PeerLost naming it, noticed by its relay, which watches its ranks (no
+    rank watches another's heartbeats through the relays). Killed: the relay sees its process
+    end and reports the loss where the run's ranks read losses; with a liveness timeout of
+    10 s, every rank is told within a tick (0.2 s) and a second of margin. Frozen: its beats
+    in shared memory stop, and the relay reports it once they have for the liveness timeout
+    (2 s there): within that, a tick or two, and margin."""
+    options = "?heartbeat=0.2&liveness_timeout=" + ("10" if how == "killed" else "2")
     procs = nodes.start("loop", options)
+    victim = 4  # on node 1
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "started", p.stderr.read()[-3000:]
         time.sleep(1.0)
-        victim = 4  # on node 1
-        procs[victim].send_signal(signal.SIGKILL)
-        killed = time.time()
+        procs[victim].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        stopped = time.time()
         for r, p in enumerate(procs):
             if r == victim:
                 continue
             out, err = p.communicate(timeout=60)
             got = json.loads(out.splitlines()[-1])
             assert got.get("error") == "PeerLost" and "peer rank 4 lost" in got["message"], (r, got, err[-2000:])
-            print(f"rank {r} told in {got['at'] - killed:.3f}s")
-            if reported:
-                assert "noticed by node 1's relay" in got["message"], got["message"]
-                assert got["at"] - killed < 0.2 + 1.0, (r, got["at"] - killed)
+            assert "noticed by node 1's relay" in got["message"], got["message"]
+            print(f"rank {r} told in {got['at'] - stopped:.3f}s")
+            if how == "killed":
+                assert got["at"] - stopped < 0.2 + 1.0, (r, got["at"] - stopped)
             else:
-                assert "no heartbeat" in got["message"], got["message"]
-                assert got["at"] - killed < 2.0 + 3.0, (r, got["at"] - killed)
+                assert "no heartbeat for" in got["message"], got["message"]
+                assert got["at"] - stopped < 2.0 + 3.0, (r, got["at"] - stopped)
     finally:
+        procs[victim].send_signal(signal.SIGCONT)
         for p in procs:
             p.kill()
             p.wait(timeout=10)
@@ -279,18 +278,6 @@ def test_a_rank_that_closed_without_entering_a_barrier_ends_it_behind_a_relay(no
         # It left half a second after the barrier before; the others are told within a
         # liveness poll (a second) of it, and some margin.
         assert out["after"] < 0.5 + 1.0 + 3.0, (r, out)
-
-
-def _without_watch(handle):
-    from dataparallel.control.relay.node import WATCH
-
-    def handled(call):
-        if call.op == WATCH:
-            call.reply(b"")
-        else:
-            handle(call)
-
-    return handled
 
 
 def test_ranks_of_a_node_in_different_barriers_are_told(tmp_path):
@@ -408,5 +395,101 @@ def test_an_upstream_timeout_passes_through_as_itself(tmp_path):
         assert ch.failure is None
         ch.close()
     finally:
+        relay.close()
+        up.close()
+
+
+def test_the_ranks_heartbeats_cross_once_per_node_per_tick(zmq_nodes):
+    """Counted at the coordinator while the ranks loop in barriers: no rank beats upstream
+    (no add, no read of another rank's heartbeat); each relay writes its live ranks'
+    heartbeats in one request a tick. Each rank still reads its run's loss report once a tick
+    (not yet aggregated)."""
+    nodes = zmq_nodes
+    coordinator = nodes.upstreams[0]._hosted
+    interval, window = 0.2, 3.0
+    procs = nodes.start("loop", f"?heartbeat={interval}&liveness_timeout=10")
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "started", p.stderr.read()[-3000:]
+        time.sleep(1.0)
+        before = dict(coordinator.served())
+        time.sleep(window)
+        after = coordinator.served()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    served = {op: after.get(op, 0) - before.get(op, 0) for op in after}
+    ticks = window / interval
+    assert served.get("add", 0) == 0, served  # a direct rank adds to its heartbeat every tick
+    # One write a tick per relay (its ranks' heartbeats together), give or take a tick.
+    assert 2 * (ticks - 3) <= served.get("multi_set", 0) <= 2 * (ticks + 3), served
+    # Reads: the six ranks' loss reports, a check (and a get once there is one) each a tick;
+    # a direct rank 0 also reads every peer's heartbeat every tick (2 requests each).
+    assert served.get("get", 0) <= 6 * (ticks + 3), served
+
+
+RELAY_NODE = textwrap.dedent(
+    """
+    import sys, time
+    import dataparallel as dp
+    from dataparallel.control.relay.node import NodeRelay
+    url, node, nodes, per_node, job, directory = sys.argv[1:7]
+    node, nodes, per_node = int(node), int(nodes), int(per_node)
+    up = dp.connect(url, rank=node, world_size=nodes, job=job + "~nodes", timeout=30)
+    relay = NodeRelay(up, directory, local_ranks=per_node, node_rank=node, nodes=nodes, job=job)
+    print(relay.path, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_a_node_lost_with_its_relay_is_peer_lost_to_the_other_nodes_ranks(tmp_path):
+    """A node's relay process killed (its ranks lose their relay with it): the other node's
+    ranks raise PeerLost naming the lost node's first rank and its ranks, whether they learn
+    it from their barrier (the relays' barrier ends with the node's loss) or from the loss
+    report a relay publishes once the relays' own liveness declared the node lost; within
+    the relays' liveness timeout (2 s) and margin."""
+    url = f"zmq://127.0.0.1:{free_port()}?heartbeat=0.2&liveness_timeout=2"
+    host = subprocess.Popen(
+        [sys.executable, "-c", RELAY_NODE, url, "1", "2", "2", "j", str(tmp_path / "node1")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    up = dp.connect(url, rank=0, world_size=2, job="j~nodes", timeout=30)  # hosts the coordinator
+    relay = NodeRelay(up, tmp_path / "node0", local_ranks=2, node_rank=0, nodes=2, job="j")
+    procs: list[subprocess.Popen] = []
+    try:
+        remote = host.stdout.readline().strip()
+        assert remote, "node 1's relay did not start"
+        paths = [str(relay.path), str(relay.path), remote, remote]
+        options = "?heartbeat=0.2&liveness_timeout=10"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, f"relay://{p}{options}", str(r), "4", "j", "loop"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r, p in enumerate(paths)
+        ]
+        for p in procs:
+            assert p.stdout.readline().strip() == "started", p.stderr.read()[-3000:]
+        time.sleep(1.0)
+        host.send_signal(signal.SIGKILL)
+        killed = time.time()
+        for r in (0, 1):
+            out, err = procs[r].communicate(timeout=60)
+            got = json.loads(out.splitlines()[-1])
+            assert got.get("error") == "PeerLost", (r, got, err[-2000:])
+            assert "peer rank 2 lost" in got["message"] and "node 1's relay lost (ranks 2..3)" in got["message"], got
+            assert got["at"] - killed < 2.0 + 3.0, (r, got["at"] - killed)
+    finally:
+        host.kill()
+        host.wait(timeout=10)
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
         relay.close()
         up.close()

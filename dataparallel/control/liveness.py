@@ -57,6 +57,12 @@ def loss_key(channel: ControlChannel) -> str:
     return channel._scoped(_LOST)
 
 
+def heartbeat_key(channel: ControlChannel, rank: int) -> str:
+    """Where ``rank`` of ``channel``'s run beats (a hook-level key): what the core's
+    membership reads to tell a live holder of a rank from a gone one."""
+    return channel._scoped(f"{_HB}{rank}")
+
+
 @dataclass(frozen=True)
 class LostPeer:
     rank: int
@@ -219,8 +225,7 @@ class StoreHeartbeats(Liveness):
 
     def _run(self) -> None:
         try:
-            self._beat()
-            self._watch()
+            self._first_tick()
         except BaseException as err:  # start() raises it in the joining thread
             self._first_error = err
             return
@@ -239,6 +244,22 @@ class StoreHeartbeats(Liveness):
             except Exception as err:
                 self._last_error = err
                 self._failing_since = self._failing_since or time.monotonic()
+
+    def _first_tick(self) -> None:
+        """The first beat and look, while joining: a read the store left unanswered within
+        its bound (a busy relay or store) is read again, as long as the channel's timeout
+        lasts (what start() waits), as every other wait of the core does."""
+        from .channel import ReadUnanswered  # the channel module imports this one
+
+        deadline = time.monotonic() + self._ch.timeout
+        while True:
+            try:
+                self._beat()
+                self._watch()
+                return
+            except ReadUnanswered:
+                if self._stop.is_set() or time.monotonic() >= deadline:
+                    raise
 
     def _answered(self) -> None:
         """A request of a tick was answered: the store is there."""

@@ -49,7 +49,6 @@ every call, which is the cost the relay exists to remove.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -61,7 +60,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +70,8 @@ log = logging.getLogger(__name__)
 
 #: Version of the local leg's layout and hello; a rank and a relay of another version refuse
 #: each other at the hello.
-LOCAL_PROTOCOL = 3  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens
+LOCAL_PROTOCOL = 4  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
+#: 4: a rank registers its heartbeat key and liveness too (the relay beats for it)
 
 #: Slot header: request seq, reply seq, op, request length, status, reply length.
 _HEADER = struct.Struct("<QQIIiI")
@@ -708,14 +708,17 @@ class LocalClient:
         self._barrier_lock = threading.Lock()
         self._seq = [0] * self.geometry.slots
         self._free = list(range(self.geometry.slots))
-        self._free_cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._free_cv = threading.Condition(self._lock)
         self._closed = False
         self._in_flight = 0  # calls and waits using the descriptors: close() waits for them
+        self._using = _InFlight(self)  # `with self._using:` around every use of them
+        self._pollers: dict[int, select.poll] = {}  # a bell's, with the socket: made once
         self._conn.setblocking(True)
 
     def beat(self) -> None:
         """Say the rank is alive (the relay reads how long ago it last did)."""
-        with self._using():
+        with self._using:
             _BEAT.pack_into(self._area, 0, time.monotonic())
 
     def barrier(self, name: str, timeout: float) -> bytes:
@@ -735,7 +738,7 @@ class LocalClient:
         """Arrive at the node's next barrier, named ``name``, for which this rank waits up to
         ``timeout`` seconds (the relay waits upstream as long as the longest-waiting rank);
         returns its generation. A rank enters its barriers one at a time."""
-        with self._using(), self._barrier_lock:
+        with self._using, self._barrier_lock:
             self._generation += 1
             raw = barrier_name(name)
             self._area[_NAME_AT : _NAME_AT + len(raw)] = raw
@@ -758,7 +761,7 @@ class LocalClient:
         caller can look at its peers between slices)."""
         at = _outcome_at(generation)
         deadline = time.monotonic() + timeout
-        with self._using():
+        with self._using:
             while _OUTCOME.unpack_from(self._node, at)[0] != generation:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -780,7 +783,7 @@ class LocalClient:
         if len(payload) > geo.slot_bytes:
             raise BadMessage(f"a request of {len(payload)} bytes; the relay's slots take {geo.slot_bytes}")
         deadline = time.monotonic() + timeout
-        with self._using():
+        with self._using:
             slot = self._take(deadline)
             seq = self._seq[slot] + 1
             self._seq[slot] = seq
@@ -846,24 +849,19 @@ class LocalClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextlib.contextmanager
-    def _using(self) -> Iterator[None]:
-        with self._free_cv:
-            if self._closed:
-                raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._free_cv:
-                self._in_flight -= 1
-                self._free_cv.notify_all()
-
     def _wait(self, bell: int, left: float, drain: bool = True) -> None:
         """Wait up to ``left`` (at most a second) for ``bell`` (read once rung, unless
         ``drain`` is False: a release eventfd, which the relay empties); ChannelClosed once
         the relay or this client is closed."""
-        ready = _readable([bell, self._conn.fileno()], min(left, 1.0))
+        poller = self._pollers.get(bell)
+        if poller is None:
+            poller = self._pollers[bell] = select.poll()
+            poller.register(bell, select.POLLIN)
+            poller.register(self._conn.fileno(), select.POLLIN)
+        try:
+            ready = [fd for fd, _ in poller.poll(min(left, 1.0) * 1000)]
+        except RuntimeError:  # another thread waits on this bell's poller: one of its own
+            ready = _readable([bell, self._conn.fileno()], min(left, 1.0))
         if self._closed:
             raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay was closed")
         if bell in ready:
@@ -894,13 +892,38 @@ class LocalClient:
         at = self.geometry.slot_at(slot)
         while True:
             try:
-                with self._using():
+                with self._using:
                     if _HEADER.unpack_from(self._area, at)[1] == seq:
                         self._give(slot)
                         return
             except ChannelClosed:
                 return
             time.sleep(0.05)
+
+
+class _InFlight:
+    """``with client._using:`` around a use of the client's descriptors: refused once it is
+    closed, and counted, so that close() releases them only after the last use ends. (A
+    class, not a generator context manager: it is on the path of every barrier.)"""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: LocalClient) -> None:
+        self._client = client
+
+    def __enter__(self) -> None:
+        client = self._client
+        with client._lock:
+            if client._closed:
+                raise ChannelClosed(f"local rank {client.rank}: its channel to the node relay is closed")
+            client._in_flight += 1
+
+    def __exit__(self, *exc: object) -> None:
+        client = self._client
+        with client._lock:
+            client._in_flight -= 1
+            if client._closed:
+                client._free_cv.notify_all()  # close() waits for the last use to end
 
 
 def _readable(fds: list[int], timeout: float) -> list[int]:

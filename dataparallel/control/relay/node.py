@@ -18,8 +18,17 @@ each, and through it:
   ``nodes`` relays, and releases its ranks with the outcome, error included; a job of one
   node does not cross at all (its ranks meeting is the barrier).
 
+- **liveness by supervision**: a rank beats in shared memory, not upstream; the relay sees
+  its ranks' processes end (at once) and their beats stop (a frozen rank, after the rank's
+  liveness timeout), and reports such a rank lost where its run's ranks read losses; once a
+  tick it writes the heartbeat keys of its live ranks upstream in one request (what the
+  core's membership reads to tell a live holder of a rank from a gone one); and a node whose
+  relay is lost upstream (the relays' own liveness) is reported lost by the others, as its
+  first rank, naming the node's ranks.
+
 Not yet aggregated (each rank's requests pass through one by one, so they are correct but
-cost what a directly connected rank's cost): joining, heartbeats, broadcast and the gathers.
+cost what a directly connected rank's cost): joining, the ranks' reads of their run's loss
+report, broadcast and the gathers.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...errors import BadMessage, ControlError
+from ...errors import BadMessage, ControlError, PeerLost
 from ..liveness import loss_report
 from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes
 
@@ -46,9 +57,24 @@ RANKS = "ranks/"
 
 #: The pass-through operations' numbers on the local leg.
 SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEND = range(1, 11)
-#: A rank's registration of where its loss is reported (its run's loss key), and its
-#: withdrawal when it closes (a clean departure is no loss).
+#: A rank's registration of where its loss is reported (its run's loss key), its heartbeat
+#: key and its liveness (interval and timeout), and its withdrawal when it closes (a clean
+#: departure is no loss).
 WATCH, UNWATCH = 11, 12
+
+#: Where each relay says, in the relays' own key space, which ranks are its node's.
+NODE_RANKS = "node-ranks/"
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A joined local rank the relay speaks for: where its run reads losses, its heartbeat
+    key (both in the upstream's key space), and its liveness."""
+
+    loss_key: str
+    heartbeat_key: str
+    interval: float
+    timeout: float
 
 
 def pack(*fields: bytes) -> bytes:
@@ -169,9 +195,16 @@ class NodeRelay:
         self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
         # Loss reports on a thread of their own: never queued behind the ranks' waiting reads.
         self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-loss")
-        # Local rank -> its run's loss key in the upstream's key space; read and written on the
-        # local leg's loop thread alone (it calls _handle and _gone).
-        self._watched: dict[int, str] = {}
+        # Local rank -> what the relay watches and beats for it (under _watch_lock); a beat
+        # being written upstream holds _beating, which a rank's withdrawal waits for (so that
+        # no beat of the relay's lands after the rank's own departure mark).
+        self._watched: dict[int, Watched] = {}
+        self._watch_lock = threading.Lock()
+        self._beating = threading.Lock()
+        self._ticks = 0
+        self._nodes_lost: set[int] = set()
+        self._ranks_of: dict[int, tuple[int, int]] = {}  # node -> (first rank, count), as read
+        self._stopping = threading.Event()
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
             directory,
@@ -184,8 +217,13 @@ class NodeRelay:
             info=info,
         )
         self.path = self.server.path
+        # Which ranks are this node's, for the other relays to name them should it be lost.
+        upstream._set(f"{NODE_RANKS}{node_rank}", f"{self.first_rank},{local_ranks}".encode())
+        self._beat_thread = threading.Thread(target=self._supervise, name="dp-relay-beat", daemon=True)
+        self._beat_thread.start()
 
     def close(self) -> None:
+        self._stopping.set()
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._crossing.shutdown(wait=False, cancel_futures=True)
@@ -199,19 +237,46 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ serving
     def _handle(self, call: Call) -> None:
-        if call.op in (WATCH, UNWATCH):
+        if call.op == WATCH:
             try:
                 fields = unpack(call.payload)
-                if call.op == WATCH:
-                    self._watched[call.rank] = _text(fields[0])
-                else:
-                    self._watched.pop(call.rank, None)
-            except (BadMessage, IndexError) as err:
+                interval, timeout = struct.unpack("<dd", fields[2])
+                watched = Watched(_text(fields[0]), _text(fields[1]), interval, timeout)
+            except (BadMessage, IndexError, struct.error) as err:
                 call.fail(BadMessage(f"relay: a bad watch request ({err})"))
-            else:
-                call.reply(b"")
+                return
+            self._pool.submit(self._watch, call, watched)
+            return
+        if call.op == UNWATCH:
+            self._pool.submit(self._unwatch, call)
             return
         self._pool.submit(self._serve, call)
+
+    def _watch(self, call: Call, watched: Watched) -> None:
+        """A rank joined: beat for it at once (a process claiming its rank meanwhile sees it
+        alive), then on every tick."""
+        with self._beating:
+            try:
+                self.upstream._set(watched.heartbeat_key, self._beat_value())
+            except ControlError as err:
+                call.fail(err)
+                return
+            with self._watch_lock:
+                self._watched[call.rank] = watched
+        call.reply(b"")
+
+    def _unwatch(self, call: Call) -> None:
+        """A rank leaves cleanly: no more beats for it, none still being written (its own
+        departure mark comes after this reply), and its end is no loss."""
+        with self._watch_lock:
+            self._watched.pop(call.rank, None)
+        with self._beating:
+            pass
+        call.reply(b"")
+
+    def _beat_value(self) -> bytes:
+        self._ticks += 1
+        return b"%d" % self._ticks
 
     def _serve(self, call: Call) -> None:
         try:
@@ -238,6 +303,8 @@ class NodeRelay:
     def _cross(self, generation: int, name: str, timeout: float | None) -> None:
         try:
             self.upstream.barrier(name, timeout=timeout)
+        except PeerLost as err:  # a node, among the relays: its ranks, to the ranks
+            self.server.release(generation, ERROR, error_bytes(self._node_lost(err)))
         except ControlError as err:
             self.server.release(generation, ERROR, error_bytes(err))
         except Exception as err:
@@ -249,10 +316,11 @@ class NodeRelay:
     def _gone(self, local: int, how: str) -> None:
         rank = self.first_rank + local
         log.info("relay: rank %d (local %d) %s", rank, local, how)
-        key = self._watched.pop(local, None)
-        if key is not None:  # it had joined its job and not closed: a loss, reported at once
+        with self._watch_lock:
+            watched = self._watched.pop(local, None)
+        if watched is not None:  # it had joined its job and not closed: a loss, reported at once
             pid = self.server.pid_of(local)
-            self._reporting.submit(self._report_loss, rank, key, f"{how} (pid {pid} on this node)")
+            self._reporting.submit(self._report_loss, rank, watched.loss_key, f"{how} (pid {pid} on this node)")
         if self._on_gone is not None:
             self._on_gone(rank, how)
 
@@ -265,3 +333,72 @@ class NodeRelay:
             self.upstream._compare_set(key, b"", report)
         except Exception as err:  # the heartbeats still tell, within the liveness timeout
             log.warning("relay: could not report rank %d lost: %s", rank, err)
+
+    # ------------------------------------------------------------------ supervision
+    def _supervise(self) -> None:
+        """Once a tick (the shortest heartbeat interval of the watched ranks, a second while
+        none): report a rank whose beats stopped for its liveness timeout (frozen), and a node
+        the relays' own liveness lost; write the live ranks' heartbeats upstream in one
+        request."""
+        while not self._stopping.wait(self._period()):
+            try:
+                self._tick()
+            except Exception as err:  # the upstream failing: the ranks' own reads say so
+                log.debug("relay: supervision tick failed: %s", err)
+
+    def _period(self) -> float:
+        with self._watch_lock:
+            intervals = [w.interval for w in self._watched.values()]
+        return min(intervals, default=1.0)
+
+    def _tick(self) -> None:
+        with self._watch_lock:
+            watched = dict(self._watched)
+        for local, w in watched.items():
+            silent = self.server.silent(local)
+            if silent is not None and silent > w.timeout:
+                with self._watch_lock:
+                    if self._watched.get(local) is not w:
+                        continue  # gone or withdrawn meanwhile
+                    del self._watched[local]
+                rank = self.first_rank + local
+                pid = self.server.pid_of(local)
+                how = f"no heartbeat for {silent:.1f}s (liveness timeout {w.timeout:g}s; pid {pid} on this node)"
+                log.info("relay: rank %d (local %d): %s", rank, local, how)
+                self._reporting.submit(self._report_loss, rank, w.loss_key, how)
+        self._report_lost_nodes({w.loss_key for w in watched.values()})
+        with self._beating:
+            with self._watch_lock:
+                keys = [w.heartbeat_key for w in self._watched.values()]
+            if keys:
+                value = self._beat_value()
+                self.upstream._multi_set([(key, value) for key in keys])
+
+    def _report_lost_nodes(self, loss_keys: set[str]) -> None:
+        """A node the relays' liveness declared lost: its ranks are gone with it, reported
+        as its first rank (the first report of a run wins, as every loss's)."""
+        for node, lost in self.upstream.lost_peers().items():
+            if node in self._nodes_lost or not loss_keys:
+                continue
+            self._nodes_lost.add(node)
+            ranks = self._node_lost(lost)
+            if ranks is lost:
+                continue  # which ranks it held is unknown (logged)
+            for key in loss_keys:
+                self._reporting.submit(self._report_loss, ranks.rank, key, ranks.reason)
+
+    def _node_lost(self, lost: PeerLost) -> PeerLost:
+        """``lost`` (a node, among the relays) as its ranks' loss: its first rank, the reason
+        naming the node and its ranks (``lost`` itself where they cannot be read)."""
+        node = lost.rank
+        if node not in self._ranks_of:
+            try:
+                raw = self.upstream._get(f"{NODE_RANKS}{node}", 1.0)
+                first, count = (int(x) for x in (raw or b"").split(b","))
+            except (ControlError, ValueError) as err:
+                log.warning("relay: node %d lost, but which ranks it held is unknown: %s", node, err)
+                return lost
+            self._ranks_of[node] = (first, count)
+        first, count = self._ranks_of[node]
+        reason = f"node {node}'s relay lost (ranks {first}..{first + count - 1}): {lost.reason}"
+        return PeerLost(first, lost.last_seen, reason, during=lost.during)

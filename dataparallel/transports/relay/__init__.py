@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.collectives import Needs
-from dataparallel.control.liveness import loss_key
+from dataparallel.control.liveness import StoreHeartbeats, heartbeat_key, loss_key
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.relay.local import LocalClient, NoReply
 from dataparallel.control.relay.node import (
@@ -152,10 +152,17 @@ class RelayedChannel(ControlChannel):
         self._call(APPEND, pack(_key(key), value))
 
     def _claimed(self) -> None:
-        # The relay sees this process end: told where this run's losses are reported, it
-        # reports this rank's at once (the heartbeats would take the liveness timeout).
-        self._call(WATCH, pack(_key(loss_key(self))))
+        # The relay speaks for this rank's liveness: told where this run's losses are
+        # reported and where it beats, it beats upstream for it while it beats in shared
+        # memory, and reports its loss (its process ended: at once; its beats stopped: after
+        # the liveness timeout).
+        assert self.rank is not None  # given by the launcher (checked at construction)
+        liveness = struct.pack("<dd", self.heartbeat_interval, self.liveness_timeout)
+        self._call(WATCH, pack(_key(loss_key(self)), _key(heartbeat_key(self, self.rank)), liveness))
         self._watched = True
+
+    def _new_liveness(self) -> StoreHeartbeats:
+        return RelayedHeartbeats(self, self.heartbeat_interval, self.liveness_timeout)
 
     def _depart(self) -> None:
         self._unwatch()  # first: a clean departure is no loss, even if this process ends in it
@@ -216,3 +223,26 @@ class RelayedChannel(ControlChannel):
                 raise
         finally:
             self._barriers.release()
+
+
+class RelayedHeartbeats(StoreHeartbeats):
+    """A relayed rank's liveness: it beats in the node's shared memory, and its relay watches
+    it (its process, its beats), beats upstream for it and reports its loss (see
+    :mod:`dataparallel.control.relay.node`); no rank watches another's heartbeat key. Each
+    tick the rank reads its run's loss report through the relay, as every rank does, and the
+    guard fails the channel when the relay or the store behind it has answered none of those
+    reads for the liveness timeout. Closing, it marks its departure as every rank does."""
+
+    def __init__(self, channel: RelayedChannel, interval: float, timeout: float) -> None:
+        super().__init__(channel, interval, timeout)
+        self._local = channel._local
+
+    def _beat(self) -> None:
+        self._local.beat()
+
+    def _watched(self) -> list[int]:
+        return []  # the relays watch
+
+    def _read_reports(self) -> None:
+        super()._read_reports()
+        self._answered()  # the relay, and the store behind it, answered

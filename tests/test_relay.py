@@ -59,6 +59,16 @@ RANK = textwrap.dedent(
             out["keys"] = ch.num_keys() > 0
             for i in range(20):
                 ch.barrier("loop")
+        elif mode == "idle":  # no call of its own: its liveness alone must notice
+            print("started", flush=True)
+            deadline = time.time() + 60
+            while ch.failure is None and time.time() < deadline:
+                time.sleep(0.05)
+            out["error"] = type(ch.failure).__name__
+            out["message"] = str(ch.failure)
+            out["at"] = time.time()
+            print(json.dumps(out), flush=True)
+            sys.exit(0)
         elif mode == "loop":
             print("started", flush=True)
             try:
@@ -399,11 +409,11 @@ def test_an_upstream_timeout_passes_through_as_itself(tmp_path):
         up.close()
 
 
-def test_the_ranks_heartbeats_cross_once_per_node_per_tick(zmq_nodes):
+def test_the_ranks_liveness_crosses_once_per_node_per_tick(zmq_nodes):
     """Counted at the coordinator while the ranks loop in barriers: no rank beats upstream
-    (no add, no read of another rank's heartbeat); each relay writes its live ranks'
-    heartbeats in one request a tick. Each rank still reads its run's loss report once a tick
-    (not yet aggregated)."""
+    (no add, no read of another rank's heartbeat) or reads its run's loss report there; each
+    relay writes its live ranks' heartbeats in one request a tick and reads the report once a
+    tick for all of them (a check, and a get once there is a report)."""
     nodes = zmq_nodes
     coordinator = nodes.upstreams[0]._hosted
     interval, window = 0.2, 3.0
@@ -422,11 +432,10 @@ def test_the_ranks_heartbeats_cross_once_per_node_per_tick(zmq_nodes):
     served = {op: after.get(op, 0) - before.get(op, 0) for op in after}
     ticks = window / interval
     assert served.get("add", 0) == 0, served  # a direct rank adds to its heartbeat every tick
-    # One write a tick per relay (its ranks' heartbeats together), give or take a tick.
+    # One write and one read a tick per relay (two relays), give or take a tick; six direct
+    # ranks read the report six times a tick, and a direct rank 0 every peer's heartbeat too.
     assert 2 * (ticks - 3) <= served.get("multi_set", 0) <= 2 * (ticks + 3), served
-    # Reads: the six ranks' loss reports, a check (and a get once there is one) each a tick;
-    # a direct rank 0 also reads every peer's heartbeat every tick (2 requests each).
-    assert served.get("get", 0) <= 6 * (ticks + 3), served
+    assert served.get("check", 0) + served.get("get", 0) <= 2 * (ticks + 3), served
 
 
 RELAY_NODE = textwrap.dedent(
@@ -493,3 +502,40 @@ def test_a_node_lost_with_its_relay_is_peer_lost_to_the_other_nodes_ranks(tmp_pa
             p.wait(timeout=10)
         relay.close()
         up.close()
+
+
+@pytest.mark.timeout(120)
+def test_idle_ranks_behind_relays_notice_their_store_gone_within_the_liveness_timeout(tmp_path):
+    """The job's coordinator killed while the ranks make no call of their own: each rank's
+    liveness fails its channel with ChannelClosed within its liveness timeout (2 s there), a
+    tick or two and margin, as a directly connected rank's does. (A relay answers a rank's
+    read of its loss report from the node's one read a tick, saying how old that read is:
+    the rank judges its store by it.)"""
+    from jobutil import standalone
+
+    port = free_port()
+    fast = "?heartbeat=0.2&liveness_timeout=2"
+    with standalone(f"zmq://127.0.0.1:{port}", None) as coordinator:
+        nodes = Nodes(tmp_path, f"zmq://127.0.0.1:{port}{fast}", nodes=2, per_node=2)
+        procs = nodes.start("idle", fast)
+        try:
+            for p in procs:
+                assert p.stdout.readline().strip() == "started", p.stderr.read()[-3000:]
+            time.sleep(1.0)
+            coordinator.kill()
+            killed = time.time()
+            for r, p in enumerate(procs):
+                out, err = p.communicate(timeout=60)
+                got = json.loads(out.splitlines()[-1])
+                assert got["error"] == "ChannelClosed", (r, got, err[-2000:])
+                print(f"rank {r}: {got['at'] - killed:.2f}s: {got['message']}")
+                assert got["at"] - killed < 2.0 + 3.0, (r, got["at"] - killed, got)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait(timeout=10)
+            for relay in nodes.relays:
+                relay.close()
+            for up in nodes.upstreams:
+                up._fail(dp.ChannelClosed("the test's coordinator is gone"))
+                up.close()

@@ -330,10 +330,14 @@ class StoreHeartbeats(Liveness):
         self._read_reports()  # the first loss published is everyone's first_lost()
         self._record(LostPeer(rank, last_seen, reason))  # later ones count here (lost(), departures)
 
-    def _read_reports(self) -> None:
+    def _fetch_report(self) -> bytes | None:
+        """The run's loss report, if there is one (read through the channel's keys)."""
         if not self._ch._check([self._key(_LOST)]):
-            return
-        raw = self._ch._get(self._key(_LOST), self._interval)
+            return None
+        return self._ch._get(self._key(_LOST), self._interval)
+
+    def _read_reports(self) -> None:
+        raw = self._fetch_report()
         if not raw:
             return
         report = json.loads(raw)

@@ -61,6 +61,9 @@ SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEN
 #: key and its liveness (interval and timeout), and its withdrawal when it closes (a clean
 #: departure is no loss).
 WATCH, UNWATCH = 11, 12
+#: A watched rank's read of its run's loss report, answered from the relay's read of it
+#: (once a tick for the node) with that read's age: the rank judges its store by it.
+LOSS = 13
 
 #: Where each relay says, in the relays' own key space, which ranks are its node's.
 NODE_RANKS = "node-ranks/"
@@ -204,6 +207,9 @@ class NodeRelay:
         self._ticks = 0
         self._nodes_lost: set[int] = set()
         self._ranks_of: dict[int, tuple[int, int]] = {}  # node -> (first rank, count), as read
+        # Loss key -> (its report, b"" for none, and when it was read): the node's one read.
+        self._reports: dict[str, tuple[bytes, float]] = {}
+        self._started = time.monotonic()
         self._stopping = threading.Event()
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
@@ -250,6 +256,9 @@ class NodeRelay:
         if call.op == UNWATCH:
             self._pool.submit(self._unwatch, call)
             return
+        if call.op == LOSS:
+            self._answer_loss(call)
+            return
         self._pool.submit(self._serve, call)
 
     def _watch(self, call: Call, watched: Watched) -> None:
@@ -258,6 +267,7 @@ class NodeRelay:
         with self._beating:
             try:
                 self.upstream._set(watched.heartbeat_key, self._beat_value())
+                self._read_report(watched.loss_key)
             except ControlError as err:
                 call.fail(err)
                 return
@@ -273,6 +283,15 @@ class NodeRelay:
         with self._beating:
             pass
         call.reply(b"")
+
+    def _answer_loss(self, call: Call) -> None:
+        with self._watch_lock:
+            watched = self._watched.get(call.rank)
+        if watched is None:
+            call.fail(BadMessage("relay: a loss report read by a rank that is not watched"))
+            return
+        report, read = self._reports.get(watched.loss_key, (b"", self._started))
+        call.reply(pack(report, struct.pack("<d", time.monotonic() - read)))
 
     def _beat_value(self) -> bytes:
         self._ticks += 1
@@ -330,9 +349,11 @@ class NodeRelay:
         liveness timeout."""
         report = loss_report(rank, time.time(), how, f"node {self.node_rank}'s relay")
         try:
-            self.upstream._compare_set(key, b"", report)
-        except Exception as err:  # the heartbeats still tell, within the liveness timeout
+            current = self.upstream._compare_set(key, b"", report)
+        except Exception as err:  # the guard of every rank tells, within the liveness timeout
             log.warning("relay: could not report rank %d lost: %s", rank, err)
+        else:
+            self._reports[key] = (current, time.monotonic())  # this node's ranks: on their next tick
 
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
@@ -366,13 +387,29 @@ class NodeRelay:
                 how = f"no heartbeat for {silent:.1f}s (liveness timeout {w.timeout:g}s; pid {pid} on this node)"
                 log.info("relay: rank %d (local %d): %s", rank, local, how)
                 self._reporting.submit(self._report_loss, rank, w.loss_key, how)
-        self._report_lost_nodes({w.loss_key for w in watched.values()})
+        keys = {w.loss_key for w in watched.values()}
+        try:
+            self._report_lost_nodes(keys)
+            for key in keys:
+                self._read_report(key)  # a failed read ages the last one: the ranks' guard decides
+        except ControlError as err:
+            log.debug("relay: reading the job's losses failed: %s", err)
         with self._beating:
             with self._watch_lock:
-                keys = [w.heartbeat_key for w in self._watched.values()]
-            if keys:
+                beats = [w.heartbeat_key for w in self._watched.values()]
+            if beats:
                 value = self._beat_value()
-                self.upstream._multi_set([(key, value) for key in keys])
+                self.upstream._multi_set([(key, value) for key in beats])
+
+    def _read_report(self, key: str) -> None:
+        """Read the run's loss report for the node's ranks (kept once read: the first report
+        of a run is its report)."""
+        known = self._reports.get(key)
+        if known is not None and known[0]:
+            self._reports[key] = (known[0], time.monotonic())
+            return
+        report = self.upstream._get(key, 0.5) if self.upstream._check([key]) else None
+        self._reports[key] = (report or b"", time.monotonic())
 
     def _report_lost_nodes(self, loss_keys: set[str]) -> None:
         """A node the relays' liveness declared lost: its ranks are gone with it, reported

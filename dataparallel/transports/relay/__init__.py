@@ -27,6 +27,7 @@ from dataparallel.control.relay.node import (
     COMPARE_SET,
     DELETE,
     GET,
+    LOSS,
     MULTI_GET,
     MULTI_SET,
     NUM_KEYS,
@@ -229,13 +230,16 @@ class RelayedHeartbeats(StoreHeartbeats):
     """A relayed rank's liveness: it beats in the node's shared memory, and its relay watches
     it (its process, its beats), beats upstream for it and reports its loss (see
     :mod:`dataparallel.control.relay.node`); no rank watches another's heartbeat key. Each
-    tick the rank reads its run's loss report through the relay, as every rank does, and the
-    guard fails the channel when the relay or the store behind it has answered none of those
-    reads for the liveness timeout. Closing, it marks its departure as every rank does."""
+    tick the rank reads its run's loss report from its relay, which reads it upstream once a
+    tick for its node, and the guard fails the channel when the relay, or the store behind
+    it, has answered none of those reads for the liveness timeout. Closing, it marks its
+    departure as every rank does."""
 
     def __init__(self, channel: RelayedChannel, interval: float, timeout: float) -> None:
         super().__init__(channel, interval, timeout)
+        self._relayed = channel
         self._local = channel._local
+        self._heard: float | None = None  # when the store last answered the relay's read
 
     def _beat(self) -> None:
         self._local.beat()
@@ -243,6 +247,17 @@ class RelayedHeartbeats(StoreHeartbeats):
     def _watched(self) -> list[int]:
         return []  # the relays watch
 
+    def _fetch_report(self) -> bytes | None:
+        # The relay reads the run's report upstream once a tick for all its ranks and answers
+        # from that read, with its age: the store was last heard from then (the guard fails
+        # the channel once that is the liveness timeout ago).
+        report, age = unpack(self._relayed._call(LOSS, b""))
+        self._heard = time.monotonic() - struct.unpack("<d", age)[0]
+        return report or None
+
     def _read_reports(self) -> None:
+        self._heard = None
         super()._read_reports()
-        self._answered()  # the relay, and the store behind it, answered
+        self._answered()
+        if self._heard is not None:
+            self._last_ok = min(self._last_ok, self._heard)  # when the store itself last answered

@@ -26,9 +26,11 @@ each, and through it:
   relay is lost upstream (the relays' own liveness) is reported lost by the others, as its
   first rank, naming the node's ranks.
 
+  The relay also reads the run's loss report once a tick for all its ranks and answers each
+  rank's read from it, with its age (the rank judges its store by when it last answered).
+
 Not yet aggregated (each rank's requests pass through one by one, so they are correct but
-cost what a directly connected rank's cost): joining, the ranks' reads of their run's loss
-report, broadcast and the gathers.
+cost what a directly connected rank's cost): joining, broadcast and the gathers.
 """
 
 from __future__ import annotations

@@ -106,10 +106,15 @@ def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int, option
     print(json.dumps({"results": results, "errors": errors}), flush=True)
 
 
-def shape_worker(kind: str, port: int, nodes: list[int], shape: tuple[int, int], barriers: int, options: str) -> None:
+def shape_worker(
+    kind: str, port: int, nodes: list[int], shape: tuple[int, int], barriers: int, options: str, ranks_as: str
+) -> None:
     """This process's share of a NODESxRANKS job: for each of ``nodes``, a relay joined
-    upstream and its ranks' channels through it, each rank a thread (see the module docstring)."""
+    upstream and its ranks through it (see the module docstring): each rank a thread with a
+    ``relay://`` channel, or (``ranks_as="objects"``) the node's ranks as local-leg clients
+    of one thread, which arrives for each of them and waits for each release."""
     import dataparallel as dp
+    from dataparallel.control.relay.local import LocalClient
     from dataparallel.control.relay.node import NodeRelay
 
     total, per_node = shape
@@ -135,6 +140,29 @@ def shape_worker(kind: str, port: int, nodes: list[int], shape: tuple[int, int],
         except Exception as err:  # reported to the parent, which fails the run
             errors.append(f"rank {rank}: {type(err).__name__}: {err}")
 
+    def node_as_objects(path: str, node: int, t0: float) -> None:
+        clients = [LocalClient(path, node * per_node + i, timeout=300) for i in range(per_node)]
+
+        def barrier() -> None:
+            generations = [c.arrive("b", 300) for c in clients]
+            deadline = time.monotonic() + 300
+            for c, generation in zip(clients, generations, strict=True):
+                while c.released(generation, 1.0) is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"node {node}: barrier not released in 300 s")
+
+        barrier()  # every node's ranks have arrived: the job's start-up
+        ready = time.time()
+        samples = []
+        for _ in range(barriers):
+            t = time.perf_counter()
+            barrier()
+            samples.append(time.perf_counter() - t)
+        barrier()  # nobody leaves while others measure
+        for i, c in enumerate(clients):
+            results[node * per_node + i] = {"start": t0, "ready": ready, "barriers": samples}
+            c.close()
+
     def node_main(node: int) -> None:
         try:
             go.wait()
@@ -146,6 +174,14 @@ def shape_worker(kind: str, port: int, nodes: list[int], shape: tuple[int, int],
             )
         except Exception as err:
             errors.append(f"node {node}: {type(err).__name__}: {err}")
+            return
+        if ranks_as == "objects":
+            try:
+                node_as_objects(relay.path, node, t0)
+            except Exception as err:
+                errors.append(f"node {node}'s ranks: {type(err).__name__}: {err}")
+            relay.close()
+            up.close()
             return
         ranks = [
             threading.Thread(target=rank_main, args=(relay.path, node * per_node + i, t0), daemon=True)
@@ -224,6 +260,7 @@ def measure(
     options: str = "",
     tree: Path | None = None,
     shape: tuple[int, int] | None = None,
+    ranks_as: str = "threads",
 ) -> dict:
     """One run of ``n`` ranks (as ``shape``'s nodes, where given: then ``n`` is theirs)."""
     from benchmarks.common import free_port, percentile
@@ -235,7 +272,7 @@ def measure(
     shares = [list(range(p, members, procs)) for p in range(procs) if p < members]
     common = ["--port", str(port), "--n", str(n), "--barriers", str(barriers), "--options", options]
     if shape is not None:
-        common += ["--shape", f"{shape[0]}x{shape[1]}"]
+        common += ["--shape", f"{shape[0]}x{shape[1]}", "--ranks-as", ranks_as]
     env, cwd = _at(tree)
     workers = [
         subprocess.Popen(
@@ -302,11 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ranks", help=argparse.SUPPRESS)
     parser.add_argument("--shape", type=parse_shape, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ranks-as",
+        choices=["threads", "objects"],
+        default="threads",
+        help="with --shapes: each rank a thread with a relay:// channel, or a node's ranks local-leg clients of one "
+        "thread (no rank joins the job itself: the relays' start-up and barriers alone)",
+    )
     args = parser.parse_args(argv)
     if args.worker:
         share = [int(r) for r in args.ranks.split(",")]
         if args.shape is not None:
-            shape_worker(args.worker, args.port, share, args.shape, args.barriers, args.options)
+            shape_worker(args.worker, args.port, share, args.shape, args.barriers, args.options, args.ranks_as)
         else:
             worker(args.worker, args.port, share, args.n, args.barriers, args.options)
         return 0
@@ -335,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                         bar.set_postfix_str(f"{name} {key}")
                         as_nodes = None if kind.startswith("TCPStore") else shape
                         repeats[name].append(
-                            measure(kind, n, args.procs, args.barriers, args.cap, args.options, at, as_nodes)
+                            measure(
+                                kind, n, args.procs, args.barriers, args.cap, args.options, at, as_nodes, args.ranks_as
+                            )
                         )
                         bar.update()
                 for name, runs_of in repeats.items():
@@ -349,8 +395,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "procs": args.procs,
         "layout": (
-            "our transports as NODES node relays (objects) and NODES*RANKS relay:// ranks (threads), TCPStore as "
-            "NODES*RANKS clients (threads)"
+            (
+                "our transports as NODES node relays (objects) and NODES*RANKS relay:// ranks (threads), "
+                if args.ranks_as == "threads"
+                else "our transports as NODES node relays (objects), each node's RANKS ranks local-leg clients of "
+                "one thread (no rank joins the job: the relays' start-up and barriers), "
+            )
+            + "TCPStore as NODES*RANKS clients (threads)"
             if args.shapes
             else "every rank a thread with a real channel"
         ),

@@ -31,3 +31,29 @@ def test_the_summary_of_the_result_files_meets_a_target_only_within_its_interval
         assert row["met"] is {MET: True, MISSED: False}.get(row["verdict"])
         if "one run" in row["measured"]:
             assert row["verdict"] == UNKNOWN, row
+
+
+def test_the_swarm_runs_node_shapes_through_relays_and_keys_them_by_shape(tmp_path):
+    """``benchmarks.swarm --shapes``: our transport through real node relays (ranks as threads
+    with relay:// channels, or as local-leg clients of one thread per node), TCPStore beside it
+    with as many clients; the result keyed by transport, then by shape."""
+    import json
+    import subprocess
+    import sys
+
+    for ranks_as in ("threads", "objects"):
+        out = tmp_path / f"{ranks_as}.json"
+        argv = ["--shapes", "2x2", "--kinds", "zmq", "TCPStore add+wait", "--procs", "2", "--barriers", "3"]
+        subprocess.run(
+            [sys.executable, "-m", "benchmarks.swarm", *argv, "--ranks-as", ranks_as, "--out", str(out)],
+            check=True,
+            capture_output=True,
+            timeout=240,
+        )
+        result = json.loads(out.read_text())
+        said = "relay:// ranks (threads)" if ranks_as == "threads" else "local-leg clients of one thread"
+        assert said in result["layout"], result["layout"]
+        for kind in ("zmq", "TCPStore add+wait"):
+            run = result["result"][kind]["2x2"]
+            assert "error" not in run, run
+            assert run["rendezvous_s"] > 0 and run["barrier_ms"] > 0, run

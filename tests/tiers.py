@@ -14,6 +14,9 @@ from __future__ import annotations
 
 #: File -> tests run only by ``pytest --full``.
 FULL_ONLY: dict[str, set[str]] = {
+    "test_bench_verdicts.py": {
+        "test_the_swarm_runs_node_shapes_through_relays_and_keys_them_by_shape",
+    },
     "test_check.py": {
         "test_tcpstore_and_cli_exit_codes",
     },

@@ -50,6 +50,16 @@ T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
 MET, MISSED, UNKNOWN = "met", "missed", "not established"
 
 
+def timed(call: Callable[[], object], rounds: int) -> list[float]:
+    """Seconds each of ``rounds`` calls of ``call`` took."""
+    samples = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
 def ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, float] | None:
     """The mean of per-repeat ratios ``a / b`` (each repeat measured both sides, interleaved)
     and its two-sided 95% t interval: (mean, low, high). None with fewer than 2 repeats."""

@@ -26,10 +26,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.common import free_port, machine, percentile, ratio_interval, verdict
+from benchmarks.common import free_port, machine, percentile, ratio_interval, timed, verdict
 from benchmarks.control_plane import barrier_latency, start_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -57,11 +56,7 @@ def rank_main(path: str, rank: int, n: int, rounds: int) -> None:
 
     ch = dp.connect(f"relay://{path}", rank=rank, world_size=n, job="bench", timeout=120)
     ch.rendezvous()
-    samples = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        ch.barrier("b")
-        samples.append(time.perf_counter() - t)
+    samples = timed(lambda: ch.barrier("b"), rounds)
     ch.barrier("end")  # nobody leaves while others measure
     if rank == 0:
         kept = [t * 1e3 for t in samples[rounds // 5 :]]

@@ -94,16 +94,7 @@ def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int, option
             errors.append(f"rank {rank}: {type(err).__name__}: {err}")
 
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
-    print("ready", flush=True)
-    start = float(sys.stdin.readline())
-    while time.time() < start:
-        time.sleep(0.0005)
-    go.set()
-    for t in threads:
-        t.join(timeout=600)
-    print(json.dumps({"results": results, "errors": errors}), flush=True)
+    _run_released(threads, go, results, errors)
 
 
 def shape_worker(
@@ -114,6 +105,7 @@ def shape_worker(
     ``relay://`` channel, or (``ranks_as="objects"``) the node's ranks as local-leg clients
     of one thread, which arrives for each of them and waits for each release."""
     import dataparallel as dp
+    from benchmarks.common import timed
     from dataparallel.control.relay.local import LocalClient
     from dataparallel.control.relay.node import NodeRelay
 
@@ -129,11 +121,7 @@ def shape_worker(
             ch = dp.connect(f"relay://{path}", rank=rank, world_size=n, job="swarm", timeout=300)
             ch.rendezvous()
             ready = time.time()
-            samples = []
-            for _ in range(barriers):
-                t = time.perf_counter()
-                ch.barrier("b")
-                samples.append(time.perf_counter() - t)
+            samples = timed(lambda: ch.barrier("b"), barriers)
             ch.barrier("b")  # nobody leaves while others measure
             results[rank] = {"start": t0, "ready": ready, "barriers": samples}
             ch.close()
@@ -153,11 +141,7 @@ def shape_worker(
 
         barrier()  # every node's ranks have arrived: the job's start-up
         ready = time.time()
-        samples = []
-        for _ in range(barriers):
-            t = time.perf_counter()
-            barrier()
-            samples.append(time.perf_counter() - t)
+        samples = timed(barrier, barriers)
         barrier()  # nobody leaves while others measure
         for i, c in enumerate(clients):
             results[node * per_node + i] = {"start": t0, "ready": ready, "barriers": samples}
@@ -195,6 +179,12 @@ def shape_worker(
         up.close()
 
     threads = [threading.Thread(target=node_main, args=(node,), daemon=True) for node in nodes]
+    _run_released(threads, go, results, errors)
+
+
+def _run_released(threads: list[threading.Thread], go: threading.Event, results: dict, errors: list[str]) -> None:
+    """A worker's threads started, "ready" said, released together at the start time the
+    parent sends (they wait on ``go``), joined, and what they recorded printed as one line."""
     for t in threads:
         t.start()
     print("ready", flush=True)

@@ -26,7 +26,7 @@ from .keyspace import NEXT_RANK, RESERVED_PREFIX, claim_key, peer_key
 from .liveness import _CLOSED as _CLOSED_BEAT
 from .liveness import _HB as _HB_KEY
 from .liveness import _LOST as _LOST_KEY
-from .liveness import Liveness, StoreHeartbeats
+from .liveness import Liveness, ReadUnanswered, StoreHeartbeats
 from .registry import ChannelURL
 from .wire import MAX_WORLD_SIZE, purpose_key
 
@@ -46,12 +46,6 @@ COMMON_OPTIONS = {
     "heartbeat": "seconds between liveness heartbeats (default 1.0)",
     "liveness_timeout": "seconds without a heartbeat before a peer is declared lost (default 10.0)",
 }
-
-
-class ReadUnanswered(ChannelClosed):
-    """A transport's ``_get`` or ``_multi_get`` got no answer within its bound (the store
-    restarting or failing over, a slow link): the core's wait reads again while its time
-    lasts (see :class:`ControlChannel`)."""
 
 
 class ControlChannel(Collectives, abc.ABC):

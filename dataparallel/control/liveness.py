@@ -63,6 +63,13 @@ def heartbeat_key(channel: ControlChannel, rank: int) -> str:
     return channel._scoped(f"{_HB}{rank}")
 
 
+class ReadUnanswered(ChannelClosed):
+    """A transport's ``_get`` or ``_multi_get`` got no answer within its bound (the store
+    restarting or failing over, a slow link): the core's wait reads again while its time
+    lasts (see :class:`~dataparallel.control.channel.ControlChannel`, which names it too).
+    Defined here, below the channel, because the heartbeats read as well."""
+
+
 @dataclass(frozen=True)
 class LostPeer:
     rank: int
@@ -249,8 +256,6 @@ class StoreHeartbeats(Liveness):
         """The first beat and look, while joining: a read the store left unanswered within
         its bound (a busy relay or store) is read again, as long as the channel's timeout
         lasts (what start() waits), as every other wait of the core does."""
-        from .channel import ReadUnanswered  # the channel module imports this one
-
         deadline = time.monotonic() + self._ch.timeout
         while True:
             try:

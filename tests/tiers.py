@@ -76,6 +76,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestMemoryChannel::test_only_control_errors_escape_when_the_coordinator_goes",
     },
     "test_conformance_tcpstore.py": {
+        "TestTCPStoreChannel::test_a_process_whose_connect_failed_exits_with_its_own_status",
         "TestTCPStoreChannel::test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang",
         "TestTCPStoreChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
         "TestTCPStoreChannel::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
@@ -179,6 +180,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_progress_goes_to_a_log_as_one_line_per_epoch",
     },
     "test_loop.py": {
+        "test_a_checkpoint_from_before_positions_were_versioned_resumes_as_it_did",
         "test_a_checkpoint_resumes_at_another_world_size",
         "test_a_model_returning_a_tuple_trains_validates_and_resumes",
         "test_a_stop_signal_checkpoints_at_a_step_and_resuming_ends_as_uninterrupted",

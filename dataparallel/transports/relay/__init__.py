@@ -239,7 +239,6 @@ class RelayedHeartbeats(StoreHeartbeats):
         super().__init__(channel, interval, timeout)
         self._relayed = channel
         self._local = channel._local
-        self._heard: float | None = None  # when the store last answered the relay's read
 
     def _beat(self) -> None:
         self._local.beat()
@@ -252,12 +251,6 @@ class RelayedHeartbeats(StoreHeartbeats):
         # from that read, with its age: the store was last heard from then (the guard fails
         # the channel once that is the liveness timeout ago).
         report, age = unpack(self._relayed._call(LOSS, b""))
-        self._heard = time.monotonic() - struct.unpack("<d", age)[0]
-        return report or None
-
-    def _read_reports(self) -> None:
-        self._heard = None
-        super()._read_reports()
         self._answered()
-        if self._heard is not None:
-            self._last_ok = min(self._last_ok, self._heard)  # when the store itself last answered
+        self._last_ok -= struct.unpack("<d", age)[0]  # when the store itself last answered
+        return report or None

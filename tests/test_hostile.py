@@ -81,6 +81,14 @@ def requests(session: bytes) -> st.SearchStrategy[pb.Request]:
             lambda kv: {"multi_set": pb.MultiSet(items=[pb.KeyValue(key=k, value=v) for k, v in kv])},
             st.lists(st.tuples(keys, st.binary(max_size=256)), max_size=5),
         ),
+        st.builds(
+            lambda items: {
+                "multi_compare_set": pb.MultiCompareSet(
+                    items=[pb.CompareSet(key=k, expected=e, desired=d) for k, e, d in items]
+                )
+            },
+            st.lists(st.tuples(keys, st.binary(max_size=16), st.binary(max_size=256)), max_size=5),
+        ),
         st.builds(lambda k, v: {"append": pb.KeyValue(key=k, value=v)}, keys, st.binary(max_size=2048)),
         st.just({"heartbeat": pb.Empty()}),
         st.builds(lambda r: {"register": pb.Register(rank=r)}, st.integers(0, 2**32 - 1)),

@@ -10,14 +10,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import dataparallel as dp
-from dataparallel.control.relay.node import NodeRelay
-from dataparallel.testing import free_port, run_all
+from dataparallel.control.relay.node import RANKS, NodeRelay
+from dataparallel.testing import close_all, free_port, run_all
+from dataparallel.testing.linearizability import run_workload
+from dataparallel.testing.netproxy import TcpProxy
 
 RANK = textwrap.dedent(
     """
@@ -195,6 +198,121 @@ def test_ranks_behind_relays_read_write_and_meet_as_one_job(nodes):
     assert len(winners) == 1 and sum(out["won"] for out in results) == 1
 
 
+def test_the_store_through_relays_is_linearizable_while_batching(nodes, tmp_path):
+    """Five client processes behind two relays run the linearizability workload (random
+    set, get, check, add, compare_set and delete on three keys): the merged history is
+    linearizable, with the relays sending concurrent sets and compare_sets in batches (over a
+    coordinator, counted there: one request carrying several)."""
+    hosted = getattr(nodes.upstreams[0], "_hosted", None)
+    before = dict(hosted.served()) if hosted else {}
+    urls = [nodes.url(r) for r in range(nodes.nodes * nodes.per_node)]
+    report, history = run_workload(
+        "", tmp_path / "lin", clients=len(urls) - 1, ops=600, min_seconds=0, rank_urls=urls, job=nodes.job
+    )
+    assert report.ok, str(report)
+    writes = sum(op.op in ("set", "compare_set") for op in history)
+    assert writes > 1000, writes
+    if hosted is not None:
+        after = hosted.served()
+        batched = sum(after.get(op, 0) - before.get(op, 0) for op in ("multi_set", "multi_compare_set"))
+        single = sum(after.get(op, 0) - before.get(op, 0) for op in ("set", "compare_set"))
+        print(f"{writes} writes: {single} single requests, {batched} batches")
+        assert batched > 0 and single + batched < writes
+
+
+def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
+    """A node's ranks that join while their relay's request is in flight go upstream together
+    in the next one: with the link to the coordinator stalled while eight ranks of two nodes
+    start joining, each relay holds one compare_set in flight and three waiting, which go as
+    one request once the link flows; the whole join costs fewer requests than the ranks'
+    one by one, and every rank holds its own rank."""
+    port = free_port()
+    host = dp.connect(f"zmq://127.0.0.1:{port}", rank=0, world_size=1, job="host", timeout=30)
+    coordinator = host._hosted
+    assert coordinator is not None
+    proxy = TcpProxy(port)
+    nodes = Nodes(tmp_path, f"zmq://127.0.0.1:{proxy.port}", nodes=2, per_node=4)
+    world = 8
+    joined: dict[int, dp.ControlChannel] = {}
+    try:
+        before = dict(coordinator.served())
+        proxy.stall()
+        threads = [
+            threading.Thread(
+                target=lambda r=r: joined.__setitem__(r, dp.connect(nodes.url(r), rank=r, world_size=world, job="j")),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while any(relay._compare_sets.waiting < 3 for relay in nodes.relays):
+            assert time.monotonic() < deadline, [relay._compare_sets.waiting for relay in nodes.relays]
+            time.sleep(0.01)
+        proxy.resume()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(joined) == list(range(world)) and all(joined[r].rank == r for r in joined)
+        run_all([lambda c=c: c.rendezvous(timeout=30) for c in joined.values()])
+        after = coordinator.served()
+        spent = {op: after.get(op, 0) - before.get(op, 0) for op in after}
+        spent = {op: n for op, n in spent.items() if n and op not in ("heartbeat", "collect")}
+        assert spent.get("multi_compare_set", 0) >= 2, spent  # the waiting three, on each node
+        # One by one: six each (the run pointer, the token, the claim, the heartbeat, the
+        # loss report's check, the process record); here typically 22-25 for the eight.
+        assert sum(spent.values()) < 6 * world, spent
+    finally:
+        proxy.resume()
+        close_all(list(joined.values()))
+        nodes.close()
+        proxy.close()
+        host.close()
+
+
+def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
+    """Six ranks of two nodes wait for a key rank 0 has yet to write (as for the NCCL unique
+    id): at no time does the coordinator hold more than one read of it per relay (one per
+    waiting rank, six, without sharing); every rank gets the value once written. A rank whose
+    wait ends before the read in flight does reads on its own, and returns at its timeout."""
+    nodes = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=4)
+    coordinator = nodes.upstreams[0]._hosted
+    world = 8
+    channels = run_all([lambda r=r: dp.connect(nodes.url(r), rank=r, world_size=world, job="j") for r in range(world)])
+    got: dict[int, bytes | str] = {}
+
+    def read(rank: int, timeout: float) -> None:
+        try:
+            got[rank] = channels[rank].get("unique-id", timeout=timeout)
+        except dp.ControlTimeout:
+            got[rank] = "timeout"
+
+    key = RANKS + channels[1]._scoped("unique-id")  # as the relays read it upstream
+    try:
+        readers = [threading.Thread(target=read, args=(r, 30), daemon=True) for r in range(1, world - 1)]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + 30
+        while [relay._reads.waiting(key) for relay in nodes.relays] != [2, 2]:
+            assert time.monotonic() < deadline, [relay._reads.waiting(key) for relay in nodes.relays]
+            time.sleep(0.01)
+        parked = []
+        for _ in range(150):  # 1.5 s: three of the core's read slices
+            parked.append(coordinator.stats()["parked"])
+            time.sleep(0.01)
+        assert max(parked) == 2, parked
+        start = time.monotonic()
+        read(world - 1, 0.3)  # on node 1, beside three waiting for the read in flight
+        assert got.pop(world - 1) == "timeout" and 0.25 < time.monotonic() - start < 2
+        channels[0].set("unique-id", b"nccl")
+        for t in readers:
+            t.join(timeout=30)
+        assert got == {r: b"nccl" for r in range(1, world - 1)}
+    finally:
+        close_all(channels)
+        nodes.close()
+
+
 def test_a_barrier_crosses_the_network_once_per_node(zmq_nodes):
     """Counted at the coordinator: of the barriers' collects, one per node, not one per rank."""
     nodes = zmq_nodes
@@ -332,7 +450,7 @@ RELAY_HOST = textwrap.dedent(
     """
     import sys, time
     import dataparallel as dp
-    from dataparallel.control.relay.node import NodeRelay
+    from dataparallel.control.relay.node import RANKS, NodeRelay
     up = dp.connect(sys.argv[1], rank=0, world_size=1, job="silenced~nodes", timeout=30)
     relay = NodeRelay(up, sys.argv[2], local_ranks=2, node_rank=0, nodes=1, job="silenced")
     print(relay.path, flush=True)
@@ -442,7 +560,7 @@ RELAY_NODE = textwrap.dedent(
     """
     import sys, time
     import dataparallel as dp
-    from dataparallel.control.relay.node import NodeRelay
+    from dataparallel.control.relay.node import RANKS, NodeRelay
     url, node, nodes, per_node, job, directory = sys.argv[1:7]
     node, nodes, per_node = int(node), int(nodes), int(per_node)
     up = dp.connect(url, rank=node, world_size=nodes, job=job + "~nodes", timeout=30)

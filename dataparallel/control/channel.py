@@ -129,8 +129,8 @@ class ControlChannel(Collectives, abc.ABC):
       last read went unanswered.
 
     *Optional hooks*, each with a default in the core built on the eight: ``_multi_get``,
-    ``_multi_set``, ``_append`` (override to save round trips or to append in one atomic
-    step), ``_claim_rank`` (claim a rank and publish its process: one request on a coordinator),
+    ``_multi_set``, ``_compare_set_many``, ``_append`` (override to save round trips or to
+    append in one atomic step), ``_claim_rank`` (claim a rank and publish its process: one request on a coordinator),
     ``_claimed`` (the rank is held), ``_new_liveness`` (how lost peers are noticed),
     ``_held_state``, and the classmethods ``_check_options``, ``diagnose`` and ``security``;
     the property :attr:`hosts_coordinator`. The collectives ``barrier``, ``broadcast``,
@@ -412,6 +412,13 @@ class ControlChannel(Collectives, abc.ABC):
         (so another rank may see some set and not others); override for one round trip."""
         for key, value in items:
             self._set(key, value)
+
+    def _compare_set_many(self, items: Sequence[tuple[str, bytes, bytes]]) -> list[bytes]:
+        """Each ``(key, expected, desired)`` of ``items`` (non-empty) as its own
+        ``_compare_set``, in order (each on its own, not all or none): what each returned.
+        Default: one ``_compare_set`` each; override for one round trip (a node relay sends
+        its ranks' concurrent compare_sets so)."""
+        return [self._compare_set(key, expected, desired) for key, expected, desired in items]
 
     def _append(self, key: str, value: bytes) -> None:
         """Atomically append ``value`` to the bytes at ``key`` (a missing key counts as

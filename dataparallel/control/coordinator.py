@@ -408,6 +408,15 @@ class Coordinator(Generic[R]):
             return _reply(r.id, pb.FAILED, full)
         return _reply(r.id, value=s.job.space.compare_set(cs.key, cs.expected, cs.desired))
 
+    def _multi_compare_set(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
+        items = list(r.multi_compare_set.items)
+        space = s.job.space
+        size = sum(len(cs.key) + len(cs.desired) for cs in items)
+        full = self._over_budget(s.job, "", size, new_keys=len({cs.key for cs in items if cs.key not in space}))
+        if full:
+            return _reply(r.id, pb.FAILED, full)
+        return _reply(r.id, values=[space.compare_set(cs.key, cs.expected, cs.desired) for cs in items])
+
     def _delete(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         return _reply(r.id, flag=s.job.space.delete(r.delete.key))
 
@@ -776,6 +785,7 @@ class Coordinator(Generic[R]):
         "get": _get,
         "add": _add,
         "compare_set": _compare_set,
+        "multi_compare_set": _multi_compare_set,
         "delete": _delete,
         "multi_get": _multi_get,
         "multi_set": _multi_set,

@@ -403,6 +403,13 @@ class RemoteChannel(ControlChannel, abc.ABC):
         op = pb.CompareSet(key=key, expected=expected, desired=desired)
         return self._short(f"compare_set {key!r}", compare_set=op).value
 
+    def _compare_set_many(self, items: Sequence[tuple[str, bytes, bytes]]) -> list[bytes]:
+        op = pb.MultiCompareSet(items=[pb.CompareSet(key=k, expected=e, desired=d) for k, e, d in items])
+        values = list(self._short(f"compare_set of {len(items)} keys", multi_compare_set=op).values)
+        if len(values) != len(items):
+            raise BadMessage(f"{len(values)} values for {len(items)} compare_sets")
+        return values
+
     def _delete(self, key: str) -> bool:
         return self._short(f"delete {key!r}", delete=pb.Key(key=key)).flag
 

@@ -365,9 +365,13 @@ def run_workload(
     faults: Faults | None = None,
     options: dict[str, Any] | None = None,
     timeout: float = 120.0,
+    rank_urls: Sequence[str] | None = None,
+    job: str | None = None,
 ) -> tuple[Report, list[Operation]]:
     """Run ``clients`` client processes of one job against ``url`` (rank 0, in this process,
-    only hosts and watches), inject ``faults``, then check the merged history."""
+    only hosts and watches), inject ``faults``, then check the merged history.
+    ``rank_urls``: each rank's own URL instead (rank 0's first), as ranks behind node relays
+    have; ``job``: the job's name (default: one of its own)."""
     import os
     import signal
     import subprocess
@@ -382,14 +386,17 @@ def run_workload(
 
     faults = faults or Faults()
     full = with_options(url, **(options or {})) if options else url
-    job = f"lin{os.getpid()}{int(time.monotonic() * 1000) % 100000}"
+    job = job or f"lin{os.getpid()}{int(time.monotonic() * 1000) % 100000}"
+    if rank_urls is not None and len(rank_urls) != clients + 1:
+        raise ValueError(f"{len(rank_urls)} rank URLs for {clients + 1} ranks")
     workdir.mkdir(parents=True, exist_ok=True)
-    host = dp.connect(full, rank=0, world_size=clients + 1, job=job, timeout=60)
+    host = dp.connect(rank_urls[0] if rank_urls else full, rank=0, world_size=clients + 1, job=job, timeout=60)
     proxy, client_url = proxy_in_front(full) if faults.reset_every else (None, full)
     procs: list[subprocess.Popen[str]] = []
     try:
         for c in range(clients):
-            cmd = [sys.executable, "-m", "dataparallel.testing.linearizability", "--url", client_url]
+            own = rank_urls[c + 1] if rank_urls else client_url
+            cmd = [sys.executable, "-m", "dataparallel.testing.linearizability", "--url", own]
             cmd += ["--rank", str(c + 1), "--world-size", str(clients + 1), "--job", job]
             cmd += ["--out", str(workdir / f"client{c}.jsonl"), "--ops", str(ops)]
             cmd += ["--min-seconds", str(min_seconds), "--keys", str(keys), "--seed", str(c)]

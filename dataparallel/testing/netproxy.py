@@ -2,7 +2,9 @@
 records the bytes it carries, and can reset every connection at once (a brief network drop)
 or swallow the server's next reply and then reset (a request applied whose answer was lost),
 or stop answering altogether (:meth:`TcpProxy.blackhole`: connections stay open, and new ones
-are taken, but nothing passes either way, as with a frozen server or a link that went dark)."""
+are taken, but nothing passes either way, as with a frozen server or a link that went dark),
+or hold what it carries for a while and then pass it on in order (:meth:`TcpProxy.stall`, a
+congested link)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class TcpProxy:
         self._holding = threading.Event()
         self._stopped = threading.Event()
         self._dark = threading.Event()
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._hold, self._skip = 0.3, 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -77,6 +81,7 @@ class TcpProxy:
                 with self._lock:
                     if len(self._captured) < 16 << 20:
                         self._captured += data
+                self._flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -117,6 +122,14 @@ class TcpProxy:
         without a reset). Until :meth:`close`."""
         self._dark.set()
 
+    def stall(self) -> None:
+        """Hold every byte from now on, either way, until :meth:`resume` passes them on, in
+        order (connections stay open: a congested link, not a broken one)."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
     def reset_every(self, seconds: float) -> None:
         """Reset every connection each ``seconds`` until :meth:`close`."""
 
@@ -129,6 +142,7 @@ class TcpProxy:
     def close(self) -> None:
         self._closed = True
         self._stopped.set()
+        self._flowing.set()
         self._listener.close()
         self.drop_connections()
 

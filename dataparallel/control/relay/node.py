@@ -29,8 +29,24 @@ each, and through it:
   The relay also reads the run's loss report once a tick for all its ranks and answers each
   rank's read from it, with its age (the rank judges its store by when it last answered).
 
+- **concurrent writes share a request**: the ``_set``, ``_compare_set`` and watch calls
+  that arrive while the relay's last request of their kind is in flight wait for it and go
+  upstream together in the next one (``_multi_set``, ``_compare_set_many``; identical
+  compare_sets, as every rank's token check, as one). Each call is still answered with its
+  own outcome only once that request was answered, and the request is sent after every call
+  it carries arrived, so each call takes effect within its own interval (linearizable, as
+  one by one). A lone call goes at once, as before; the busier the upstream, the larger the
+  batches. Joining is such calls (the run pointer, the token check, the rank's claim, its
+  heartbeat and its process record), so a node's ranks joining together cost a few
+  requests, not a few per rank.
+
+- **reads of one key share a request**: ranks reading a key while the relay's read of it
+  is in flight (a key waited for: the NCCL unique id, a peer's address) are answered by its
+  next read of it, one for all of them, made after every one of them arrived and within
+  the shortest of their waits (a rank whose own wait lasts longer is read for again).
+
 Not yet aggregated (each rank's requests pass through one by one, so they are correct but
-cost what a directly connected rank's cost): joining, broadcast and the gathers.
+cost what a directly connected rank's cost): the other reads, broadcast and the gathers.
 """
 
 from __future__ import annotations
@@ -133,18 +149,142 @@ def upstream_wait(timeout: float) -> float:
     return max(timeout - min(READ_GRACE, timeout / 10), 1e-3)
 
 
+class Batched:
+    """Items of one kind served ``serve(batch)`` by batch: an item that arrives while a batch
+    is being served waits for the next, which holds every item that arrived meanwhile; an
+    item arriving when none is being served starts one at once (on ``pool``). ``serve``
+    answers every item of its batch."""
+
+    def __init__(self, pool: ThreadPoolExecutor, serve: Callable[[list], None]) -> None:
+        self._pool, self._serve = pool, serve
+        self._lock = threading.Lock()
+        self._waiting: list = []
+        self._busy = False
+
+    @property
+    def waiting(self) -> int:
+        """Items waiting for the next batch."""
+        with self._lock:
+            return len(self._waiting)
+
+    def submit(self, item: object) -> None:
+        with self._lock:
+            self._waiting.append(item)
+            if self._busy:
+                return
+            self._busy = True
+        self._pool.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._waiting = self._waiting, []
+                if not batch:
+                    self._busy = False
+                    return
+            self._serve(batch)
+
+
+class SharedReads:
+    """Reads of one key, each ``(call, deadline)``: the first goes upstream at once; those
+    that arrive while a read of the key is in flight wait for the next one, which serves them
+    all, waiting in the store up to the earliest of their deadlines (see the module
+    docstring). A read whose deadline comes before the one in flight ends goes on its own
+    (it would otherwise outwait its own timeout). ``read(key, wait)``: the key's value, or
+    None once ``wait`` passed."""
+
+    def __init__(self, pool: ThreadPoolExecutor, read: Callable[[str, float], bytes | None]) -> None:
+        self._pool, self._read = pool, read
+        self._lock = threading.Lock()
+        # A key being read -> when that read ends at the latest, and the next read's calls.
+        self._reading: dict[str, tuple[float, list[tuple[Call, float]]]] = {}
+
+    def waiting(self, key: str) -> int:
+        """Reads of ``key`` waiting for its next read."""
+        with self._lock:
+            return len(self._reading.get(key, (0.0, []))[1])
+
+    def submit(self, call: Call, key: str, deadline: float) -> None:
+        with self._lock:
+            reading = self._reading.get(key)
+            if reading is None:
+                self._reading[key] = (deadline, [(call, deadline)])
+            elif deadline >= reading[0]:
+                reading[1].append((call, deadline))
+                return
+        if reading is None:
+            self._pool.submit(self._drain, key)
+        else:
+            self._pool.submit(self._alone, key, call, deadline)
+
+    def _alone(self, key: str, call: Call, deadline: float) -> None:
+        again = [(call, deadline)]
+        while again:
+            again = self._serve(key, again)
+
+    def _drain(self, key: str) -> None:
+        while True:
+            with self._lock:
+                batch = self._reading[key][1]
+                if not batch:
+                    del self._reading[key]
+                    return
+                self._reading[key] = (min(deadline for _, deadline in batch), [])
+            again = self._serve(key, batch)
+            with self._lock:
+                self._reading[key][1][:0] = again
+
+    def _serve(self, key: str, batch: list[tuple[Call, float]]) -> list[tuple[Call, float]]:
+        """One read for ``batch``: its calls answered, but those whose own wait goes on after
+        the read found nothing (returned)."""
+        calls = [call for call, _ in batch]
+        wait = max(min(deadline for _, deadline in batch) - time.monotonic(), 1e-3)
+        try:
+            value = self._read(key, wait)
+        except Exception as err:
+            _fail_all(calls, f"a read of {key!r}", err)
+            return []
+        if value is not None:
+            for call in calls:
+                call.reply(pack(value))
+            return []
+        now, again = time.monotonic(), []
+        for call, deadline in batch:
+            if deadline - now > 1e-3:
+                again.append((call, deadline))
+            else:
+                call.reply(pack())
+        return again
+
+
+def _fail_all(calls: list[Call], what: str, err: Exception) -> None:
+    """Fail ``calls`` with ``err``: a ControlError (or a ValueError: ``_add`` on a value that
+    is no number) as itself; anything else is a transport's bug: logged, each call told, and
+    the relay goes on."""
+    if not isinstance(err, (ControlError, ValueError)):
+        log.error("relay: %s failed", what, exc_info=err)
+        err = ControlError(f"relay: {type(err).__name__}: {err}")
+    for call in calls:
+        call.fail(err)
+
+
+def _answer_all(calls: list[Call], what: str, work: Callable[[], list[bytes]]) -> None:
+    """Answer ``calls`` with what ``work()`` returns, one reply each, or every one with its
+    error (:func:`_fail_all`)."""
+    try:
+        replies = work()
+    except Exception as err:
+        _fail_all(calls, what, err)
+    else:
+        for call, reply in zip(calls, replies, strict=True):
+            call.reply(reply)
+
+
 def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
-    """One pass-through operation on ``up``'s hooks, its answer framed."""
-    if op == SET:
-        up._set(_text(f[0]), f[1])
-        return b""
-    if op == GET:
-        value = up._get(_text(f[0]), upstream_wait(_float(f[1])))
-        return pack() if value is None else pack(value)
+    """One pass-through operation on ``up``'s hooks, its answer framed (sets,
+    compare_sets and gets are served in batches: :class:`NodeRelay`)."""
     if op == ADD:
         return struct.pack("<q", up._add(_text(f[0]), _int(f[1])))
-    if op == COMPARE_SET:
-        return up._compare_set(_text(f[0]), f[1], f[2])
     if op == DELETE:
         return b"\x01" if up._delete(_text(f[0])) else b"\x00"
     if op == CHECK:
@@ -213,6 +353,11 @@ class NodeRelay:
         self._reports: dict[str, tuple[bytes, float]] = {}
         self._started = time.monotonic()
         self._stopping = threading.Event()
+        # The ranks' concurrent writes and watches, a request per batch (module docstring).
+        self._sets = Batched(self._pool, self._serve_sets)
+        self._compare_sets = Batched(self._pool, self._serve_compare_sets)
+        self._watches = Batched(self._pool, self._serve_watches)
+        self._reads = SharedReads(self._pool, upstream._get)
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
             directory,
@@ -245,15 +390,23 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ serving
     def _handle(self, call: Call) -> None:
-        if call.op == WATCH:
+        if call.op in (WATCH, SET, COMPARE_SET, GET):
             try:
                 fields = unpack(call.payload)
-                interval, timeout = struct.unpack("<dd", fields[2])
-                watched = Watched(_text(fields[0]), _text(fields[1]), interval, timeout)
-            except (BadMessage, IndexError, struct.error) as err:
-                call.fail(BadMessage(f"relay: a bad watch request ({err})"))
-                return
-            self._pool.submit(self._watch, call, watched)
+                if call.op == GET:
+                    key, timeout = fields
+                    self._reads.submit(call, _text(key), time.monotonic() + upstream_wait(_float(timeout)))
+                elif call.op == WATCH:
+                    interval, timeout = struct.unpack("<dd", fields[2])
+                    self._watches.submit((call, Watched(_text(fields[0]), _text(fields[1]), interval, timeout)))
+                elif call.op == SET:
+                    key, value = fields
+                    self._sets.submit((call, _text(key), value))
+                else:
+                    key, expected, desired = fields
+                    self._compare_sets.submit((call, (_text(key), expected, desired)))
+            except (BadMessage, ValueError, struct.error) as err:  # ValueError: too few or many fields
+                call.fail(BadMessage(f"relay: a bad request ({err})"))
             return
         if call.op == UNWATCH:
             self._pool.submit(self._unwatch, call)
@@ -263,19 +416,59 @@ class NodeRelay:
             return
         self._pool.submit(self._serve, call)
 
-    def _watch(self, call: Call, watched: Watched) -> None:
-        """A rank joined: beat for it at once (a process claiming its rank meanwhile sees it
-        alive), then on every tick."""
-        with self._beating:
-            try:
-                self.upstream._set(watched.heartbeat_key, self._beat_value())
-                self._read_report(watched.loss_key)
-            except ControlError as err:
-                call.fail(err)
-                return
-            with self._watch_lock:
-                self._watched[call.rank] = watched
-        call.reply(b"")
+    def _serve_watches(self, batch: list[tuple[Call, Watched]]) -> None:
+        """Ranks joined: beat for them at once (a process claiming one of their ranks
+        meanwhile sees it alive), in one request, then on every tick; their run's loss report
+        read once, unless a rank of the same run read it already."""
+        calls = [call for call, _ in batch]
+
+        def watch() -> list[bytes]:
+            with self._beating:
+                beats = [(w.heartbeat_key, self._beat_value()) for _, w in batch]
+                if len(beats) == 1:
+                    self.upstream._set(*beats[0])
+                else:
+                    self.upstream._multi_set(beats)
+                for key in {w.loss_key for _, w in batch}:
+                    if key not in self._reports:
+                        self._read_report(key)
+                with self._watch_lock:
+                    for call, watched in batch:
+                        self._watched[call.rank] = watched
+            return [b""] * len(batch)
+
+        _answer_all(calls, "watching joined ranks", watch)
+
+    def _serve_sets(self, batch: list[tuple[Call, str, bytes]]) -> None:
+        """One ``_set``, or for several one ``_multi_set`` (a key set twice: the later value,
+        as the two sets one after the other would leave it)."""
+        calls = [call for call, _, _ in batch]
+        items = list({key: value for _, key, value in batch}.items())
+
+        def write() -> list[bytes]:
+            if len(items) == 1:
+                self.upstream._set(*items[0])
+            else:
+                self.upstream._multi_set(items)
+            return [b""] * len(batch)
+
+        _answer_all(calls, f"{len(batch)} set(s)", write)
+
+    def _serve_compare_sets(self, batch: list[tuple[Call, tuple[str, bytes, bytes]]]) -> None:
+        """One ``_compare_set``, or for several one ``_compare_set_many`` in arrival order;
+        identical ones go once and share the answer (the second, right after the first, would
+        return what the first did)."""
+        calls = [call for call, _ in batch]
+        distinct = list(dict.fromkeys(item for _, item in batch))
+
+        def swap() -> list[bytes]:
+            if len(distinct) == 1:
+                results = {distinct[0]: self.upstream._compare_set(*distinct[0])}
+            else:
+                results = dict(zip(distinct, self.upstream._compare_set_many(distinct), strict=True))
+            return [results[item] for _, item in batch]
+
+        _answer_all(calls, f"{len(batch)} compare_set(s)", swap)
 
     def _unwatch(self, call: Call) -> None:
         """A rank leaves cleanly: no more beats for it, none still being written (its own
@@ -300,15 +493,8 @@ class NodeRelay:
         return b"%d" % self._ticks
 
     def _serve(self, call: Call) -> None:
-        try:
-            reply = _serve_op(self.upstream, call.op, unpack(call.payload))
-        except (ControlError, ValueError) as err:  # ValueError: _add on a value that is no number
-            call.fail(err)
-        except Exception as err:  # a transport's bug: the rank gets an error, the relay goes on
-            log.exception("relay: operation %d of rank %d failed", call.op, self.first_rank + call.rank)
-            call.fail(ControlError(f"relay: {type(err).__name__}: {err}"))
-        else:
-            call.reply(reply)
+        what = f"operation {call.op} of rank {self.first_rank + call.rank}"
+        _answer_all([call], what, lambda: [_serve_op(self.upstream, call.op, unpack(call.payload))])
 
     def _barrier(self, generation: int, name: bytes | None, timeout: float) -> None:
         if name is None:

@@ -357,6 +357,23 @@ class PrimitiveTests(ChannelHarness):
             where = f"threads ({len(channels)} ranks x {threads_per_rank} threads)"
         _check_claims(contenders, "claim/", rounds, where)
 
+    def test_compare_set_many_applies_each_on_its_own_in_order(self, open_ranks: OpenRanks) -> None:
+        """The ``_compare_set_many`` hook (what a node relay sends its ranks' concurrent
+        compare_sets through) returns what each compare_set, applied one after the other,
+        would: a failed one does not stop the next, and a later item sees an earlier one's
+        write; a get waiting for one of its keys is released."""
+        a, b = open_ranks(2)
+        key = a._scoped
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(b.get, "many/3", 20)
+            time.sleep(0.2)
+            items = [("many/1", b"", b"a"), ("many/1", b"", b"b"), ("many/2", b"x", b"y"), ("many/1", b"a", b"c")]
+            items.append(("many/3", b"", b"z"))
+            got = a._compare_set_many([(key(k), e, d) for k, e, d in items])
+            assert got == [b"a", b"a", b"x", b"c", b"z"]
+            assert waiting.result(timeout=10) == b"z"
+        assert b.get("many/1", timeout=5) == b"c" and not b.check(["many/2"])
+
     def test_compare_set_releases_a_waiting_get(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         with ThreadPoolExecutor(1) as pool:

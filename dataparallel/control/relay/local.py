@@ -70,8 +70,9 @@ log = logging.getLogger(__name__)
 
 #: Version of the local leg's layout and hello; a rank and a relay of another version refuse
 #: each other at the hello.
-LOCAL_PROTOCOL = 4  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
-#: 4: a rank registers its heartbeat key and liveness too (the relay beats for it)
+LOCAL_PROTOCOL = 5  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
+#: 4: a rank registers its heartbeat key and liveness too (the relay beats for it); 5: and
+#: its process record (written with its first beat)
 
 #: Slot header: request seq, reply seq, op, request length, status, reply length.
 _HEADER = struct.Struct("<QQIIiI")

@@ -76,8 +76,8 @@ RANKS = "ranks/"
 #: The pass-through operations' numbers on the local leg.
 SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEND = range(1, 11)
 #: A rank's registration of where its loss is reported (its run's loss key), its heartbeat
-#: key and its liveness (interval and timeout), and its withdrawal when it closes (a clean
-#: departure is no loss).
+#: key, its process record's key, its liveness (interval and timeout) and that record; and
+#: its withdrawal when it closes (a clean departure is no loss).
 WATCH, UNWATCH = 11, 12
 #: A watched rank's read of its run's loss report, answered from the relay's read of it
 #: (once a tick for the node) with that read's age: the rank judges its store by it.
@@ -90,12 +90,14 @@ NODE_RANKS = "node-ranks/"
 @dataclass(frozen=True)
 class Watched:
     """A joined local rank the relay speaks for: where its run reads losses, its heartbeat
-    key (both in the upstream's key space), and its liveness."""
+    key (both in the upstream's key space), and its liveness; and, written with its first
+    beat, its process record (key and value)."""
 
     loss_key: str
     heartbeat_key: str
     interval: float
     timeout: float
+    peer: tuple[str, bytes]
 
 
 def pack(*fields: bytes) -> bytes:
@@ -397,8 +399,10 @@ class NodeRelay:
                     key, timeout = fields
                     self._reads.submit(call, _text(key), time.monotonic() + upstream_wait(_float(timeout)))
                 elif call.op == WATCH:
-                    interval, timeout = struct.unpack("<dd", fields[2])
-                    self._watches.submit((call, Watched(_text(fields[0]), _text(fields[1]), interval, timeout)))
+                    loss, beat, peer, liveness, record = fields
+                    interval, timeout = struct.unpack("<dd", liveness)
+                    watched = Watched(_text(loss), _text(beat), interval, timeout, (_text(peer), record))
+                    self._watches.submit((call, watched))
                 elif call.op == SET:
                     key, value = fields
                     self._sets.submit((call, _text(key), value))
@@ -418,17 +422,15 @@ class NodeRelay:
 
     def _serve_watches(self, batch: list[tuple[Call, Watched]]) -> None:
         """Ranks joined: beat for them at once (a process claiming one of their ranks
-        meanwhile sees it alive), in one request, then on every tick; their run's loss report
-        read once, unless a rank of the same run read it already."""
+        meanwhile sees it alive), with their process records, in one request, then on every
+        tick; their run's loss report read once, unless a rank of the same run read it
+        already."""
         calls = [call for call, _ in batch]
 
         def watch() -> list[bytes]:
             with self._beating:
-                beats = [(w.heartbeat_key, self._beat_value()) for _, w in batch]
-                if len(beats) == 1:
-                    self.upstream._set(*beats[0])
-                else:
-                    self.upstream._multi_set(beats)
+                value = self._beat_value()
+                self.upstream._multi_set([item for _, w in batch for item in ((w.heartbeat_key, value), w.peer)])
                 for key in {w.loss_key for _, w in batch}:
                     if key not in self._reports:
                         self._read_report(key)

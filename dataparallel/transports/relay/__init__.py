@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.collectives import Needs
+from dataparallel.control.keyspace import claim_key, peer_key
 from dataparallel.control.liveness import StoreHeartbeats, heartbeat_key, loss_key
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.relay.local import LocalClient, NoReply
@@ -152,14 +153,26 @@ class RelayedChannel(ControlChannel):
     def _append(self, key: str, value: bytes) -> None:
         self._call(APPEND, pack(_key(key), value))
 
-    def _claimed(self) -> None:
+    def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
+        # As the core's, but the rank's process record travels with its watch (one request).
+        assert rank is not None  # given by the launcher (checked at construction)
+        owner = self._compare_set(self._scoped(claim_key(rank)), b"", claimant)
+        if owner != claimant:
+            return None, owner
+        self.rank = rank
+        self._watch(self._scoped(peer_key(rank)), peer)
+        return rank, b""
+
+    def _watch(self, peer_key: str, peer: bytes) -> None:
         # The relay speaks for this rank's liveness: told where this run's losses are
         # reported and where it beats, it beats upstream for it while it beats in shared
         # memory, and reports its loss (its process ended: at once; its beats stopped: after
-        # the liveness timeout).
-        assert self.rank is not None  # given by the launcher (checked at construction)
+        # the liveness timeout). It writes the rank's first beat and its process record
+        # together.
+        assert self.rank is not None
         liveness = struct.pack("<dd", self.heartbeat_interval, self.liveness_timeout)
-        self._call(WATCH, pack(_key(loss_key(self)), _key(heartbeat_key(self, self.rank)), liveness))
+        keys = (loss_key(self), heartbeat_key(self, self.rank), peer_key)
+        self._call(WATCH, pack(*(_key(k) for k in keys), liveness, peer))
         self._watched = True
 
     def _new_liveness(self) -> StoreHeartbeats:

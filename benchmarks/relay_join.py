@@ -78,7 +78,9 @@ def measure(kind: str, nodes: int, per_node: int) -> dict:
     coordinator = host._hosted
     assert coordinator is not None, "the coordinator is hosted in this process"
     scratch = tempfile.mkdtemp(prefix="dp-join-")
-    ups = run_all([lambda i=i: dp.connect(url, rank=i, world_size=nodes, job="r~nodes", timeout=60) for i in range(nodes)])
+    ups = run_all(
+        [lambda i=i: dp.connect(url, rank=i, world_size=nodes, job="r~nodes", timeout=60) for i in range(nodes)]
+    )
     relays = [
         NodeRelay(up, os.path.join(scratch, str(i)), local_ranks=per_node, node_rank=i, nodes=nodes, job="r")
         for i, up in enumerate(ups)
@@ -87,15 +89,15 @@ def measure(kind: str, nodes: int, per_node: int) -> dict:
     direct: list = []
     try:
         before = coordinator.served()
+        paths = [relays[r // per_node].path for r in range(n)]
         ranks, relayed_s = _released(
-            [
-                lambda r=r: dp.connect(f"relay://{relays[r // per_node].path}", rank=r, world_size=n, job="r", timeout=60)
-                for r in range(n)
-            ]
+            [lambda r=r: dp.connect(f"relay://{paths[r]}", rank=r, world_size=n, job="r", timeout=60) for r in range(n)]
         )
         relayed = _spent(before, coordinator.served())
         before = coordinator.served()
-        direct, direct_s = _released([lambda r=r: dp.connect(url, rank=r, world_size=n, job="d", timeout=60) for r in range(n)])
+        direct, direct_s = _released(
+            [lambda r=r: dp.connect(url, rank=r, world_size=n, job="d", timeout=60) for r in range(n)]
+        )
         straight = _spent(before, coordinator.served())
     finally:
         close_all([c for c in ranks + direct if c is not None])

@@ -201,8 +201,8 @@ def test_ranks_behind_relays_read_write_and_meet_as_one_job(nodes):
 def test_the_store_through_relays_is_linearizable_while_batching(nodes, tmp_path):
     """Five client processes behind two relays run the linearizability workload (random
     set, get, check, add, compare_set and delete on three keys): the merged history is
-    linearizable, with the relays sending concurrent sets and compare_sets in batches (over a
-    coordinator, counted there: one request carrying several)."""
+    linearizable, with the relays sending concurrent sets, adds and compare_sets in batches
+    (over a coordinator, counted there: fewer requests than writes)."""
     hosted = getattr(nodes.upstreams[0], "_hosted", None)
     before = dict(hosted.served()) if hosted else {}
     urls = [nodes.url(r) for r in range(nodes.nodes * nodes.per_node)]
@@ -210,14 +210,13 @@ def test_the_store_through_relays_is_linearizable_while_batching(nodes, tmp_path
         "", tmp_path / "lin", clients=len(urls) - 1, ops=600, min_seconds=0, rank_urls=urls, job=nodes.job
     )
     assert report.ok, str(report)
-    writes = sum(op.op in ("set", "compare_set") for op in history)
-    assert writes > 1000, writes
+    writes = sum(op.op in ("set", "add", "compare_set") for op in history)
+    assert writes > 1500, writes
     if hosted is not None:
         after = hosted.served()
         batched = sum(after.get(op, 0) - before.get(op, 0) for op in ("multi_set", "multi_compare_set"))
-        single = sum(after.get(op, 0) - before.get(op, 0) for op in ("set", "compare_set"))
-        print(f"{writes} writes: {single} single requests, {batched} batches")
-        assert batched > 0 and single + batched < writes
+        single = sum(after.get(op, 0) - before.get(op, 0) for op in ("set", "add", "compare_set"))
+        assert batched > 0 and single + batched < writes, (writes, single, batched)
 
 
 def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
@@ -225,7 +224,7 @@ def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
     in the next one: with the link to the coordinator stalled while eight ranks of two nodes
     start joining, each relay holds one compare_set in flight and three waiting, which go as
     one request once the link flows; the whole join costs fewer requests than the ranks'
-    one by one, and every rank holds its own rank."""
+    one by one, and every rank holds its own rank. Adds to one key, the same way."""
     port = free_port()
     host = dp.connect(f"zmq://127.0.0.1:{port}", rank=0, world_size=1, job="host", timeout=30)
     coordinator = host._hosted
@@ -262,6 +261,26 @@ def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
         # One by one: six each (the run pointer, the token, the claim, the heartbeat, the
         # loss report's check, the process record); here typically 22-25 for the eight.
         assert sum(spent.values()) < 6 * world, spent
+
+        # Adds to one key, likewise: each relay's three waiting adds go as one add of their
+        # sum, and each rank is answered with its own running total.
+        before = dict(coordinator.served())
+        proxy.stall()
+        totals: dict[int, int] = {}
+        adders = [
+            threading.Thread(target=lambda r=r: totals.__setitem__(r, joined[r].add("count", 1)), daemon=True)
+            for r in range(world)
+        ]
+        for t in adders:
+            t.start()
+        while any(relay._adds.waiting < 3 for relay in nodes.relays):
+            assert time.monotonic() < deadline + 30, [relay._adds.waiting for relay in nodes.relays]
+            time.sleep(0.01)
+        proxy.resume()
+        for t in adders:
+            t.join(timeout=60)
+        assert sorted(totals.values()) == list(range(1, world + 1)), totals
+        assert coordinator.served()["add"] - before.get("add", 0) == 4
     finally:
         proxy.resume()
         close_all(list(joined.values()))

@@ -29,9 +29,10 @@ each, and through it:
   The relay also reads the run's loss report once a tick for all its ranks and answers each
   rank's read from it, with its age (the rank judges its store by when it last answered).
 
-- **concurrent writes share a request**: the ``_set``, ``_compare_set`` and watch calls
-  that arrive while the relay's last request of their kind is in flight wait for it and go
-  upstream together in the next one (``_multi_set``, ``_compare_set_many``; identical
+- **concurrent writes share a request**: the ``_set``, ``_add``, ``_compare_set`` and watch
+  calls that arrive while the relay's last request of their kind is in flight wait for it
+  and go upstream together in the next one (``_multi_set``; one ``_add`` of their sum per
+  key, each answered with its own running total; ``_compare_set_many``, identical
   compare_sets, as every rank's token check, as one). Each call is still answered with its
   own outcome only once that request was answered, and the request is sent after every call
   it carries arrived, so each call takes effect within its own interval (linearizable, as
@@ -51,6 +52,7 @@ cost what a directly connected rank's cost): the other reads, broadcast and the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -284,9 +286,7 @@ def _answer_all(calls: list[Call], what: str, work: Callable[[], list[bytes]]) -
 
 def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
     """One pass-through operation on ``up``'s hooks, its answer framed (sets,
-    compare_sets and gets are served in batches: :class:`NodeRelay`)."""
-    if op == ADD:
-        return struct.pack("<q", up._add(_text(f[0]), _int(f[1])))
+    adds, compare_sets and gets are served in batches: :class:`NodeRelay`)."""
     if op == DELETE:
         return b"\x01" if up._delete(_text(f[0])) else b"\x00"
     if op == CHECK:
@@ -358,6 +358,7 @@ class NodeRelay:
         # The ranks' concurrent writes and watches, a request per batch (module docstring).
         self._sets = Batched(self._pool, self._serve_sets)
         self._compare_sets = Batched(self._pool, self._serve_compare_sets)
+        self._adds = Batched(self._pool, self._serve_adds)
         self._watches = Batched(self._pool, self._serve_watches)
         self._reads = SharedReads(self._pool, upstream._get)
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
@@ -392,10 +393,13 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ serving
     def _handle(self, call: Call) -> None:
-        if call.op in (WATCH, SET, COMPARE_SET, GET):
+        if call.op in (WATCH, SET, COMPARE_SET, GET, ADD):
             try:
                 fields = unpack(call.payload)
-                if call.op == GET:
+                if call.op == ADD:
+                    key, amount = fields
+                    self._adds.submit((call, _text(key), _int(amount)))
+                elif call.op == GET:
                     key, timeout = fields
                     self._reads.submit(call, _text(key), time.monotonic() + upstream_wait(_float(timeout)))
                 elif call.op == WATCH:
@@ -455,6 +459,29 @@ class NodeRelay:
             return [b""] * len(batch)
 
         _answer_all(calls, f"{len(batch)} set(s)", write)
+
+    def _serve_adds(self, batch: list[tuple[Call, str, int]]) -> None:
+        """One ``_add`` per key of the batch, of its adds' sum, each add answered with the
+        total it would have left applied one after the other in arrival order (the sum's
+        result less the amounts after it). Adds of both signs to one key go one by one:
+        their running totals need not stay between the first and the last, so one of them
+        could pass the int64 range where their sum does not."""
+        by_key: dict[str, list[tuple[Call, int]]] = {}
+        for call, key, amount in batch:
+            by_key.setdefault(key, []).append((call, amount))
+        for key, adds in by_key.items():
+            mixed = min(a for _, a in adds) < 0 < max(a for _, a in adds)
+            for group in [[add] for add in adds] if mixed else [adds]:
+                what = f"{len(group)} add(s) to {key!r}"
+                _answer_all([call for call, _ in group], what, functools.partial(self._add_together, key, group))
+
+    def _add_together(self, key: str, adds: list[tuple[Call, int]]) -> list[bytes]:
+        total = sum(amount for _, amount in adds)
+        running, out = self.upstream._add(key, total) - total, []
+        for _, amount in adds:
+            running += amount
+            out.append(struct.pack("<q", running))
+        return out
 
     def _serve_compare_sets(self, batch: list[tuple[Call, tuple[str, bytes, bytes]]]) -> None:
         """One ``_compare_set``, or for several one ``_compare_set_many`` in arrival order;

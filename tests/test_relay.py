@@ -332,6 +332,34 @@ def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
         nodes.close()
 
 
+def test_a_gather_through_relays_reads_all_its_values_together(tmp_path):
+    """An all_gather and a gather of eight ranks behind two relays: every rank reads the
+    values it waits for in one multi_get a slice, which the node's ranks share, not a get
+    per value as before; the results, and a broadcast's, are every rank's."""
+    nodes = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=4)
+    coordinator = nodes.upstreams[0]._hosted
+    world = 8
+    channels = run_all([lambda r=r: dp.connect(nodes.url(r), rank=r, world_size=world, job="j") for r in range(world)])
+    try:
+        run_all([lambda c=c: c.rendezvous(timeout=30) for c in channels])
+        before = dict(coordinator.served())
+        everyone = [b"%d" % r for r in range(world)]
+        gathered = run_all([lambda c=c: c.all_gather("ag", b"%d" % c.rank, timeout=30) for c in channels])
+        assert gathered == [everyone] * world
+        gathered = run_all([lambda c=c: c.gather("g", b"%d" % c.rank, dst=5, timeout=30) for c in channels])
+        assert gathered == [None] * 5 + [everyone] + [None] * 2
+        after = coordinator.served()
+        spent = {op: after.get(op, 0) - before.get(op, 0) for op in after}
+        assert spent.get("get", 0) == 0 and spent.get("multi_get", 0) >= 1, spent
+        sent = run_all(
+            [lambda c=c: c.broadcast("b", b"x" if c.rank == 3 else None, src=3, timeout=30) for c in channels]
+        )
+        assert sent == [b"x"] * world
+    finally:
+        close_all(channels)
+        nodes.close()
+
+
 def test_a_barrier_crosses_the_network_once_per_node(zmq_nodes):
     """Counted at the coordinator: of the barriers' collects, one per node, not one per rank."""
     nodes = zmq_nodes

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,15 @@ class Collectives:
         def _await(
             self, key: str, timeout: float | None, what: str, hint: Any = None, needs: Needs | None = None
         ) -> bytes: ...
+        def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None: ...
+        def _await_with(
+            self,
+            fetch: Callable[[float], list[bytes] | None],
+            timeout: float | None,
+            what: str,
+            hint: Any = None,
+            needs: Needs | None = None,
+        ) -> list[bytes]: ...
 
     def rendezvous(self, timeout: float | None = None) -> None:
         """Block until all ``world_size`` ranks have connected.
@@ -161,16 +170,12 @@ class Collectives:
         if self.rank != dst:
             self._set(f"{base}/{self.rank}", _value(value))
             return None
-        out = []
-        for rank in range(self.world_size):
-            if rank == dst:
-                out.append(_value(value))
-                continue
-            what = f"gather {name!r}: value of rank {rank}"
-            needs = Needs("gather", name, seq, (rank,), f"gather {name!r} round {seq}")
-            out.append(self._await(f"{base}/{rank}", timeout, what, needs=needs))
+        others = [rank for rank in range(self.world_size) if rank != dst]
+        got = self._await_values(base, others, "gather", name, seq, timeout) if others else []
+        for rank in others:
             self._delete(f"{base}/{rank}")
-        return out
+        got.insert(dst, _value(value))
+        return got
 
     def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
@@ -178,20 +183,35 @@ class Collectives:
         seq = self._next_seq("allgather", name)
         base = self._scoped(f"{_C}allgather/{name}/{seq}")
         self._set(f"{base}/{self.rank}", _value(value))
-        out = [
-            self._await(
-                f"{base}/{rank}",
-                timeout,
-                f"all_gather {name!r}: value of rank {rank}",
-                needs=Needs("allgather", name, seq, (rank,), f"all_gather {name!r} round {seq}"),
-            )
-            for rank in range(self.world_size)
-        ]
+        out = self._await_values(base, range(self.world_size), "allgather", name, seq, timeout)
         if self._add(f"{base}/read", 1) == self.world_size:
             for rank in range(self.world_size):
                 self._delete(f"{base}/{rank}")
             self._delete(f"{base}/read")
         return out
+
+    def _await_values(
+        self, base: str, ranks: Sequence[int], kind: str, name: str, seq: int, timeout: float | None
+    ) -> list[bytes]:
+        """The values ``ranks`` wrote under ``base`` for round ``seq`` of a gather, read
+        together (one ``_multi_get`` a slice, so a transport or node relay that reads many
+        keys in one request does), waiting for the missing ones; on timeout, the message
+        names them."""
+        keys = [f"{base}/{rank}" for rank in ranks]
+        shown = "all_gather" if kind == "allgather" else kind
+        what = f"{shown} {name!r} round {seq}"
+
+        def missing() -> str:
+            try:
+                absent = [rank for rank, key in zip(ranks, keys, strict=True) if not self._check([key])]
+            except ControlError:
+                return ""
+            listed = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+            return f"no value yet from rank(s) {listed}" if absent else ""
+
+        return self._await_with(
+            lambda slice_: self._multi_get(keys, slice_), timeout, what, missing, Needs(kind, name, seq, ranks, what)
+        )
 
     # ------------------------------------------------------------------ departures
     def _depart(self) -> None:

@@ -41,13 +41,16 @@ each, and through it:
   heartbeat and its process record), so a node's ranks joining together cost a few
   requests, not a few per rank.
 
-- **reads of one key share a request**: ranks reading a key while the relay's read of it
-  is in flight (a key waited for: the NCCL unique id, a peer's address) are answered by its
-  next read of it, one for all of them, made after every one of them arrived and within
-  the shortest of their waits (a rank whose own wait lasts longer is read for again).
+- **reads of one key share a request**: ranks reading a key (or the same keys in one
+  ``_multi_get``) while the relay's read of it is in flight (a key waited for: the NCCL
+  unique id, a peer's address, a gather's values) are answered by its next read of it, one
+  for all of them, made after every one of them arrived and within the shortest of their
+  waits (a rank whose own wait lasts longer is read for again). So a node's broadcast and
+  all_gather (the core's, on keys) cost a few requests per node, not per rank.
 
 Not yet aggregated (each rank's requests pass through one by one, so they are correct but
-cost what a directly connected rank's cost): the other reads, broadcast and the gathers.
+cost what a directly connected rank's cost): the other reads (``_check``, ``_num_keys``),
+deletes and appends.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ...errors import BadMessage, ControlError, PeerLost
 from ..liveness import loss_report
@@ -71,6 +74,9 @@ if TYPE_CHECKING:
     from ..channel import ControlChannel
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")  # what a shared read reads: a key, or a tuple of keys
+V = TypeVar("V")  # what it finds
 
 #: Where the ranks' keys live in the relays' channel.
 RANKS = "ranks/"
@@ -189,26 +195,29 @@ class Batched:
             self._serve(batch)
 
 
-class SharedReads:
-    """Reads of one key, each ``(call, deadline)``: the first goes upstream at once; those
-    that arrive while a read of the key is in flight wait for the next one, which serves them
-    all, waiting in the store up to the earliest of their deadlines (see the module
-    docstring). A read whose deadline comes before the one in flight ends goes on its own
-    (it would otherwise outwait its own timeout). ``read(key, wait)``: the key's value, or
-    None once ``wait`` passed."""
+class SharedReads(Generic[K, V]):
+    """Reads of one key (or one list of keys), each ``(call, deadline)``: the first goes
+    upstream at once; those that arrive while a read of the key is in flight wait for the
+    next one, which serves them all, waiting in the store up to the earliest of their
+    deadlines (see the module docstring). A read whose deadline comes before the one in
+    flight ends goes on its own (it would otherwise outwait its own timeout).
+    ``read(key, wait)``: what was found, or None once ``wait`` passed; ``answer(found)``:
+    the reply to each call (``pack()`` when nothing was found)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, read: Callable[[str, float], bytes | None]) -> None:
-        self._pool, self._read = pool, read
+    def __init__(
+        self, pool: ThreadPoolExecutor, read: Callable[[K, float], V | None], answer: Callable[[V], bytes]
+    ) -> None:
+        self._pool, self._read, self._answer = pool, read, answer
         self._lock = threading.Lock()
         # A key being read -> when that read ends at the latest, and the next read's calls.
-        self._reading: dict[str, tuple[float, list[tuple[Call, float]]]] = {}
+        self._reading: dict[K, tuple[float, list[tuple[Call, float]]]] = {}
 
-    def waiting(self, key: str) -> int:
+    def waiting(self, key: K) -> int:
         """Reads of ``key`` waiting for its next read."""
         with self._lock:
             return len(self._reading.get(key, (0.0, []))[1])
 
-    def submit(self, call: Call, key: str, deadline: float) -> None:
+    def submit(self, call: Call, key: K, deadline: float) -> None:
         with self._lock:
             reading = self._reading.get(key)
             if reading is None:
@@ -221,12 +230,12 @@ class SharedReads:
         else:
             self._pool.submit(self._alone, key, call, deadline)
 
-    def _alone(self, key: str, call: Call, deadline: float) -> None:
+    def _alone(self, key: K, call: Call, deadline: float) -> None:
         again = [(call, deadline)]
         while again:
             again = self._serve(key, again)
 
-    def _drain(self, key: str) -> None:
+    def _drain(self, key: K) -> None:
         while True:
             with self._lock:
                 batch = self._reading[key][1]
@@ -238,7 +247,7 @@ class SharedReads:
             with self._lock:
                 self._reading[key][1][:0] = again
 
-    def _serve(self, key: str, batch: list[tuple[Call, float]]) -> list[tuple[Call, float]]:
+    def _serve(self, key: K, batch: list[tuple[Call, float]]) -> list[tuple[Call, float]]:
         """One read for ``batch``: its calls answered, but those whose own wait goes on after
         the read found nothing (returned)."""
         calls = [call for call, _ in batch]
@@ -249,8 +258,9 @@ class SharedReads:
             _fail_all(calls, f"a read of {key!r}", err)
             return []
         if value is not None:
+            reply = self._answer(value)
             for call in calls:
-                call.reply(pack(value))
+                call.reply(reply)
             return []
         now, again = time.monotonic(), []
         for call, deadline in batch:
@@ -286,16 +296,13 @@ def _answer_all(calls: list[Call], what: str, work: Callable[[], list[bytes]]) -
 
 def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
     """One pass-through operation on ``up``'s hooks, its answer framed (sets,
-    adds, compare_sets and gets are served in batches: :class:`NodeRelay`)."""
+    adds, compare_sets, gets and multi_gets are served in batches: :class:`NodeRelay`)."""
     if op == DELETE:
         return b"\x01" if up._delete(_text(f[0])) else b"\x00"
     if op == CHECK:
         return b"\x01" if up._check([_text(k) for k in f]) else b"\x00"
     if op == NUM_KEYS:
         return struct.pack("<q", up._num_keys())
-    if op == MULTI_GET:
-        values = up._multi_get([_text(k) for k in f[1:]], upstream_wait(_float(f[0])))
-        return pack() if values is None else pack(b"", *values)  # a leading field: found
     if op == MULTI_SET:
         up._multi_set([(_text(f[i]), f[i + 1]) for i in range(0, len(f), 2)])
         return b""
@@ -360,7 +367,10 @@ class NodeRelay:
         self._compare_sets = Batched(self._pool, self._serve_compare_sets)
         self._adds = Batched(self._pool, self._serve_adds)
         self._watches = Batched(self._pool, self._serve_watches)
-        self._reads = SharedReads(self._pool, upstream._get)
+        self._reads: SharedReads[str, bytes] = SharedReads(self._pool, upstream._get, pack)
+        self._multi_reads: SharedReads[tuple[str, ...], list[bytes]] = SharedReads(
+            self._pool, lambda keys, wait: upstream._multi_get(keys, wait), lambda values: pack(b"", *values)
+        )
         info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
         self.server = LocalServer(
             directory,
@@ -393,10 +403,13 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ serving
     def _handle(self, call: Call) -> None:
-        if call.op in (WATCH, SET, COMPARE_SET, GET, ADD):
+        if call.op in (WATCH, SET, COMPARE_SET, GET, MULTI_GET, ADD):
             try:
                 fields = unpack(call.payload)
-                if call.op == ADD:
+                if call.op == MULTI_GET:
+                    deadline = time.monotonic() + upstream_wait(_float(fields[0]))
+                    self._multi_reads.submit(call, tuple(_text(k) for k in fields[1:]), deadline)
+                elif call.op == ADD:
                     key, amount = fields
                     self._adds.submit((call, _text(key), _int(amount)))
                 elif call.op == GET:

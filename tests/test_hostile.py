@@ -89,6 +89,7 @@ def requests(session: bytes) -> st.SearchStrategy[pb.Request]:
             },
             st.lists(st.tuples(keys, st.binary(max_size=16), st.binary(max_size=256)), max_size=5),
         ),
+        st.builds(lambda ks: {"delete_many": pb.Keys(keys=ks)}, st.lists(keys, max_size=5)),
         st.builds(lambda k, v: {"append": pb.KeyValue(key=k, value=v)}, keys, st.binary(max_size=2048)),
         st.just({"heartbeat": pb.Empty()}),
         st.builds(lambda r: {"register": pb.Register(rank=r)}, st.integers(0, 2**32 - 1)),

@@ -129,11 +129,12 @@ class ControlChannel(Collectives, abc.ABC):
       last read went unanswered.
 
     *Optional hooks*, each with a default in the core built on the eight: ``_multi_get``,
-    ``_multi_set``, ``_compare_set_many``, ``_append`` (override to save round trips or to
-    append in one atomic step), ``_claim_rank`` (claim a rank and publish its process: one request on a coordinator),
-    ``_claimed`` (the rank is held), ``_new_liveness`` (how lost peers are noticed),
-    ``_held_state``, and the classmethods ``_check_options``, ``diagnose`` and ``security``;
-    the property :attr:`hosts_coordinator`. The collectives ``barrier``, ``broadcast``,
+    ``_multi_set``, ``_compare_set_many``, ``_delete_many``, ``_append`` (override to save
+    round trips or to append in one atomic step), ``_claim_rank`` (claim a rank and publish
+    its process: one request on a coordinator), ``_claimed`` (the rank is held),
+    ``_new_liveness`` (how lost peers are noticed), ``_held_state``, and the classmethods
+    ``_check_options``, ``diagnose`` and ``security``; the property
+    :attr:`hosts_coordinator`. The collectives ``barrier``, ``broadcast``,
     ``gather`` and ``all_gather`` (:mod:`dataparallel.control.collectives`; ``rendezvous`` is a
     barrier) may be overridden with native ones keeping their signatures and semantics: call
     ``self._usable()`` first, number rounds with ``self._next_seq(kind, name)``, leave no
@@ -419,6 +420,12 @@ class ControlChannel(Collectives, abc.ABC):
         Default: one ``_compare_set`` each; override for one round trip (a node relay sends
         its ranks' concurrent compare_sets so)."""
         return [self._compare_set(key, expected, desired) for key, expected, desired in items]
+
+    def _delete_many(self, keys: Sequence[str]) -> int:
+        """Delete each of ``keys`` (each on its own, not all or none): how many existed.
+        Default: one ``_delete`` each; override for one round trip (the core's gathers clean
+        up a round's keys through it)."""
+        return sum(self._delete(key) for key in keys)
 
     def _append(self, key: str, value: bytes) -> None:
         """Atomically append ``value`` to the bytes at ``key`` (a missing key counts as

@@ -80,6 +80,7 @@ class Collectives:
         def _append(self, key: str, value: bytes) -> None: ...
         def _check(self, keys: Sequence[str]) -> bool: ...
         def _delete(self, key: str) -> bool: ...
+        def _delete_many(self, keys: Sequence[str]) -> int: ...
         def _await(
             self, key: str, timeout: float | None, what: str, hint: Any = None, needs: Needs | None = None
         ) -> bytes: ...
@@ -154,8 +155,7 @@ class Collectives:
             f"{base}/value", timeout, what, needs=Needs("bcast", name, seq, (src,), f"{what} round {seq}")
         )
         if self._add(f"{base}/acks", 1) == self.world_size - 1:
-            self._delete(f"{base}/value")
-            self._delete(f"{base}/acks")
+            self._delete_many([f"{base}/value", f"{base}/acks"])
         return got
 
     def gather(self, name: str, value: bytes, dst: int = 0, timeout: float | None = None) -> list[bytes] | None:
@@ -172,8 +172,8 @@ class Collectives:
             return None
         others = [rank for rank in range(self.world_size) if rank != dst]
         got = self._await_values(base, others, "gather", name, seq, timeout) if others else []
-        for rank in others:
-            self._delete(f"{base}/{rank}")
+        if others:
+            self._delete_many([f"{base}/{rank}" for rank in others])
         got.insert(dst, _value(value))
         return got
 
@@ -185,9 +185,7 @@ class Collectives:
         self._set(f"{base}/{self.rank}", _value(value))
         out = self._await_values(base, range(self.world_size), "allgather", name, seq, timeout)
         if self._add(f"{base}/read", 1) == self.world_size:
-            for rank in range(self.world_size):
-                self._delete(f"{base}/{rank}")
-            self._delete(f"{base}/read")
+            self._delete_many([*(f"{base}/{rank}" for rank in range(self.world_size)), f"{base}/read"])
         return out
 
     def _await_values(

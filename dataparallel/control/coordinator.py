@@ -180,10 +180,17 @@ class Coordinator(Generic[R]):
         send: Callable[[R, pb.Reply], None],
         clock: Callable[[], float] = time.monotonic,
         limits: CoordinatorLimits | None = None,
+        *,
+        judges_own_stalls: bool = True,
     ) -> None:
         self.limits = limits or CoordinatorLimits()
         self._send = send
         self._clock = clock
+        #: A gap between sweeps longer than half a job's liveness timeout is this process's
+        #: stall (frozen with its node, starved), not its ranks' silence: their silence counts
+        #: from the sweep after it. False for a caller whose clock jumps between sweeps on purpose.
+        self._judges_own_stalls = judges_own_stalls
+        self._swept = clock()
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._sessions: dict[bytes, Session] = {}
@@ -230,6 +237,13 @@ class Coordinator(Generic[R]):
         seconds until the next sweep is needed."""
         with self._lock:
             now = self._clock()
+            gap, self._swept = now - self._swept, now
+            if self._judges_own_stalls:
+                for session in self._sessions.values():
+                    if gap > session.job.liveness_timeout / 2:
+                        session.last_seen = max(session.last_seen, now)
+                        if session.dropped_at is not None:
+                            session.dropped_at = max(session.dropped_at, now)
             for parked in [p for p in self._parked if p.deadline <= now]:
                 self._finish(parked, parked.on_timeout())
             # Ended runs that still have sessions are watched too (they are no longer _jobs').
@@ -416,6 +430,10 @@ class Coordinator(Generic[R]):
         if full:
             return _reply(r.id, pb.FAILED, full)
         return _reply(r.id, values=[space.compare_set(cs.key, cs.expected, cs.desired) for cs in items])
+
+    def _delete_many(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
+        space = s.job.space
+        return _reply(r.id, number=sum(space.delete(key) for key in r.delete_many.keys))
 
     def _delete(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         return _reply(r.id, flag=s.job.space.delete(r.delete.key))
@@ -787,6 +805,7 @@ class Coordinator(Generic[R]):
         "compare_set": _compare_set,
         "multi_compare_set": _multi_compare_set,
         "delete": _delete,
+        "delete_many": _delete_many,
         "multi_get": _multi_get,
         "multi_set": _multi_set,
         "append": _append,

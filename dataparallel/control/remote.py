@@ -413,6 +413,9 @@ class RemoteChannel(ControlChannel, abc.ABC):
     def _delete(self, key: str) -> bool:
         return self._short(f"delete {key!r}", delete=pb.Key(key=key)).flag
 
+    def _delete_many(self, keys: Sequence[str]) -> int:
+        return self._short(f"delete of {len(keys)} keys", delete_many=pb.Keys(keys=keys)).number
+
     def _check(self, keys: Sequence[str]) -> bool:
         return self._short("check", check=pb.Keys(keys=keys)).flag
 

@@ -24,7 +24,7 @@ from .v1 import control_pb2 as pb
 
 #: Bumped on any incompatible change of the schema's meaning.
 PROTOCOL_VERSION = 5  # 2: multi_get, multi_set, append; 3: direction under the MAC, replies bound; 4: join;
-# 5: multi_compare_set
+# 5: multi_compare_set, delete_many
 #: The largest job a coordinator (and a channel) accepts: collectives hold per-rank state.
 MAX_WORLD_SIZE = 1 << 20
 #: Largest frame a coordinator accepts (a value is meant to be small: ids, commands, reports).

@@ -374,6 +374,17 @@ class PrimitiveTests(ChannelHarness):
             assert waiting.result(timeout=10) == b"z"
         assert b.get("many/1", timeout=5) == b"c" and not b.check(["many/2"])
 
+    def test_delete_many_deletes_each_and_counts_those_that_existed(self, open_ranks: OpenRanks) -> None:
+        """The ``_delete_many`` hook (the gathers' clean-up of a round's keys) deletes every
+        key it is given, each on its own: a missing one does not stop the others, a key given
+        twice counts once."""
+        a, b = open_ranks(2)
+        a.multi_set(["gone/1", "gone/2", "kept"], [b"x", b"y", b"z"])
+        key = a._scoped
+        assert a._delete_many([key("gone/1"), key("gone/none"), key("gone/2"), key("gone/1")]) == 2
+        assert not b.check(["gone/1"]) and not b.check(["gone/2"]) and b.get("kept", timeout=5) == b"z"
+        assert b.add("gone/1", 1) == 1  # missing to every call, as after a delete
+
     def test_compare_set_releases_a_waiting_get(self, open_ranks: OpenRanks) -> None:
         a, b = open_ranks(2)
         with ThreadPoolExecutor(1) as pool:

@@ -87,6 +87,8 @@ SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEN
 #: key, its process record's key, its liveness (interval and timeout) and that record; and
 #: its withdrawal when it closes (a clean departure is no loss).
 WATCH, UNWATCH = 11, 12
+#: Deletes of several keys in one request (``_delete_many``).
+DELETE_MANY = 14
 #: A watched rank's read of its run's loss report, answered from the relay's read of it
 #: (once a tick for the node) with that read's age: the rank judges its store by it.
 LOSS = 13
@@ -299,6 +301,8 @@ def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
     adds, compare_sets, gets and multi_gets are served in batches: :class:`NodeRelay`)."""
     if op == DELETE:
         return b"\x01" if up._delete(_text(f[0])) else b"\x00"
+    if op == DELETE_MANY:
+        return struct.pack("<q", up._delete_many([_text(k) for k in f]))
     if op == CHECK:
         return b"\x01" if up._check([_text(k) for k in f]) else b"\x00"
     if op == NUM_KEYS:
@@ -361,6 +365,9 @@ class NodeRelay:
         # Loss key -> (its report, b"" for none, and when it was read): the node's one read.
         self._reports: dict[str, tuple[bytes, float]] = {}
         self._started = time.monotonic()
+        # When supervision last looked, and since when it has looked without a gap: a rank's
+        # silence counts from then at most (the relay's own stall is nobody's silence).
+        self._looked = self._resumed = self._started
         self._stopping = threading.Event()
         # The ranks' concurrent writes and watches, a request per batch (module docstring).
         self._sets = Batched(self._pool, self._serve_sets)
@@ -387,6 +394,10 @@ class NodeRelay:
         upstream._set(f"{NODE_RANKS}{node_rank}", f"{self.first_rank},{local_ranks}".encode())
         self._beat_thread = threading.Thread(target=self._supervise, name="dp-relay-beat", daemon=True)
         self._beat_thread.start()
+        # The ranks' silence is judged apart from the upstream's work (a slow store delays
+        # no frozen rank's report, nor passes for the relay's own stall).
+        self._judge_thread = threading.Thread(target=self._judging, name="dp-relay-judge", daemon=True)
+        self._judge_thread.start()
 
     def close(self) -> None:
         self._stopping.set()
@@ -527,8 +538,12 @@ class NodeRelay:
         if watched is None:
             call.fail(BadMessage("relay: a loss report read by a rank that is not watched"))
             return
+        now = time.monotonic()
         report, read = self._reports.get(watched.loss_key, (b"", self._started))
-        call.reply(pack(report, struct.pack("<d", time.monotonic() - read)))
+        # Time the relay itself was stalled is not the store's silence (its judge may not
+        # have looked since it woke: then it has just woken).
+        awake = now if self._stalled(now) else self._resumed
+        call.reply(pack(report, struct.pack("<d", now - max(read, awake))))
 
     def _beat_value(self) -> bytes:
         self._ticks += 1
@@ -588,36 +603,60 @@ class NodeRelay:
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
         """Once a tick (the shortest heartbeat interval of the watched ranks, a second while
-        none): report a rank whose beats stopped for its liveness timeout (frozen), and a node
-        the relays' own liveness lost; write the live ranks' heartbeats upstream in one
-        request."""
+        none): report a node the relays' own liveness lost, read the run's loss report, and
+        write the live ranks' heartbeats upstream in one request."""
         while not self._stopping.wait(self._period()):
             try:
                 self._tick()
             except Exception as err:  # the upstream failing: the ranks' own reads say so
                 log.debug("relay: supervision tick failed: %s", err)
 
+    def _judging(self) -> None:
+        """Once a tick: report a rank whose beats stopped for its liveness timeout (frozen)."""
+        while not self._stopping.wait(self._period()):
+            try:
+                self._judge()
+            except Exception:  # a bug: logged, and supervision goes on
+                log.exception("relay: judging the ranks' heartbeats failed")
+
     def _period(self) -> float:
         with self._watch_lock:
             intervals = [w.interval for w in self._watched.values()]
         return min(intervals, default=1.0)
 
-    def _tick(self) -> None:
+    def _stalled(self, now: float) -> bool:
+        """Whether the relay's judge has not looked for longer than its ticks allow: its
+        process stalled (a whole node paused, say), or it has just woken from that."""
+        with self._watch_lock:
+            timeouts = [w.timeout for w in self._watched.values()]
+        return bool(timeouts) and now - self._looked > max(2 * self._period(), min(timeouts) / 2)
+
+    def _judge(self) -> None:
         with self._watch_lock:
             watched = dict(self._watched)
+        now = time.monotonic()
+        if self._stalled(now):
+            # The relay could not look for a while: its ranks are judged on time it could see
+            # them beat.
+            self._resumed = now
+        self._looked = now
         for local, w in watched.items():
             silent = self.server.silent(local)
-            if silent is not None and silent > w.timeout:
-                with self._watch_lock:
-                    if self._watched.get(local) is not w:
-                        continue  # gone or withdrawn meanwhile
-                    del self._watched[local]
-                rank = self.first_rank + local
-                pid = self.server.pid_of(local)
-                how = f"no heartbeat for {silent:.1f}s (liveness timeout {w.timeout:g}s; pid {pid} on this node)"
-                log.info("relay: rank %d (local %d): %s", rank, local, how)
-                self._reporting.submit(self._report_loss, rank, w.loss_key, how)
-        keys = {w.loss_key for w in watched.values()}
+            if silent is None or min(silent, now - self._resumed) <= w.timeout:
+                continue
+            with self._watch_lock:
+                if self._watched.get(local) is not w:
+                    continue  # gone or withdrawn meanwhile
+                del self._watched[local]
+            rank = self.first_rank + local
+            pid = self.server.pid_of(local)
+            how = f"no heartbeat for {silent:.1f}s (liveness timeout {w.timeout:g}s; pid {pid} on this node)"
+            log.info("relay: rank %d (local %d): %s", rank, local, how)
+            self._reporting.submit(self._report_loss, rank, w.loss_key, how)
+
+    def _tick(self) -> None:
+        with self._watch_lock:
+            keys = {w.loss_key for w in self._watched.values()}
         try:
             self._report_lost_nodes(keys)
             for key in keys:

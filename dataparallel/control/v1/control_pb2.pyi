@@ -164,7 +164,7 @@ class Collect(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[int]] = ..., want: _Optional[bool] = ..., has_value: _Optional[bool] = ..., value: _Optional[bytes] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "session", "hello", "set", "get", "add", "compare_set", "delete", "check", "num_keys", "collect", "register", "heartbeat", "leave", "multi_get", "multi_set", "append", "join", "multi_compare_set")
+    __slots__ = ("id", "session", "hello", "set", "get", "add", "compare_set", "delete", "check", "num_keys", "collect", "register", "heartbeat", "leave", "multi_get", "multi_set", "append", "join", "multi_compare_set", "delete_many")
     ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class Request(_message.Message):
     APPEND_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     MULTI_COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_MANY_FIELD_NUMBER: _ClassVar[int]
     id: int
     session: bytes
     hello: Hello
@@ -203,7 +204,8 @@ class Request(_message.Message):
     append: KeyValue
     join: Join
     multi_compare_set: MultiCompareSet
-    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ..., multi_get: _Optional[_Union[MultiGet, _Mapping]] = ..., multi_set: _Optional[_Union[MultiSet, _Mapping]] = ..., append: _Optional[_Union[KeyValue, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., multi_compare_set: _Optional[_Union[MultiCompareSet, _Mapping]] = ...) -> None: ...
+    delete_many: Keys
+    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ..., multi_get: _Optional[_Union[MultiGet, _Mapping]] = ..., multi_set: _Optional[_Union[MultiSet, _Mapping]] = ..., append: _Optional[_Union[KeyValue, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., multi_compare_set: _Optional[_Union[MultiCompareSet, _Mapping]] = ..., delete_many: _Optional[_Union[Keys, _Mapping]] = ...) -> None: ...
 
 class LostPeer(_message.Message):
     __slots__ = ("rank", "last_seen", "reason")

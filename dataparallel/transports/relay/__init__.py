@@ -27,6 +27,7 @@ from dataparallel.control.relay.node import (
     CHECK,
     COMPARE_SET,
     DELETE,
+    DELETE_MANY,
     GET,
     LOSS,
     MULTI_GET,
@@ -131,6 +132,9 @@ class RelayedChannel(ControlChannel):
 
     def _delete(self, key: str) -> bool:
         return self._call(DELETE, pack(_key(key))) == b"\x01"
+
+    def _delete_many(self, keys: Sequence[str]) -> int:
+        return struct.unpack("<q", self._call(DELETE_MANY, pack(*(_key(k) for k in keys))))[0]
 
     def _check(self, keys: Sequence[str]) -> bool:
         return self._call(CHECK, pack(*(_key(k) for k in keys))) == b"\x01"
@@ -265,5 +269,8 @@ class RelayedHeartbeats(StoreHeartbeats):
         # the channel once that is the liveness timeout ago).
         report, age = unpack(self._relayed._call(LOSS, b""))
         self._answered()
-        self._last_ok -= struct.unpack("<d", age)[0]  # when the store itself last answered
+        (seconds,) = struct.unpack("<d", age)
+        self._last_ok -= seconds  # when the store itself last answered
+        if seconds > 2 * self._interval:  # what the guard says, should the silence last
+            self._last_error = ChannelClosed(f"the node relay has had no answer from the store for {seconds:.1f}s")
         return report or None

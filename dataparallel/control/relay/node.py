@@ -50,7 +50,7 @@ each, and through it:
 
 Not yet aggregated (each rank's requests pass through one by one, so they are correct but
 cost what a directly connected rank's cost): the other reads (``_check``, ``_num_keys``),
-deletes and appends.
+deletes (the gathers' clean-up of a round is one ``_delete_many``) and appends.
 """
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEN
 #: key, its process record's key, its liveness (interval and timeout) and that record; and
 #: its withdrawal when it closes (a clean departure is no loss).
 WATCH, UNWATCH = 11, 12
-#: Deletes of several keys in one request (``_delete_many``).
-DELETE_MANY = 14
 #: A watched rank's read of its run's loss report, answered from the relay's read of it
 #: (once a tick for the node) with that read's age: the rank judges its store by it.
 LOSS = 13
+#: Deletes of several keys in one request (``_delete_many``).
+DELETE_MANY = 14
 
 #: Where each relay says, in the relays' own key space, which ranks are its node's.
 NODE_RANKS = "node-ranks/"
@@ -194,7 +194,10 @@ class Batched:
                 if not batch:
                     self._busy = False
                     return
-            self._serve(batch)
+            try:
+                self._serve(batch)
+            except Exception:  # a bug (serve answers its batch's errors): the next batch goes on
+                log.exception("relay: serving a batch of %d failed", len(batch))
 
 
 class SharedReads(Generic[K, V]):

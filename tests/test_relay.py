@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import dataparallel as dp
+from dataparallel.control.relay.local import Geometry
 from dataparallel.control.relay.node import RANKS, NodeRelay
 from dataparallel.testing import close_all, free_port, run_all
 from dataparallel.testing.linearizability import run_workload
@@ -116,7 +117,15 @@ class Nodes:
     """``nodes`` relays, each joined to the job's channel at ``upstream_url`` as one member
     (of ``JOB~nodes``), each serving ``per_node`` ranks."""
 
-    def __init__(self, tmp_path: Path, upstream_url: str, nodes: int, per_node: int, job: str = "j") -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        upstream_url: str,
+        nodes: int,
+        per_node: int,
+        job: str = "j",
+        geometry: Geometry | None = None,
+    ) -> None:
         self.nodes, self.per_node, self.job = nodes, per_node, job
         self.upstreams = run_all(
             [
@@ -125,7 +134,9 @@ class Nodes:
             ]
         )
         self.relays = [
-            NodeRelay(up, tmp_path / f"node{n}", local_ranks=per_node, node_rank=n, nodes=nodes, job=job)
+            NodeRelay(
+                up, tmp_path / f"node{n}", local_ranks=per_node, node_rank=n, nodes=nodes, job=job, geometry=geometry
+            )
             for n, up in enumerate(self.upstreams)
         ]
 
@@ -222,9 +233,10 @@ def test_the_store_through_relays_is_linearizable_while_batching(nodes, tmp_path
 def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
     """A node's ranks that join while their relay's request is in flight go upstream together
     in the next one: with the link to the coordinator stalled while eight ranks of two nodes
-    start joining, each relay holds one compare_set in flight and three waiting, which go as
-    one request once the link flows; the whole join costs fewer requests than the ranks'
-    one by one, and every rank holds its own rank. Adds to one key, the same way."""
+    start joining, each relay holds four compare_sets in flight or queued (one and three, or
+    four at once), which go in at most two requests once the link flows; the whole join costs
+    fewer requests than the ranks' one by one, and every rank holds its own rank. Adds to one
+    key, the same way, and a batch of adds refused whole goes again one by one."""
     port = free_port()
     host = dp.connect(f"zmq://127.0.0.1:{port}", rank=0, world_size=1, job="host", timeout=30)
     coordinator = host._hosted
@@ -246,8 +258,8 @@ def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        while any(relay._compare_sets.waiting < 3 for relay in nodes.relays):
-            assert time.monotonic() < deadline, [relay._compare_sets.waiting for relay in nodes.relays]
+        while any(relay._compare_sets.pending < 4 for relay in nodes.relays):  # in flight or queued
+            assert time.monotonic() < deadline, [relay._compare_sets.pending for relay in nodes.relays]
             time.sleep(0.01)
         proxy.resume()
         for t in threads:
@@ -257,12 +269,12 @@ def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
         after = coordinator.served()
         spent = {op: after.get(op, 0) - before.get(op, 0) for op in after}
         spent = {op: n for op, n in spent.items() if n and op not in ("heartbeat", "collect")}
-        assert spent.get("multi_compare_set", 0) >= 2, spent  # the waiting three, on each node
+        assert spent.get("multi_compare_set", 0) >= 2, spent  # the queued ones (or all four), on each node
         # One by one: six each (the run pointer, the token, the claim, the heartbeat, the
         # loss report's check, the process record); here typically 22-25 for the eight.
         assert sum(spent.values()) < 6 * world, spent
 
-        # Adds to one key, likewise: each relay's three waiting adds go as one add of their
+        # Adds to one key, likewise: each relay's four adds go as one or two adds of their
         # sum, and each rank is answered with its own running total.
         before = dict(coordinator.served())
         proxy.stall()
@@ -273,14 +285,37 @@ def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
         ]
         for t in adders:
             t.start()
-        while any(relay._adds.waiting < 3 for relay in nodes.relays):
-            assert time.monotonic() < deadline + 30, [relay._adds.waiting for relay in nodes.relays]
+        while any(relay._adds.pending < 4 for relay in nodes.relays):
+            assert time.monotonic() < deadline + 30, [relay._adds.pending for relay in nodes.relays]
             time.sleep(0.01)
         proxy.resume()
         for t in adders:
             t.join(timeout=60)
         assert sorted(totals.values()) == list(range(1, world + 1)), totals
-        assert coordinator.served()["add"] - before.get("add", 0) == 4
+        assert coordinator.served()["add"] - before.get("add", 0) <= 4  # 2 when all four went as one
+
+        # A batch refused whole goes one by one: node 0's adds of 3 to a key at 2**63 - 10 pass
+        # the int64 range together; one by one, three of them fit.
+        joined[0].add("edge", 2**63 - 10)
+        proxy.stall()
+        outcomes: dict[int, object] = {}
+
+        def add_three(r: int) -> None:
+            try:
+                outcomes[r] = joined[r].add("edge", 3)
+            except dp.ControlError as err:
+                outcomes[r] = type(err).__name__
+
+        adders = [threading.Thread(target=add_three, args=(r,), daemon=True) for r in range(4)]
+        for t in adders:
+            t.start()
+        while nodes.relays[0]._adds.pending < 4:
+            assert time.monotonic() < deadline + 60, nodes.relays[0]._adds.pending
+            time.sleep(0.01)
+        proxy.resume()
+        for t in adders:
+            t.join(timeout=60)
+        assert sorted(map(str, outcomes.values())) == sorted(["BadMessage", *(str(2**63 - k) for k in (7, 4, 1))])
     finally:
         proxy.resume()
         close_all(list(joined.values()))
@@ -312,8 +347,8 @@ def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
         for t in readers:
             t.start()
         deadline = time.monotonic() + 30
-        while [relay._reads.waiting(key) for relay in nodes.relays] != [2, 2]:
-            assert time.monotonic() < deadline, [relay._reads.waiting(key) for relay in nodes.relays]
+        while [relay._reads.pending(key) for relay in nodes.relays] != [3, 3]:
+            assert time.monotonic() < deadline, [relay._reads.pending(key) for relay in nodes.relays]
             time.sleep(0.01)
         parked = []
         for _ in range(150):  # 1.5 s: three of the core's read slices
@@ -321,7 +356,7 @@ def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
             time.sleep(0.01)
         assert max(parked) == 2, parked
         start = time.monotonic()
-        read(world - 1, 0.3)  # on node 1, beside three waiting for the read in flight
+        read(world - 1, 0.3)  # on node 1, beside three reading together
         assert got.pop(world - 1) == "timeout" and 0.25 < time.monotonic() - start < 2
         channels[0].set("unique-id", b"nccl")
         for t in readers:
@@ -355,6 +390,21 @@ def test_a_gather_through_relays_reads_all_its_values_together(tmp_path):
             [lambda c=c: c.broadcast("b", b"x" if c.rank == 3 else None, src=3, timeout=30) for c in channels]
         )
         assert sent == [b"x"] * world
+    finally:
+        close_all(channels)
+        nodes.close()
+
+
+def test_a_gather_too_large_for_one_reply_reads_its_values_one_by_one(tmp_path):
+    """Values that together pass a rank's slot (16 KiB here, 8 MiB by default) but each fit
+    it: the relay refuses the one multi_get's reply, and the rank reads them one by one."""
+    nodes = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=2, geometry=Geometry(slots=4, slot_bytes=16384))
+    world = 4
+    channels = run_all([lambda r=r: dp.connect(nodes.url(r), rank=r, world_size=world, job="j") for r in range(world)])
+    try:
+        values = [bytes([r]) * 6000 for r in range(world)]
+        gathered = run_all([lambda c=c: c.all_gather("big", values[c.rank], timeout=30) for c in channels])
+        assert gathered == [values] * world
     finally:
         close_all(channels)
         nodes.close()
@@ -497,7 +547,8 @@ RELAY_HOST = textwrap.dedent(
     """
     import sys, time
     import dataparallel as dp
-    from dataparallel.control.relay.node import RANKS, NodeRelay
+    from dataparallel.control.relay.local import Geometry
+from dataparallel.control.relay.node import RANKS, NodeRelay
     up = dp.connect(sys.argv[1], rank=0, world_size=1, job="silenced~nodes", timeout=30)
     relay = NodeRelay(up, sys.argv[2], local_ranks=2, node_rank=0, nodes=1, job="silenced")
     print(relay.path, flush=True)
@@ -607,7 +658,8 @@ RELAY_NODE = textwrap.dedent(
     """
     import sys, time
     import dataparallel as dp
-    from dataparallel.control.relay.node import RANKS, NodeRelay
+    from dataparallel.control.relay.local import Geometry
+from dataparallel.control.relay.node import RANKS, NodeRelay
     url, node, nodes, per_node, job, directory = sys.argv[1:7]
     node, nodes, per_node = int(node), int(nodes), int(per_node)
     up = dp.connect(url, rank=node, world_size=nodes, job=job + "~nodes", timeout=30)

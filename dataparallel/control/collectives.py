@@ -200,11 +200,16 @@ class Collectives:
         what = f"{shown} {name!r} round {seq}"
 
         def missing() -> str:
+            absent: list[int] = []
             try:
-                absent = [rank for rank, key in zip(ranks, keys, strict=True) if not self._check([key])]
+                for rank, key in zip(ranks, keys, strict=True):
+                    if not self._check([key]):
+                        absent.append(rank)
+                        if len(absent) > 8:
+                            break
             except ControlError:
                 return ""
-            listed = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+            listed = ", ".join(map(str, absent[:8])) + (" and more" if len(absent) > 8 else "")
             return f"no value yet from rank(s) {listed}" if absent else ""
 
         return self._await_with(

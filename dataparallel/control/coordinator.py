@@ -186,9 +186,11 @@ class Coordinator(Generic[R]):
         self.limits = limits or CoordinatorLimits()
         self._send = send
         self._clock = clock
-        #: A gap between sweeps longer than half a job's liveness timeout is this process's
-        #: stall (frozen with its node, starved), not its ranks' silence: their silence counts
-        #: from the sweep after it. False for a caller whose clock jumps between sweeps on purpose.
+        #: A gap between sweeps (every tenth of a second) longer than a job's liveness timeout
+        #: is this process's stall (frozen with its node), not its ranks' silence: their
+        #: silence counts from the sweep after it. (Not half of it, as a rank's own heartbeats
+        #: judge: a coordinator busy serving a flood between two sweeps must not pass for
+        #: stalled and hide a loss.) False for a caller whose clock jumps on purpose.
         self._judges_own_stalls = judges_own_stalls
         self._swept = clock()
         self._lock = threading.RLock()
@@ -240,7 +242,7 @@ class Coordinator(Generic[R]):
             gap, self._swept = now - self._swept, now
             if self._judges_own_stalls:
                 for session in self._sessions.values():
-                    if gap > session.job.liveness_timeout / 2:
+                    if gap > session.job.liveness_timeout:
                         session.last_seen = max(session.last_seen, now)
                         if session.dropped_at is not None:
                             session.dropped_at = max(session.dropped_at, now)

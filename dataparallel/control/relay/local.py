@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 
 #: Version of the local leg's layout and hello; a rank and a relay of another version refuse
 #: each other at the hello.
+#: What a reply too large for its slot is refused with (a caller may ask for less at once).
+OVER_SLOT = "over the slot's"
 LOCAL_PROTOCOL = 5  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
 #: 4: a rank registers its heartbeat key and liveness too (the relay beats for it); 5: and
 #: its process record (written with its first beat)
@@ -512,7 +514,7 @@ class LocalServer:
         geo = self.geometry
         if len(payload) > geo.slot_bytes:
             status = ERROR
-            payload = _error_text(BadMessage(f"reply of {len(payload)} bytes, over the slot's {geo.slot_bytes}"))
+            payload = _error_text(BadMessage(f"reply of {len(payload)} bytes, {OVER_SLOT} {geo.slot_bytes}"))
         with member.lock:
             if member.gone:
                 return

@@ -171,13 +171,14 @@ class Batched:
         self._pool, self._serve = pool, serve
         self._lock = threading.Lock()
         self._waiting: list = []
+        self._serving = 0  # items in the batch being served
         self._busy = False
 
     @property
-    def waiting(self) -> int:
-        """Items waiting for the next batch."""
+    def pending(self) -> int:
+        """Items being served or waiting for the next batch."""
         with self._lock:
-            return len(self._waiting)
+            return self._serving + len(self._waiting)
 
     def submit(self, item: object) -> None:
         with self._lock:
@@ -191,6 +192,7 @@ class Batched:
         while True:
             with self._lock:
                 batch, self._waiting = self._waiting, []
+                self._serving = len(batch)
                 if not batch:
                     self._busy = False
                     return
@@ -216,11 +218,12 @@ class SharedReads(Generic[K, V]):
         self._lock = threading.Lock()
         # A key being read -> when that read ends at the latest, and the next read's calls.
         self._reading: dict[K, tuple[float, list[tuple[Call, float]]]] = {}
+        self._serving: dict[K, int] = {}  # a key being read -> the calls of that read
 
-    def waiting(self, key: K) -> int:
-        """Reads of ``key`` waiting for its next read."""
+    def pending(self, key: K) -> int:
+        """Reads of ``key`` being served together or waiting for its next read."""
         with self._lock:
-            return len(self._reading.get(key, (0.0, []))[1])
+            return self._serving.get(key, 0) + len(self._reading.get(key, (0.0, []))[1])
 
     def submit(self, call: Call, key: K, deadline: float) -> None:
         with self._lock:
@@ -244,11 +247,16 @@ class SharedReads(Generic[K, V]):
         while True:
             with self._lock:
                 batch = self._reading[key][1]
+                self._serving[key] = len(batch)
                 if not batch:
-                    del self._reading[key]
+                    del self._reading[key], self._serving[key]
                     return
                 self._reading[key] = (min(deadline for _, deadline in batch), [])
-            again = self._serve(key, batch)
+            try:
+                again = self._serve(key, batch)
+            except Exception as err:  # a bug: every call told, and the key's reads go on
+                _fail_all([call for call, _ in batch], f"a read of {key!r}", err)
+                again = []
             with self._lock:
                 self._reading[key][1][:0] = again
 
@@ -285,6 +293,34 @@ def _fail_all(calls: list[Call], what: str, err: Exception) -> None:
         err = ControlError(f"relay: {type(err).__name__}: {err}")
     for call in calls:
         call.fail(err)
+
+
+def _refused(err: Exception) -> bool:
+    """Whether ``err`` refuses a request whole (a bound, a malformed value): nothing of it
+    was applied. Not a timeout or a lost connection, after which it may have been."""
+    if isinstance(err, (BadMessage, ValueError)):
+        return True
+    return type(err) is ControlError
+
+
+def _answer_batch(
+    calls: list[Call], what: str, together: Callable[[], list[bytes]], alone: Callable[[int], bytes]
+) -> None:
+    """Answer ``calls`` from ``together()``, their one request; if that request was refused
+    whole (:func:`_refused`: a bound that the batch passed, or one call's bad value), each
+    call goes on its own (``alone(i)``), so that each gets the answer it would have got
+    alone."""
+    try:
+        replies = together()
+    except Exception as err:
+        if len(calls) > 1 and _refused(err):
+            for i, call in enumerate(calls):
+                _answer_all([call], what, functools.partial(lambda i: [alone(i)], i))
+            return
+        _fail_all(calls, what, err)
+    else:
+        for call, reply in zip(calls, replies, strict=True):
+            call.reply(reply)
 
 
 def _answer_all(calls: list[Call], what: str, work: Callable[[], list[bytes]]) -> None:
@@ -371,6 +407,7 @@ class NodeRelay:
         # When supervision last looked, and since when it has looked without a gap: a rank's
         # silence counts from then at most (the relay's own stall is nobody's silence).
         self._looked = self._resumed = self._started
+        self._slept = 1.0  # the judge's current period (a second while no rank is watched)
         self._stopping = threading.Event()
         # The ranks' concurrent writes and watches, a request per batch (module docstring).
         self._sets = Batched(self._pool, self._serve_sets)
@@ -471,6 +508,16 @@ class NodeRelay:
             return [b""] * len(batch)
 
         _answer_all(calls, "watching joined ranks", watch)
+        # A rank whose process ended while its watch was being served found nothing to
+        # report then (_gone): it is reported now.
+        alive = self.server.members()
+        for call, _ in batch:
+            if call.rank not in alive:
+                with self._watch_lock:
+                    watched = self._watched.pop(call.rank, None)
+                if watched is not None:  # not reported by _gone, which came first
+                    how = f"its process ended while it joined (pid {self.server.pid_of(call.rank)} on this node)"
+                    self._reporting.submit(self._report_loss, self.first_rank + call.rank, watched.loss_key, how)
 
     def _serve_sets(self, batch: list[tuple[Call, str, bytes]]) -> None:
         """One ``_set``, or for several one ``_multi_set`` (a key set twice: the later value,
@@ -485,14 +532,19 @@ class NodeRelay:
                 self.upstream._multi_set(items)
             return [b""] * len(batch)
 
-        _answer_all(calls, f"{len(batch)} set(s)", write)
+        def alone(i: int) -> bytes:
+            self.upstream._set(batch[i][1], batch[i][2])
+            return b""
+
+        _answer_batch(calls, f"{len(batch)} set(s)", write, alone)
 
     def _serve_adds(self, batch: list[tuple[Call, str, int]]) -> None:
         """One ``_add`` per key of the batch, of its adds' sum, each add answered with the
         total it would have left applied one after the other in arrival order (the sum's
         result less the amounts after it). Adds of both signs to one key go one by one:
         their running totals need not stay between the first and the last, so one of them
-        could pass the int64 range where their sum does not."""
+        could pass the int64 range where their sum does not; a sum refused (past that
+        range) is sent again as its adds one by one (:func:`_answer_batch`)."""
         by_key: dict[str, list[tuple[Call, int]]] = {}
         for call, key, amount in batch:
             by_key.setdefault(key, []).append((call, amount))
@@ -500,7 +552,13 @@ class NodeRelay:
             mixed = min(a for _, a in adds) < 0 < max(a for _, a in adds)
             for group in [[add] for add in adds] if mixed else [adds]:
                 what = f"{len(group)} add(s) to {key!r}"
-                _answer_all([call for call, _ in group], what, functools.partial(self._add_together, key, group))
+                together = functools.partial(self._add_together, key, group)
+                _answer_batch(
+                    [call for call, _ in group], what, together, functools.partial(self._add_alone, key, group)
+                )
+
+    def _add_alone(self, key: str, adds: list[tuple[Call, int]], i: int) -> bytes:
+        return struct.pack("<q", self.upstream._add(key, adds[i][1]))
 
     def _add_together(self, key: str, adds: list[tuple[Call, int]]) -> list[bytes]:
         total = sum(amount for _, amount in adds)
@@ -524,7 +582,10 @@ class NodeRelay:
                 results = dict(zip(distinct, self.upstream._compare_set_many(distinct), strict=True))
             return [results[item] for _, item in batch]
 
-        _answer_all(calls, f"{len(batch)} compare_set(s)", swap)
+        def alone(i: int) -> bytes:
+            return self.upstream._compare_set(*batch[i][1])
+
+        _answer_batch(calls, f"{len(batch)} compare_set(s)", swap, alone)
 
     def _unwatch(self, call: Call) -> None:
         """A rank leaves cleanly: no more beats for it, none still being written (its own
@@ -616,7 +677,7 @@ class NodeRelay:
 
     def _judging(self) -> None:
         """Once a tick: report a rank whose beats stopped for its liveness timeout (frozen)."""
-        while not self._stopping.wait(self._period()):
+        while not self._stopping.wait(self._slept):
             try:
                 self._judge()
             except Exception:  # a bug: logged, and supervision goes on
@@ -632,7 +693,7 @@ class NodeRelay:
         process stalled (a whole node paused, say), or it has just woken from that."""
         with self._watch_lock:
             timeouts = [w.timeout for w in self._watched.values()]
-        return bool(timeouts) and now - self._looked > max(2 * self._period(), min(timeouts) / 2)
+        return bool(timeouts) and now - self._looked > max(2 * self._slept, min(timeouts) / 2)
 
     def _judge(self) -> None:
         with self._watch_lock:
@@ -643,6 +704,7 @@ class NodeRelay:
             # them beat.
             self._resumed = now
         self._looked = now
+        self._slept = self._period()  # what the judge sleeps next, and _stalled allows for
         for local, w in watched.items():
             silent = self.server.silent(local)
             if silent is None or min(silent, now - self._resumed) <= w.timeout:

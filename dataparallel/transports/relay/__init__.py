@@ -20,7 +20,7 @@ from dataparallel.control.collectives import Needs
 from dataparallel.control.keyspace import claim_key, peer_key
 from dataparallel.control.liveness import StoreHeartbeats, heartbeat_key, loss_key
 from dataparallel.control.registry import ChannelURL
-from dataparallel.control.relay.local import LocalClient, NoReply
+from dataparallel.control.relay.local import OVER_SLOT, LocalClient, NoReply
 from dataparallel.control.relay.node import (
     ADD,
     APPEND,
@@ -144,7 +144,12 @@ class RelayedChannel(ControlChannel):
 
     def _multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
         payload = pack(struct.pack("<d", timeout), *(_key(k) for k in keys))
-        found = self._read(MULTI_GET, payload, timeout)
+        try:
+            found = self._read(MULTI_GET, payload, timeout)
+        except BadMessage as err:
+            if OVER_SLOT not in str(err) or len(keys) == 1:
+                raise
+            return super()._multi_get(keys, timeout)  # values too large together: one by one
         if not found:
             return None
         if len(found) != len(keys) + 1:

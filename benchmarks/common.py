@@ -4,6 +4,7 @@ one resolver set-up for every run (:func:`run_main`), and when a target counts a
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -20,6 +21,13 @@ from pathlib import Path
 LOCAL_LOOKUPS = "DP_BENCH_LOOPBACK_HOSTS"
 #: Loopback's addresses as a TCPStore peer sees them; ``::ffff:127.0.0.1`` is in no default hosts file.
 LOOPBACK_NAMES = "::ffff:127.0.0.1 localhost-v4mapped\n::1 localhost-v6\n"
+
+
+def write_result(path: Path, result: dict) -> None:
+    """``result`` as JSON at ``path`` (its folder made), and a line saying so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def machine() -> str:

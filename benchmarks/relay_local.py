@@ -16,7 +16,6 @@ their relay's one upstream request.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -26,6 +25,8 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from benchmarks.common import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -143,9 +144,7 @@ def main() -> None:
             f"{medians['TCPStore add+wait']:.3f} ms, ratio {result['sizes'][str(n)]['ratio_to_tcpstore']:.2f}",
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import free_port, machine
+from benchmarks.common import free_port, machine, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -179,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"in {seconds[1] * 1e3:6.1f} ms",
                     flush=True,
                 )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

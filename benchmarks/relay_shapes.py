@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import free_port, machine, percentile, ratio_interval, timed, verdict
+from benchmarks.common import free_port, machine, percentile, ratio_interval, timed, verdict, write_result
 from benchmarks.control_plane import barrier_latency, start_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -188,9 +188,7 @@ def main() -> None:
             shown = f"{interval[0]:.2f}x [{interval[1]:.2f}, {interval[2]:.2f}]" if interval else "n/a"
             print(f"{kind} {shape}: {entry['median_ms']:.3f} ms vs TCPStore {entry['tcpstore_median_ms']:.3f} ms, "
                   f"ratio {shown}, target <= {target}x: {entry['verdict']}", flush=True)  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

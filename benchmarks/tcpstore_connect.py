@@ -38,6 +38,7 @@ from benchmarks.common import (
     machine,
     reverse_lookup_s,
     with_local_lookups,
+    write_result,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -123,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             slow = [round(s, 2) for s in seconds if s > 1.0]
             result["modes"][mode][name] = {"total_s": sum(seconds), "over_1s": len(slow), "slow_s": slow}
             print(f"  {name:36s} total {sum(seconds):6.2f} s   {len(slow)} over 1 s {slow}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -547,8 +547,7 @@ RELAY_HOST = textwrap.dedent(
     """
     import sys, time
     import dataparallel as dp
-    from dataparallel.control.relay.local import Geometry
-from dataparallel.control.relay.node import RANKS, NodeRelay
+    from dataparallel.control.relay.node import NodeRelay
     up = dp.connect(sys.argv[1], rank=0, world_size=1, job="silenced~nodes", timeout=30)
     relay = NodeRelay(up, sys.argv[2], local_ranks=2, node_rank=0, nodes=1, job="silenced")
     print(relay.path, flush=True)
@@ -658,8 +657,7 @@ RELAY_NODE = textwrap.dedent(
     """
     import sys, time
     import dataparallel as dp
-    from dataparallel.control.relay.local import Geometry
-from dataparallel.control.relay.node import RANKS, NodeRelay
+    from dataparallel.control.relay.node import NodeRelay
     url, node, nodes, per_node, job, directory = sys.argv[1:7]
     node, nodes, per_node = int(node), int(nodes), int(per_node)
     up = dp.connect(url, rank=node, world_size=nodes, job=job + "~nodes", timeout=30)

@@ -240,16 +240,15 @@ class Coordinator(Generic[R]):
         with self._lock:
             now = self._clock()
             gap, self._swept = now - self._swept, now
-            if self._judges_own_stalls:
-                for session in self._sessions.values():
-                    if gap > session.job.liveness_timeout:
-                        session.last_seen = max(session.last_seen, now)
-                        if session.dropped_at is not None:
-                            session.dropped_at = max(session.dropped_at, now)
             for parked in [p for p in self._parked if p.deadline <= now]:
                 self._finish(parked, parked.on_timeout())
             # Ended runs that still have sessions are watched too (they are no longer _jobs').
             for job in {*self._jobs.values(), *(s.job for s in self._sessions.values())}:
+                if self._judges_own_stalls and gap > job.liveness_timeout:
+                    for session in job.sessions:
+                        session.last_seen = max(session.last_seen, now)
+                        if session.dropped_at is not None:
+                            session.dropped_at = max(session.dropped_at, now)
                 self._watch(job, now)
             next_deadline = min((p.deadline for p in self._parked), default=now + SWEEP_INTERVAL)
             return max(0.0, min(next_deadline - now, SWEEP_INTERVAL))

@@ -75,8 +75,10 @@ _TXN_OPS = 128
 _KEEP_RECORDS = 256
 #: _cas_loop's "delete the key".
 _REMOVE = object()
-#: A call's answer is waited for this long past its timeout; a wait inside a call ends up to
-#: this much (at most a tenth of it) before: a key still missing is a timeout, not silence.
+#: A wait inside a call ends this much (at most half of it) before the call's timeout, at which
+#: the call's answer stops being waited for: a key still missing is then a timeout whose answer
+#: had time to arrive, not silence. A call aims at its timeout, not past it (the slack a caller
+#: allows beyond it is for the scheduling of a loaded machine), but gives any answer this long.
 ANSWER_GRACE = 0.25
 #: While a session cannot open: look at the server after this many seconds, then this often.
 _PROBE_AFTER, _PROBE_EVERY = 1.0, 2.0
@@ -347,11 +349,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         unanswered: type[ChannelClosed] = ChannelClosed,
     ) -> T:
         """Run ``coro`` on the client's loop; errors come out as the channel's. Waits for
-        ``timeout`` (default: the channel's) and :data:`ANSWER_GRACE` more, failing over to
+        ``timeout`` (default: the channel's; at least :data:`ANSWER_GRACE`), failing over to
         another member included; then cancels it: ChannelClosed. (A wait inside ``coro``
-        ends :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.) A wait's read
-        gives ``unanswered`` (ReadUnanswered: the core reads again while the wait lasts)."""
-        wait = (timeout or self.timeout) + ANSWER_GRACE
+        ends up to :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.) A wait's
+        read gives ``unanswered`` (ReadUnanswered: the core reads again while the wait lasts)."""
+        wait = max(timeout or self.timeout, ANSWER_GRACE)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout=wait)
@@ -728,7 +730,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
 
 def _wait_within(timeout: float) -> float:
     """How long a wait inside a call of ``timeout`` seconds lasts (see ``_run``)."""
-    return max(timeout - min(ANSWER_GRACE, timeout / 10), 1e-3)
+    return max(timeout - min(ANSWER_GRACE, timeout / 2), 1e-3)
 
 
 def _lease_gone(err: BaseException) -> bool:

@@ -8,10 +8,11 @@ dp.init_process_group(ch)  # torch.distributed through the channel's store
 
 from typing import Any
 
-from .connect import connect
+from .connect import connect, observe
 from .control.channel import ControlChannel
 from .control.keyspace import KeySpace
 from .control.registry import ChannelURL, known_schemes, parse_url, register_transport
+from .control.status import RankStatus, read_job
 from .errors import (
     AuthError,
     BadMessage,
@@ -71,6 +72,7 @@ __all__ = [
     "PeerLeft",
     "PeerLost",
     "Preempted",
+    "RankStatus",
     "Regroup",
     "Replicas",
     "StepInfo",
@@ -85,7 +87,9 @@ __all__ = [
     "known_schemes",
     "launch",
     "load_config",
+    "observe",
     "parse_url",
+    "read_job",
     "register_transport",
     "relaunch",
 ]

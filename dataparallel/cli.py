@@ -1,4 +1,4 @@
-"""``dataparallel`` command line: ``launch``, ``serve``, ``check``."""
+"""``dataparallel`` command line: ``launch``, ``serve``, ``check``, ``status``."""
 
 from __future__ import annotations
 
@@ -153,6 +153,26 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from .connect import observe
+    from .control.status import read_job, render
+
+    config = _load(args)
+    timeout = float(args.timeout) if args.timeout else 10.0
+    channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
+    try:
+        view = read_job(channel, world_size=args.world_size)
+    finally:
+        channel.close()
+    if args.json:
+        print(json.dumps(view), flush=True)
+    else:
+        print(render(view), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataparallel",
@@ -162,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dataparallel {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log coordinator events")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,serve,check}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,serve,check,status}")
 
     launch = sub.add_parser(
         "launch",
@@ -217,6 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_flags(check, launcher=False)
     check.set_defaults(run=_check)
+
+    status = sub.add_parser(
+        "status",
+        help="what each rank of a running job is doing, and who a stall waits for",
+        description="Read a running job's ranks without joining it (the job's token is needed, as for a rank): "
+        "each rank's host, pid, phase, epoch and step, how long it has been in its phase, its step time and "
+        "its split, and the age of its last status; then the stalls: ranks gone silent, and ranks that others "
+        "have waited for past the stall threshold (5 median step times, at least 2 s), with what each is "
+        "doing. Ranks publish their status under dp.fit. --timeout bounds the connection (default 10 s).",
+    )
+    status.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
+    status.add_argument("--json", action="store_true", help="one JSON object: job, world_size, time, ranks, stalls")
+    status.add_argument("--world-size", type=int, help="the job's size (default: as its ranks published it)")
+    _config_flags(status, launcher=False)
+    status.set_defaults(run=_status)
     return parser
 
 

@@ -98,6 +98,43 @@ def connect(
     return channel
 
 
+def observe(
+    url: str | None = None,
+    *,
+    job: str | None = None,
+    token: str | None = None,
+    timeout: float | None = None,
+) -> ControlChannel:
+    """A channel to the current run of ``job`` at ``url`` that holds no rank and never joins:
+    for reading what the job's ranks publish (:func:`dataparallel.control.status.read_job`,
+    behind ``dataparallel status``). It needs the job's token as a rank does (where the
+    transport checks tokens itself, it refuses another; elsewhere the core compares it with
+    the run's). What is not given comes from the configuration, as for :func:`connect`.
+    Raises :class:`ControlError` where the job has no run (it starts none). Close it after use."""
+    from .config import load_config
+    from .errors import ControlError
+
+    given: dict[str, Any] = {"url": url}
+    config = load_config(given, given_by="dp.observe")
+    where = config.describe("url") if url is None else None
+    url = config.require("url")
+    job = job if job is not None else config.job
+    token = token if token is not None else config.token
+    timeout = timeout if timeout is not None else min(config.timeout, 30.0)
+    parsed, cls = resolve(url, token, where=where)
+    with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
+        channel = cls(parsed, rank=None, world_size=0, job=job, token=token, timeout=timeout, serve=False)
+        try:
+            if not channel._attach_run():
+                raise ControlError(f"job {job!r} has no run at {parsed.shown}: no rank of it has joined")
+            if not cls.native_auth:
+                channel.agree_on_token()
+        except BaseException:
+            channel.close()
+            raise
+    return channel
+
+
 def reopen(like: ControlChannel, *, rank: int, world_size: int, job: str) -> ControlChannel:
     """A channel to ``job`` as ``rank`` of ``world_size`` on ``like``'s coordinator or store,
     with its URL, token, timeout and settings as :func:`connect` resolved them for ``like``

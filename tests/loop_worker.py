@@ -61,6 +61,27 @@ def batch_source(cfg: dict):
     return None
 
 
+class Stalling(torch.utils.data.Dataset):
+    """``inner``, whose ``at``-th item read (counted from 1) waits until the file ``release``
+    exists (at most a minute): a rank whose data loading stalls mid-epoch. It makes the file
+    ``RELEASE.stalled`` as it begins to wait."""
+
+    def __init__(self, inner: torch.utils.data.Dataset, at: int, release: str) -> None:
+        self.inner, self.at, self.release, self.reads = inner, at, release, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        if self.reads == self.at:
+            Path(f"{self.release}.stalled").touch()
+        deadline = time.monotonic() + 60
+        while self.reads == self.at and not Path(self.release).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.inner[i]
+
+
 class FirstHalf(torch.utils.data.DistributedSampler):
     """A user's sampler: the first half of each rank's shard (``uneven``: all of it on rank 0)."""
 
@@ -108,6 +129,10 @@ def main(cfg: dict) -> None:
             elastic=cfg.get("elastic", False),
         )
     train = batch_source(cfg) or data()
+    if cfg.get("stall_data"):  # [rank, read, path]: that rank's data loading waits at that read for the file
+        rank_at, read_at, release = cfg["stall_data"]
+        if ch.rank == rank_at:
+            train = Stalling(train, read_at, release)
     options = dp.TrainOptions(
         epochs=cfg.get("epochs", 3),
         batch_size=cfg.get("batch", 8),

@@ -28,6 +28,7 @@ from .liveness import _HB as _HB_KEY
 from .liveness import _LOST as _LOST_KEY
 from .liveness import Liveness, ReadUnanswered, StoreHeartbeats
 from .registry import ChannelURL
+from .status import RankStatus
 from .wire import MAX_WORLD_SIZE, purpose_key
 
 if TYPE_CHECKING:
@@ -93,7 +94,10 @@ class ControlChannel(Collectives, abc.ABC):
     ``super().__init__(url, **kwargs)`` first, passing every keyword through (``rank``,
     ``world_size``, ``job``, ``token``, ``timeout``, ``serve``). Validated and set then:
     ``self.url``; ``self.rank`` (an int in ``0..world_size-1``, or None until the core's join
-    assigns one: hooks called while joining see None); ``self.world_size``; ``self.job``
+    assigns one: hooks called while joining see None); ``self.world_size`` (0, with no rank,
+    for a channel that only reads a job of any size and never joins: :func:`dataparallel.observe`'s;
+    a transport whose server checks the job's size lets such a channel in without creating
+    the job); ``self.job``
     (non-empty text without ``/`` or NUL: namespace the keys by it); ``self.token`` (None or
     non-empty); ``self.timeout`` (seconds > 0); ``self.may_host`` (the ``serve`` argument:
     False: never host a coordinator in this process); ``self.heartbeat_interval``, ``self.liveness_timeout``.
@@ -235,7 +239,8 @@ class ControlChannel(Collectives, abc.ABC):
         timeout: float = 300.0,
         serve: bool = True,
     ) -> None:
-        if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        observer = world_size == 0 and rank is None  # dp.observe's: no rank, never joins
+        if not isinstance(world_size, int) or not (observer or 1 <= world_size <= MAX_WORLD_SIZE):
             raise ConfigError(f"world_size must be an integer in 1..{MAX_WORLD_SIZE}, got {world_size!r}")
         if rank is not None and (not isinstance(rank, int) or not 0 <= rank < world_size):
             raise ConfigError(f"rank must be an integer in 0..{world_size - 1} or None, got {rank!r}")
@@ -261,6 +266,7 @@ class ControlChannel(Collectives, abc.ABC):
         self._broken: ControlError | None = None
         self._liveness: Liveness | None = None
         self._store: dist.Store | None = None
+        self._status: RankStatus | None = None
         self._seq_lock = threading.Lock()
         self._seq: dict[tuple[str, str], int] = {}
         self._departed: dict[int, Departure] = {}  # ranks that closed: how far they went
@@ -556,6 +562,8 @@ class ControlChannel(Collectives, abc.ABC):
                     self._depart()
                 except ControlError as err:  # leaving anyway; the coordinator may be gone
                     log.debug("could not record the departure: %s", err)
+            if self._status is not None:  # its last record says the rank closed
+                self._status.stop(last_phase="closed" if self._broken is None else None)
             if self._liveness is not None:
                 self._liveness.stop(announce=self._broken is None)
             self._close()
@@ -702,6 +710,21 @@ class ControlChannel(Collectives, abc.ABC):
     def _scoped(self, key: str) -> str:
         """``key`` inside the current run (the core's calls to the hooks all go through it)."""
         return self._run_prefix + key
+
+    def _attach_run(self) -> bool:
+        """Attach this channel, which holds no rank and will not join, to the job's current
+        run for reading (:func:`dataparallel.observe`), starting none: False where the job has
+        no run. Default: the run the run pointer names. A transport whose server keeps runs
+        itself (sessions, leases) overrides it; the coordinator-based ones and ``etcd`` are
+        attached once connected."""
+        if not self._check([_RUN]):
+            return False
+        current = self._get(_RUN, self.timeout)
+        if current is None:
+            return False
+        self._run_id = current
+        self._run_prefix = f"{_RUN}/{current.decode(errors='replace')}/"
+        return True
 
     def _enter_run(self, retry: bool) -> None:
         """Attach to the job's current run, or start one (called by the core before the rank
@@ -906,6 +929,15 @@ class ControlChannel(Collectives, abc.ABC):
             liveness = self._new_liveness()
             liveness.start()
             self._liveness = liveness
+
+    @property
+    def status(self) -> RankStatus:
+        """What this rank says it is doing (:mod:`dataparallel.control.status`): its phase,
+        epoch and step, published for ``dataparallel status`` once
+        :meth:`RankStatus.publish` is called (``dp.fit`` does)."""
+        if self._status is None:
+            self._status = RankStatus(self)
+        return self._status
 
     def lost_peers(self) -> dict[int, PeerLost]:
         """Peers declared lost so far (watching starts when this rank has joined)."""

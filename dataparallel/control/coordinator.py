@@ -343,15 +343,18 @@ class Coordinator(Generic[R]):
             raise BadMessage(
                 f"protocol {hello.protocol} is not spoken here (this coordinator speaks {PROTOCOL_VERSION})"
             )
-        if not hello.job or not 1 <= hello.world_size <= MAX_WORLD_SIZE or not 0 < hello.liveness_timeout < 1e6:
-            raise BadMessage(f"hello needs a job name, 1 <= world_size <= {MAX_WORLD_SIZE} and a liveness timeout > 0")
+        if not hello.job or not 0 <= hello.world_size <= MAX_WORLD_SIZE or not 0 < hello.liveness_timeout < 1e6:
+            raise BadMessage(f"hello needs a job name, 0 <= world_size <= {MAX_WORLD_SIZE} and a liveness timeout > 0")
         nonce = hello.nonce[:64]
         again = self._by_nonce.get(nonce) if nonce else None
         if again is not None and again.job.name == hello.job:
             again.last_seen = self._clock()
             return _reply(request.id, session=again.id)  # a resend: one hello, one session
         job = self._jobs.get(hello.job)
-        if job is None or job.lost:
+        if hello.world_size == 0:  # an observer (dp.observe): reads a job that exists, creates none
+            if job is None:
+                return _reply(request.id, pb.FAILED, f"job {hello.job!r} has no run here: no rank of it has joined")
+        elif job is None or job.lost:
             # A run that lost a rank is over: its sessions keep it until they go; a new one starts.
             job = self._jobs[hello.job] = Job(hello.job, hello.world_size, hello.liveness_timeout)
         elif job.world_size != hello.world_size:

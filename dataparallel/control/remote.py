@@ -172,6 +172,9 @@ class RemoteChannel(ControlChannel, abc.ABC):
             self._hello()
             self._leave(old)
 
+    def _attach_run(self) -> bool:
+        return True  # the session opened in __init__ is in the job's current run
+
     def _run_state(self, holder: int | None) -> tuple[str, str] | None:
         # What the coordinator said when it refused the join; a rank held by a session it
         # still serves is waited for (it gives the rank up when it is declared lost).

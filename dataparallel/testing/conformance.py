@@ -2133,7 +2133,66 @@ def _control_error(err: BaseException) -> bool:
     return isinstance(err, dp.ControlError | dist.DistStoreError | RendezvousError)
 
 
+class StatusTests(ChannelHarness):
+    """What ranks publish of themselves (``channel.status``), read by a channel that holds no
+    rank and never joins (:func:`dataparallel.observe`, behind ``dataparallel status``)."""
+
+    @pytest.mark.timeout(120)
+    def test_an_observer_reads_what_each_rank_is_doing_and_who_a_stall_waits_for(
+        self, channel_url: str, open_ranks: OpenRanks
+    ) -> None:
+        """Three ranks of a job with a token; ranks 0 and 1 publish (rank 0 in ``backward`` of
+        step 7, rank 1 still in ``data`` of that step), rank 2 does not. An observer with the
+        token sees each rank's host, pid, phase, epoch and step, rank 2 joined without a
+        record, and names rank 1 as the rank rank 0 waits for once rank 0 has waited past the
+        threshold; a rank that closes reads as closed. One with another token is refused
+        (AuthError); one of a job that has no run is refused (ControlError) and starts none:
+        that job then starts with any size."""
+        from dataparallel.control.status import diagnose, read_job
+
+        token = "status-token"
+        chs = open_ranks(3, job="observed", token=token)
+        for ch, phase in zip(chs[:2], ("backward", "data"), strict=False):
+            ch.status.at(epoch=1, step=7)
+            ch.status.enter(phase)
+            ch.status.publish(interval=0.2)
+        observer = dp.observe(channel_url, job="observed", token=token, timeout=STEP_TIMEOUT)
+        try:
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while True:
+                view = read_job(observer)
+                ranks = view["ranks"]
+                if all(r["phase_s"] is not None and r["phase_s"] > 0.6 for r in ranks[:2]):
+                    break
+                assert time.monotonic() < deadline, f"no records of ranks 0 and 1 read: {ranks}"
+                time.sleep(0.1)
+            assert view["job"] == "observed" and view["world_size"] == 3, view
+            for rank, phase in ((0, "backward"), (1, "data")):
+                entry = ranks[rank]
+                assert entry["host"] == socket.gethostname() and entry["pid"] == os.getpid(), entry
+                where = (entry["phase"], entry["epoch"], entry["step"], entry["state"])
+                assert where == (phase, 1, 7, "running"), entry
+                assert 0 <= entry["heartbeat_age"] < 5, entry
+            assert ranks[2]["state"] == "joined" and ranks[2]["phase"] is None, ranks[2]
+            assert ranks[2]["pid"] == os.getpid(), ranks[2]
+            stalls = diagnose(ranks, threshold=0.5)
+            assert [(s["rank"], s["phase"], s["waiting"]) for s in stalls] == [(1, "data", [0])], stalls
+            assert "'data'" in stalls[0]["cause"] and "'backward'" in stalls[0]["cause"], stalls
+            assert diagnose(ranks, threshold=60) == [], "no stall below the threshold"
+            chs[1].close()
+            assert read_job(observer)["ranks"][1]["state"] == "closed"
+        finally:
+            observer.close()
+        with pytest.raises(dp.AuthError):
+            dp.observe(channel_url, job="observed", token="another-token", timeout=STEP_TIMEOUT).close()
+        with pytest.raises(dp.ControlError, match="no run"):
+            dp.observe(channel_url, job="unstarted", token=token, timeout=STEP_TIMEOUT).close()
+        (alone,) = open_ranks(1, job="unstarted", token=token)
+        alone.set("k", b"v")
+
+
 class ChannelConformance(
+    StatusTests,
     PrimitiveTests,
     MembershipTests,
     CollectiveTests,

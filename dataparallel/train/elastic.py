@@ -257,6 +257,7 @@ class ElasticState:
         rank = members.index(t.rank)
         new = self.open_generation(old, self.job, generation, rank, len(members))
         t.ch, t.rank, t.world, self.generation = new, rank, new.world_size, generation
+        t.publish_status()
         if t.rank == 0 and t.settings.elastic and self.queue is None:  # the driver was lost: this one drives
             self.queue = membership.JoinQueue(new, self.job, take_over=True)
         snapshot = self.snapshot
@@ -295,6 +296,7 @@ class ElasticState:
         old, generation, size = t.ch, command["generation"], command["world_size"]
         new = self.open_generation(old, self.job, generation, t.rank, size)
         t.ch, t.world, self.generation = new, size, generation
+        t.publish_status()
         self.resize()
         self._form_group(new, generation)
         self.share_state(old.world_size, epoch)

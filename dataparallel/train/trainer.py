@@ -95,7 +95,17 @@ class Trainer:
         self.history = FitResult()
 
     # ------------------------------------------------------------------ setup
+    def publish_status(self) -> None:
+        """Publish what this rank is doing on the job's channel (:mod:`dataparallel.control.status`);
+        again on each channel an elastic regroup moves it to."""
+        status = self.ch.status
+        status.device = str(self.device)
+        status.at(step=self.global_step)
+        status.publish()
+
     def _setup(self) -> None:
+        self.publish_status()
+        self.ch.status.enter("rendezvous")
         if self.settings.elastic:
             self.elastic.check()
         # A newcomer's members wait for it as long as this (then carry on without it).
@@ -103,6 +113,7 @@ class Trainer:
         # After the rendezvous: a rank whose first batch fails ends (with its coordinator, on
         # rank 0) only once every rank has joined, so where every rank's fails (the same model
         # and loss), each reports that cause itself rather than a coordinator gone.
+        self.ch.status.enter("setup")
         self._preflight()
         if self.pg is None:
             if not dist.is_initialized():
@@ -177,7 +188,8 @@ class Trainer:
         """Train from ``epoch`` until the driver says stop, then meet at the end."""
         while True:
             started = time.perf_counter()
-            command = self._command(epoch)
+            with self.ch.status.phase("command"):  # the driver's broadcast
+                command = self._command(epoch)
             if command["cmd"] == "stop":
                 self.history.stopped_early = command.get("early", False)
                 break
@@ -203,13 +215,17 @@ class Trainer:
                 self.stops.stop_here(epoch, self.stops.stopped_at, train)
             self.base = None
             stamps.append(time.perf_counter())
-            val = self._validate(epoch)
+            with self.ch.status.phase("validation"):
+                val = self._validate(epoch)
             stamps.append(time.perf_counter())
             if self.scheduler is not None and self.opts.scheduler_interval == "epoch":
                 self.scheduler.step()
-            self._report(epoch, train, val, lr, stamps)
+            with self.ch.status.phase("report"):  # the epoch's reports meet at the driver
+                self._report(epoch, train, val, lr, stamps)
             epoch += 1
+        self.ch.status.enter("barrier dp-fit-end")
         self.ch.barrier("dp-fit-end", timeout=self.opts.collective_timeout)
+        self.ch.status.enter("done")
 
     def _command(self, next_epoch: int) -> dict[str, Any]:
         payload = None

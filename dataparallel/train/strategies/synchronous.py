@@ -64,20 +64,28 @@ class SynchronousSteps(Strategy):
         stops = t.stops
         polling = stops.polls() and not uneven  # under Join the ranks' collectives differ: at its end
         stops.start_epoch()
+        status = t.ch.status  # what `dataparallel status` shows of this rank: phase, step, split
+        status.at(epoch=epoch)
+        status.enter("data")
+        status.step_started()
         # Join shadows the all-reduces of ranks that ran out of batches (uneven counts).
         with Join([t.ddp], enable=uneven):
             for i, ((x, y), last) in enumerate(with_last(batches), start=skip):
+                status.enter("forward")
                 n_batches, done = n_batches + 1, i + 1
                 x, y = to_device(x, t.device), to_device(y, t.device)
                 boundary = (i + 1) % k == 0 or last
                 with self.no_sync(boundary):
                     with t.autocast():
                         loss = t.loss_fn(forward(x), y)
+                    status.enter("backward")  # with DDP's gradient all-reduce, at a boundary
                     t.scaler.scale(loss / k).backward()
                 averaged = False
                 if boundary:
+                    status.enter("optimizer")
                     t.step(epoch, i, loss)
                     averaged = self.after_step()
+                    status.step_done(t.global_step)
                 n = count(y)
                 loss_sum += float(loss.detach()) * n
                 samples += n
@@ -88,6 +96,8 @@ class SynchronousSteps(Strategy):
                 if polling and boundary and self.poll_due(averaged) and stops.agreed():
                     stops.stopped_at = i + 1
                     break
+                status.enter("data")
+        status.enter("epoch end")
         if stops.polls() and stops.stopped_at is None and stops.agreed(last=True):
             stops.stopped_at = done  # agreed at the epoch's end: stop before validating
         t.reports.close_bar()

@@ -127,7 +127,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         # Whether this channel keeps its run alive: from the start, unless it waits for a
         # rank another process holds (a rerun waiting for a dead run to end must not keep it
         # alive); again once it holds its rank.
-        self._holds_run = True
+        self._holds_run = self.world_size != 0  # an observer's (dp.observe) keeps no run alive
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._registered = False
@@ -172,6 +172,8 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             if current is not None:
                 run, self._run_lease = current.value, current.lease
                 break
+            if self.world_size == 0:  # an observer (dp.observe) starts no run: it reads one
+                return
             lease = await self._call("lease", self._ttl)
             fresh = uuid.uuid4().hex.encode()
             ok, _ = await self._call(
@@ -196,6 +198,9 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         is no verdict (True: the next one asks again)."""
         reply = await self._call("refresh_lease", self._run_lease)
         return reply is None or reply.TTL > 0
+
+    def _attach_run(self) -> bool:
+        return bool(self._run_id)  # what __init__ found (an observer's starts none: _open_run)
 
     def _enter_run(self, retry: bool) -> None:
         if retry:  # the run opened in __init__ was the first attempt's; it may have ended since

@@ -1,0 +1,400 @@
+"""What each rank is doing, said through the channel, and what a look at all of them shows.
+
+A rank's :class:`RankStatus` (``channel.status``) holds its phase (waiting for data, forward,
+backward with the gradient all-reduce, optimizer, validation, a named collective...), how
+long it has been in it, its epoch and step, and its last steps' time split by phase. Setting
+a phase is an attribute write under a lock: nothing travels then. Once published
+(:meth:`RankStatus.publish`; ``dp.fit`` does it for every rank it trains), a daemon thread
+writes the rank's record, a small JSON object, under ``__dp/status/RANK`` in the job's run
+every ``interval`` seconds (the channel's heartbeat interval): one ``set`` a second per rank,
+on every transport, batched with its node's others behind a node relay.
+
+Anyone holding the job's URL and token reads the records (:func:`read_job`, behind
+``dataparallel status``) without joining the job, and :func:`diagnose` names the ranks a
+stall waits for: a rank whose record stopped coming (frozen, cut off, dead), and, when ranks
+have waited in one phase past a threshold, the ranks behind them and what each is doing.
+
+The records' ages compare the reader's wall clock with the writer's: hosts keep their clocks
+synchronised (NTP) for ages across hosts to mean anything; on one host they are exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ControlError
+from .keyspace import RESERVED_PREFIX, peer_key
+
+if TYPE_CHECKING:
+    from .channel import ControlChannel
+
+log = logging.getLogger(__name__)
+
+_STATUS = f"{RESERVED_PREFIX}status/"
+#: The phases of a training step, in the order a step goes through them: a rank at an
+#: earlier one (or an earlier step) than ranks waiting in a later one is behind them.
+STEP_PHASES = ("data", "forward", "backward", "optimizer")
+#: Steps whose time split a record carries (the means of the last ones) and step times kept
+#: for the view's plot (at most this many, the latest).
+SPLIT_OVER, RECENT = 16, 120
+#: A stall is a wait in one phase longer than this many times the job's median step time,
+#: and never shorter than :data:`STALL_FLOOR` seconds.
+STALL_STEPS, STALL_FLOOR = 5.0, 2.0
+#: A record older than this many publishing intervals (at least :data:`SILENT_FLOOR`
+#: seconds) is a rank gone silent: frozen, cut off, or dead.
+SILENT_INTERVALS, SILENT_FLOOR = 3.0, 2.0
+
+
+def status_key(rank: int) -> str:
+    """Where ``rank`` publishes its record (a hook-level key, inside the run)."""
+    return f"{_STATUS}{rank}"
+
+
+class RankStatus:
+    """One rank's own account of what it is doing (``channel.status``). Thread-safe; setting
+    a phase costs a lock and a clock read."""
+
+    def __init__(self, channel: ControlChannel) -> None:
+        self._ch = channel
+        self._lock = threading.Lock()
+        self.phase_name = "joined"
+        self.phase_since = time.time()
+        self.epoch: int | None = None
+        self.step: int | None = None
+        self.device: str | None = None
+        self._split: dict[str, float] = {}  # this step's seconds per phase, so far
+        self._steps: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=RECENT)  # (end, seconds, split)
+        self._changed = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.interval = channel.heartbeat_interval
+
+    # ------------------------------------------------------------------ what the rank says
+    def enter(self, phase: str) -> str:
+        """Enter ``phase``; returns the phase left (the time spent in it counts to this step's
+        split)."""
+        now = time.time()
+        with self._lock:
+            left = self.phase_name
+            self._split[left] = self._split.get(left, 0.0) + now - self.phase_since
+            self.phase_name, self.phase_since = phase, now
+            self._changed += 1
+        return left
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """In ``phase`` for the body; the phase before it again afterwards."""
+        left = self.enter(phase)
+        try:
+            yield
+        finally:
+            self.enter(left)
+
+    def at(self, epoch: int | None = None, step: int | None = None) -> None:
+        """Where the rank is: its epoch and (global) step."""
+        with self._lock:
+            if epoch is not None:
+                self.epoch = epoch
+            if step is not None:
+                self.step = step
+            self._changed += 1
+
+    def step_done(self, step: int) -> None:
+        """A step ended (the next begins): its time, split by the phases it went through."""
+        now = time.time()
+        with self._lock:
+            split = self._split
+            split[self.phase_name] = split.get(self.phase_name, 0.0) + now - self.phase_since
+            self.phase_since = now
+            self._steps.append((now, sum(split.values()), split))
+            self._split = {}
+            self.step = step
+            self._changed += 1
+
+    def step_started(self) -> None:
+        """The first step of a stretch begins now: what came before is no step's time."""
+        now = time.time()
+        with self._lock:
+            self._split = {}
+            self.phase_since = now
+
+    def record(self) -> dict[str, Any]:
+        """The rank's record as published (JSON-able)."""
+        now = time.time()
+        with self._lock:
+            steps = list(self._steps)
+            last = steps[-SPLIT_OVER:]
+            split: dict[str, float] = {}
+            for _, _, s in last:
+                for name, seconds in s.items():
+                    split[name] = split.get(name, 0.0) + seconds / len(last)
+            return {
+                "rank": self._ch.rank,
+                "world_size": self._ch.world_size,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "device": self.device,
+                "phase": self.phase_name,
+                "phase_s": round(now - self.phase_since, 4),
+                "epoch": self.epoch,
+                "step": self.step,
+                "step_s": round(statistics.median(t for _, t, _ in last), 6) if last else None,
+                "split": {k: round(v, 6) for k, v in split.items()},
+                "recent": [[round(end, 3), round(t, 6)] for end, t, _ in steps],
+                "time": now,
+                "interval": self.interval,
+            }
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self, interval: float | None = None) -> None:
+        """Write the record now and then every ``interval`` seconds (default: the channel's
+        heartbeat interval) until the channel closes. Idempotent. The first write is made
+        here: a failure to write it raises."""
+        if self._thread is not None:
+            return
+        if interval is not None:
+            self.interval = interval
+        self._write()
+        self._thread = threading.Thread(target=self._run, name=f"dp-status-r{self._ch.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self, last_phase: str | None = None) -> None:
+        """Stop publishing; with ``last_phase`` write the record once more in it."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        if thread is not threading.current_thread():
+            thread.join(timeout=2 * self.interval)
+        if last_phase is not None:
+            self.enter(last_phase)
+            with contextlib.suppress(ControlError):
+                self._write()
+
+    def _write(self) -> None:
+        rank = self._ch.rank
+        if rank is None:
+            raise ControlError(f"{self._ch!r} publishes its status before it holds a rank")
+        self._ch._set(self._ch._scoped(status_key(rank)), json.dumps(self.record()).encode())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self._ch.failure is not None:
+                return
+            try:
+                self._write()
+            except ControlError as err:  # the liveness thread judges the store; try again
+                log.debug("rank %s: status not written: %s", self._ch.rank, err)
+
+
+# ---------------------------------------------------------------------- reading the job
+def read_job(channel: ControlChannel, world_size: int | None = None) -> dict[str, Any]:
+    """Every rank's record and process of ``channel``'s job (a channel that need not hold a
+    rank of it: :func:`dataparallel.observe`), with what :func:`diagnose` sees in them:
+    ``{"job", "world_size", "time", "ranks": [...], "stalls": [...]}``. Each entry of
+    ``ranks`` has ``rank``, ``host``, ``pid``, ``phase``, ``phase_s``, ``epoch``, ``step``,
+    ``step_s``, ``split``, ``heartbeat_age`` (seconds since its record was written; None
+    where none was) and ``state`` (``"running"``, ``"silent"``, ``"closed"``, ``"joined"``
+    without a record, ``"absent"``: not joined)."""
+    size = world_size or _world_size(channel)
+    records = _read_many(channel, [status_key(r) for r in range(size)])
+    peers = _read_many(channel, [peer_key(r) for r in range(size)])
+    now = time.time()
+    ranks = []
+    found: dict[int, dict[str, Any]] = {}
+    for rank in range(size):
+        rec, peer = records[rank], peers[rank]
+        entry: dict[str, Any] = {
+            "rank": rank,
+            "host": None,
+            "pid": None,
+            "device": None,
+            "phase": None,
+            "phase_s": None,
+            "epoch": None,
+            "step": None,
+            "step_s": None,
+            "split": {},
+            "heartbeat_age": None,
+            "state": "absent",
+        }
+        if peer is not None:
+            entry.update(host=peer.get("host"), pid=peer.get("pid"), state="joined")
+        if rec is not None:
+            age = max(now - float(rec.get("time", now)), 0.0)
+            found[rank] = rec
+            entry.update({k: rec.get(k) for k in ("host", "pid", "device", "phase", "epoch", "step", "step_s")})
+            entry["split"] = rec.get("split") or {}
+            entry["recent"] = rec.get("recent") or []
+            entry["phase_s"] = round(float(rec.get("phase_s") or 0.0) + age, 3)
+            entry["heartbeat_age"] = round(age, 3)
+            if rec.get("phase") == "closed":
+                entry["state"] = "closed"
+            else:
+                entry["state"] = "silent" if age > silent_after(rec) else "running"
+        ranks.append(entry)
+    return {
+        "job": channel.job,
+        "world_size": size,
+        "time": now,
+        "ranks": ranks,
+        "stalls": diagnose(ranks),
+    }
+
+
+def render(view: Mapping[str, Any]) -> str:
+    """:func:`read_job`'s view as text: a table of the ranks, then the stalls."""
+    head = ("rank", "state", "host", "pid", "epoch", "step", "phase", "in phase", "step time", "split", "status age")
+    rows = [head]
+    for r in view["ranks"]:
+        split = " ".join(f"{k} {v * 1000:.0f}ms" for k, v in sorted(r.get("split", {}).items(), key=lambda kv: -kv[1]))
+        rows.append(
+            (
+                str(r["rank"]),
+                r["state"],
+                str(r["host"] or "-"),
+                str(r["pid"] or "-"),
+                _or_dash(r["epoch"]),
+                _or_dash(r["step"]),
+                str(r["phase"] or "-"),
+                "-" if r["phase_s"] is None else f"{r['phase_s']:.1f}s",
+                "-" if not r["step_s"] else f"{r['step_s'] * 1000:.1f}ms",
+                split or "-",
+                "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age']:.1f}s",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [f"job {view['job']!r}: {view['world_size']} rank(s)"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    stalls = view["stalls"]
+    lines.append("stalls:" if stalls else "no stall")
+    lines += [f"  rank {s['rank']}: {s['cause']}" for s in stalls]
+    return "\n".join(lines)
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def silent_after(record: Mapping[str, Any]) -> float:
+    """How old a record may grow before its rank counts as silent."""
+    return max(SILENT_INTERVALS * float(record.get("interval") or 1.0), SILENT_FLOOR)
+
+
+def stall_threshold(ranks: Sequence[Mapping[str, Any]], floor: float = STALL_FLOOR) -> float:
+    """How long a wait in one phase is a stall: :data:`STALL_STEPS` median step times of the
+    ranks that report one, at least ``floor`` seconds."""
+    times = [float(r["step_s"]) for r in ranks if r.get("step_s")]
+    return max(floor, STALL_STEPS * statistics.median(times)) if times else floor
+
+
+def _position(entry: Mapping[str, Any]) -> tuple[int, int, int]:
+    """How far a rank is: (epoch, step, the phase's place in a step; -1 outside a step)."""
+    phase = entry.get("phase")
+    place = STEP_PHASES.index(phase) if phase in STEP_PHASES else -1
+    return (entry.get("epoch") or 0, entry.get("step") or 0, place)
+
+
+def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None) -> list[dict[str, Any]]:
+    """The stalls ``ranks`` (entries as :func:`read_job` makes them) show, each ``{"rank",
+    "cause", "phase", "for_s", "waiting"}`` naming a rank others wait for (``waiting``: the
+    running ranks ahead of it):
+
+    - a rank gone silent (its record stopped coming: frozen, cut off, or dead);
+    - when some ranks have been in one phase past ``threshold`` (default
+      :func:`stall_threshold`): every running rank behind the furthest of them (an earlier
+      step, or an earlier phase of the same step, or outside the step they wait in), with
+      what it is doing; where none is behind, each rank that has waited that long.
+    """
+    live = [r for r in ranks if r.get("state") in ("running", "silent")]
+    stalls: list[dict[str, Any]] = []
+    waiting_ranks = [r["rank"] for r in live if r.get("state") == "running"]
+    for r in live:
+        if r.get("state") == "silent":
+            stalls.append(
+                {
+                    "rank": r["rank"],
+                    "cause": (
+                        f"silent: no status for {r['heartbeat_age']:.1f}s (last seen in {r['phase']!r}"
+                        f"{_at(r)}): frozen, cut off or dead"
+                    ),
+                    "phase": r.get("phase"),
+                    "for_s": r.get("heartbeat_age"),
+                    "waiting": [w for w in waiting_ranks if w != r["rank"]],
+                }
+            )
+    limit = stall_threshold(live) if threshold is None else threshold
+    running = [r for r in live if r.get("state") == "running"]
+    waiters = [r for r in running if (r.get("phase_s") or 0.0) > limit]
+    if not waiters:
+        return stalls
+    furthest = max(_position(w) for w in waiters)
+    ahead = [w["rank"] for w in waiters if _position(w) == furthest]
+    where = next(f"{w['phase']!r}{_at(w)}" for w in waiters if _position(w) == furthest)
+    behind = [r for r in running if _position(r) < furthest]
+    if behind:
+        blamed = behind
+    elif not stalls:  # nobody behind, nobody silent: the ones that wait are stuck where they are
+        blamed = waiters
+    else:
+        return stalls
+    for r in blamed:
+        # Who waits for it: the ranks ahead of it (those past the threshold first named where).
+        others = sorted(a["rank"] for a in running if _position(a) > _position(r)) if r in behind else []
+        if others:
+            cause = (
+                f"in {r['phase']!r}{_at(r)} for {r['phase_s']:.1f}s while rank(s) "
+                f"{', '.join(map(str, ahead))} wait in {where}"
+            )
+        else:
+            cause = f"in {r['phase']!r}{_at(r)} for {r['phase_s']:.1f}s (stall threshold {limit:.1f}s)"
+        stalls.append(
+            {"rank": r["rank"], "cause": cause, "phase": r.get("phase"), "for_s": r.get("phase_s"), "waiting": others}
+        )
+    return stalls
+
+
+def _at(entry: Mapping[str, Any]) -> str:
+    parts = []
+    if entry.get("epoch") is not None:
+        parts.append(f"epoch {entry['epoch']}")
+    if entry.get("step") is not None:
+        parts.append(f"step {entry['step']}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _read_many(channel: ControlChannel, keys: Sequence[str]) -> list[dict[str, Any] | None]:
+    """The JSON values of ``keys`` in the run (None where absent or unreadable), one look."""
+    out: list[dict[str, Any] | None] = []
+    for key in keys:
+        scoped = channel._scoped(key)
+        try:
+            raw = channel._get(scoped, 1.0) if channel._check([scoped]) else None
+            out.append(json.loads(raw) if raw else None)
+        except (ControlError, ValueError):
+            out.append(None)
+    return out
+
+
+def _world_size(channel: ControlChannel) -> int:
+    """The job's size as its ranks published it (their records), else as far as ranks joined."""
+    for rank in range(64):
+        rec = _read_many(channel, [status_key(rank)])[0]
+        if rec is not None and rec.get("world_size"):
+            return int(rec["world_size"])
+    size, rank = 0, 0
+    while rank < size + 64:  # the last joined rank, past gaps of up to 64
+        if channel._check([channel._scoped(peer_key(rank))]):
+            size = rank + 1
+        rank += 1
+    return size

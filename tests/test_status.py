@@ -1,0 +1,113 @@
+"""``dataparallel status`` on real training jobs: ranks that are processes training with
+``dp.fit`` (gloo), read from outside the job by the command line and by ``dp.observe``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_loop import spawn
+
+import dataparallel as dp
+from dataparallel.testing import free_port
+
+JOB = "loop"
+#: How long a fault may take to show in the view (the issue's bound is 5 s from the fault).
+SHOWS_WITHIN = 5.0
+
+
+def _view(url: str) -> dict:
+    with dp.observe(url, job=JOB, timeout=10) as ch:
+        return dp.read_job(ch)
+
+
+def _until(url: str, ok, what: str, within: float = 60.0) -> tuple[dict, float]:
+    """Read the job's view until ``ok(view)``; the view, and when it first held."""
+    deadline = time.monotonic() + within
+    last: dict | None = None
+    while time.monotonic() < deadline:
+        try:
+            last = _view(url)
+        except dp.ControlError:  # the job's coordinator not up yet, or no run yet
+            last = None
+        if last is not None and ok(last):
+            return last, time.monotonic()
+        time.sleep(0.2)
+    pytest.fail(f"{what}: not seen within {within:g}s; last view: {json.dumps(last)[-3000:]}")
+
+
+def _training(view: dict) -> bool:
+    return all(r["state"] == "running" and (r["step"] or 0) >= 1 for r in view["ranks"])
+
+
+def _finish(procs) -> None:
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, f"a rank exited {p.returncode}:\n{(out + err)[-3000:]}"
+
+
+@pytest.mark.timeout(180)
+def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(tmp_path: Path) -> None:
+    """Three ranks train (zmq, gloo); rank 2's data loader stalls mid-training. Within 5 s of
+    the stall's start (the threshold, 2 s, included), ``dataparallel status --json``
+    names rank 2, in ``data``, as the rank that ranks 0 and 1 wait for in ``backward`` (DDP's
+    gradient all-reduce); the text view says the same. Released, the job ends well."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    release = tmp_path / "release"
+    cfg = {"url": url, "world": 3, "epochs": 3, "out": str(tmp_path / "out.pt"), "stall_data": [2, 45, str(release)]}
+    procs = [spawn({**cfg, "rank": r}) for r in range(3)]
+    try:
+        stalled = Path(f"{release}.stalled")
+        deadline = time.monotonic() + 60
+        while not stalled.exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "rank 2 never stalled"
+            time.sleep(0.02)
+        began = time.monotonic()
+        # Named once the others' wait passes the threshold (2 s here: steps of milliseconds).
+        view, seen = _until(url, lambda v: any(s["rank"] == 2 and s["phase"] == "data" for s in v["stalls"]), "stall")
+        assert seen - began < SHOWS_WITHIN, f"named {seen - began:.1f}s after the stall began"
+        ranks = view["ranks"]
+        assert ranks[2]["phase"] == "data", ranks[2]
+        (stall,) = [s for s in view["stalls"] if s["rank"] == 2]
+        assert stall["phase"] == "data" and stall["waiting"] == [0, 1], stall
+        assert [ranks[r]["phase"] for r in (0, 1)] == ["backward", "backward"], ranks
+        assert all(r["pid"] == p.pid for r, p in zip(ranks, procs, strict=True)), (ranks, [p.pid for p in procs])
+        cli = [sys.executable, "-m", "dataparallel", "status", url, "--job", JOB]
+        said = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60, check=True)
+        printed = json.loads(said.stdout)
+        assert [s["rank"] for s in printed["stalls"]] == [2], printed["stalls"]
+        fields = {"rank", "host", "pid", "phase", "step", "heartbeat_age"}
+        assert fields <= set(printed["ranks"][0]), printed["ranks"][0]
+        text = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=True).stdout
+        assert "rank 2: in 'data'" in text and "wait in 'backward'" in text, text
+    finally:
+        release.touch()
+    _finish(procs)
+
+
+@pytest.mark.timeout(180)
+def test_status_names_a_frozen_rank_silent_within_seconds(tmp_path: Path) -> None:
+    """Three ranks train with steps of 0.1 s; rank 1 is frozen (SIGSTOP) for a few seconds.
+    The view names it silent, with its last phase, within 5 s of the freeze; resumed before
+    the liveness timeout, the job ends well."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    cfg = {"url": url, "world": 3, "epochs": 4, "out": str(tmp_path / "out.pt"), "step_sleep": 0.1}
+    procs = [spawn({**cfg, "rank": r}) for r in range(3)]
+    try:
+        _until(url, _training, "the job training")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        view, seen = _until(
+            url, lambda v: any(s["rank"] == 1 and s["cause"].startswith("silent") for s in v["stalls"]), "rank 1 silent"
+        )
+        assert seen - frozen < SHOWS_WITHIN, f"named {seen - frozen:.1f}s after the freeze"
+        assert view["ranks"][1]["state"] == "silent", view["ranks"][1]
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    _finish(procs)

@@ -731,11 +731,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
         actual = self.driver.call(route, request)
         if (
             protocol != PROTOCOL_VERSION
-            or not 1 <= world_size <= MAX_WORLD_SIZE
+            or not 0 <= world_size <= MAX_WORLD_SIZE
             or not 0 < liveness < 1e6
-            or (state is not None and state.world_size != world_size)
+            or (state is not None and world_size and state.world_size != world_size)
         ):
             check_reply(actual, reply(7, pb.BAD_MESSAGE), "hello")
+            return multiple()
+        if world_size == 0 and state is None:  # an observer's: it reads a job, creates none
+            check_reply(actual, reply(7, pb.FAILED, "has no run here"), "hello")
             return multiple()
         if len(self.live) >= LIMITS.max_sessions:
             check_reply(actual, reply(7, pb.FAILED, "coordinator full"), "hello")

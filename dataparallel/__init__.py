@@ -23,6 +23,7 @@ from .errors import (
     PeerLeft,
     PeerLost,
     Preempted,
+    Stalled,
 )
 from .version import __version__ as __version__
 
@@ -75,6 +76,7 @@ __all__ = [
     "RankStatus",
     "Regroup",
     "Replicas",
+    "Stalled",
     "StepInfo",
     "TrainOptions",
     "abort_process_group",

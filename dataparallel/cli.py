@@ -1,4 +1,4 @@
-"""``dataparallel`` command line: ``launch``, ``serve``, ``check``, ``status``."""
+"""``dataparallel`` command line: ``launch``, ``serve``, ``check``, ``status``, ``top``."""
 
 from __future__ import annotations
 
@@ -173,6 +173,35 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _top(args: argparse.Namespace) -> int:
+    import time
+
+    from .connect import observe
+    from .control.status import read_job, render
+
+    config = _load(args)
+    timeout = float(args.timeout) if args.timeout else 10.0
+    tty = sys.stdout.isatty()
+    channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
+    shown = 0
+    try:
+        while args.iterations is None or shown < args.iterations:
+            started = time.monotonic()
+            view = read_job(channel, world_size=args.world_size)
+            clock = time.strftime("%H:%M:%S", time.localtime(view["time"]))
+            text = f"{clock}  {render(view)}"
+            # A terminal is redrawn in place; a pipe or file gets one block per look.
+            print("\x1b[H\x1b[2J" + text if tty else text + "\n", flush=True)
+            shown += 1
+            if args.iterations is None or shown < args.iterations:
+                time.sleep(max(args.interval - (time.monotonic() - started), 0.0))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        channel.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataparallel",
@@ -182,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dataparallel {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log coordinator events")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,serve,check,status}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,serve,check,status,top}")
 
     launch = sub.add_parser(
         "launch",
@@ -252,6 +281,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--world-size", type=int, help="the job's size (default: as its ranks published it)")
     _config_flags(status, launcher=False)
     status.set_defaults(run=_status)
+
+    top = sub.add_parser(
+        "top",
+        help="dataparallel status, live: the ranks and stalls of a running job, looked at again every second",
+        description="As dataparallel status, looked at again every --interval seconds (one connection, held) until "
+        "interrupted or --iterations looks: a terminal is redrawn in place, other output gets one block per look.",
+    )
+    top.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
+    top.add_argument("--iterations", type=int, help="stop after this many looks (default: until interrupted)")
+    top.add_argument("--world-size", type=int, help="the job's size (default: as its ranks published it)")
+    _config_flags(top, launcher=False)
+    top.set_defaults(run=_top)
     return parser
 
 

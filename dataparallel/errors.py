@@ -89,6 +89,25 @@ class PeerLeft(PeerLost):
         ControlError.__init__(self, f"{msg}; while waiting for {during}" if during and during != missed else msg)
 
 
+class Stalled(ControlError):
+    """The job stood still past ``TrainOptions.stall_timeout``: ``rank`` is the rank the
+    others waited for, ``phase`` what it was doing (its last phase where it went silent),
+    ``cause`` the diagnosis (:func:`dataparallel.control.status.diagnose`). Raised by
+    ``dp.fit`` on every rank, instead of waiting out the collective's own timeout: the
+    driver names the stall, every rank aborts its process group, and the named rank is
+    interrupted where it stands (its main thread, between two Python instructions).
+
+    What to do: look at that rank's output and at what it was doing; ``dataparallel
+    status`` shows the job as the driver saw it, and a restart with a checkpoint goes on."""
+
+    def __init__(self, rank: int, phase: str | None, cause: str, timeout: float) -> None:
+        self.rank, self.phase, self.cause, self.timeout = rank, phase, cause, timeout
+        super().__init__(f"the job stalled on rank {rank}: {cause} (stall_timeout {timeout:g}s)")
+
+    def __reduce__(self) -> tuple[type[Stalled], tuple[int, str | None, str, float]]:
+        return type(self), (self.rank, self.phase, self.cause, self.timeout)
+
+
 class AuthError(ControlError):
     """The job token was missing or did not match the coordinator's (transports that check
     it themselves); raised at connect, in seconds.

@@ -57,7 +57,8 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
     """Three ranks train (zmq, gloo); rank 2's data loader stalls mid-training. Within 5 s of
     the stall's start (the threshold, 2 s, included), ``dataparallel status --json``
     names rank 2, in ``data``, as the rank that ranks 0 and 1 wait for in ``backward`` (DDP's
-    gradient all-reduce); the text view says the same. Released, the job ends well."""
+    gradient all-reduce); the text view says the same, and ``dataparallel top`` at each of its
+    looks. Released, the job ends well."""
     url = f"zmq://127.0.0.1:{free_port()}"
     release = tmp_path / "release"
     cfg = {"url": url, "world": 3, "epochs": 3, "out": str(tmp_path / "out.pt"), "stall_data": [2, 45, str(release)]}
@@ -86,6 +87,9 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
         assert fields <= set(printed["ranks"][0]), printed["ranks"][0]
         text = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=True).stdout
         assert "rank 2: in 'data'" in text and "wait in 'backward'" in text, text
+        top = [sys.executable, "-m", "dataparallel", "top", url, "--job", JOB, "--iterations", "2", "--interval", "0.5"]
+        live = subprocess.run(top, capture_output=True, text=True, timeout=60, check=True).stdout
+        assert live.count("rank 2: in 'data'") == 2 and live.count("job 'loop': 3 rank(s)") == 2, live
     finally:
         release.touch()
     _finish(procs)
@@ -111,3 +115,43 @@ def test_status_names_a_frozen_rank_silent_within_seconds(tmp_path: Path) -> Non
     finally:
         os.kill(procs[1].pid, signal.SIGCONT)
     _finish(procs)
+
+
+@pytest.mark.timeout(180)
+def test_a_stall_timeout_fails_every_rank_with_stalled_naming_the_culprit(tmp_path: Path) -> None:
+    """Three ranks train with ``stall_timeout=3``; rank 2's data loader stalls (for a minute,
+    unless interrupted). Every rank ends with :class:`~dataparallel.Stalled` naming rank 2 in
+    ``data``, rank 2 included (interrupted inside its loader), well before the stall would
+    have ended or the collective timeout (60 s) would have fired."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    release = tmp_path / "release"
+    cfg = {
+        "url": url,
+        "world": 3,
+        "epochs": 3,
+        "out": str(tmp_path / "out.pt"),
+        "stall_data": [2, 45, str(release)],
+        "stall_timeout": 3,
+    }
+    procs = [spawn({**cfg, "rank": r}) for r in range(3)]
+    stalled = Path(f"{release}.stalled")
+    try:
+        deadline = time.monotonic() + 60
+        while not stalled.exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "rank 2 never stalled"
+            time.sleep(0.02)
+        began = time.monotonic()
+        outputs = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            outputs.append((p.returncode, out + err))
+        ended = time.monotonic() - began
+    finally:
+        release.touch()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (code, said) in enumerate(outputs):
+        assert code != 0, f"rank {rank} ended well through a stall:\n{said[-3000:]}"
+        assert "Stalled: the job stalled on rank 2: in 'data'" in said, f"rank {rank}:\n{said[-3000:]}"
+    assert ended < 20, f"the ranks ended {ended:.1f}s after the stall began (stall_timeout 3 s)"

@@ -46,6 +46,13 @@ class TrainOptions:
     #: batches train that epoch under ``Join`` (said once; it costs a collective per step).
     sampler: Callable[..., Any] | None = None
     collective_timeout: float = 300.0
+    #: Fail a job that stands still this long (seconds) with :class:`~dataparallel.Stalled`
+    #: on every rank, naming the rank the others wait for and what it does, instead of waiting
+    #: out ``collective_timeout``: the driver reads every rank's status once a second (what
+    #: ``dataparallel status`` shows) and every rank looks for its verdict as often (one
+    #: request a second each). A stall is a rank gone silent, or ranks behind others that wait
+    #: (:func:`dataparallel.control.status.diagnose`), for this long. None: no such check.
+    stall_timeout: float | None = None
     #: The driver prints one line per epoch (loss, accuracy, samples, seconds), with a tqdm bar
     #: during the epoch on a terminal (none in a log). False: neither; print your own from a
     #: callback.
@@ -154,6 +161,8 @@ class TrainOptions:
                 raise ValueError(f"stop_signals: {name!r} is not a signal that can be caught (e.g. 'SIGTERM')")
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1 or None, got {self.snapshot_every!r}")
+        if self.stall_timeout is not None and not self.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds or None, got {self.stall_timeout!r}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every!r}")
         reserved = {"batch_size", "shuffle", "sampler", "batch_sampler"} & set(self.loader_options)

@@ -170,6 +170,14 @@ class Trainer:
                     if self.ch is regrouped_from:  # the regroup itself gave up (too few left)
                         raise explained from err
                     failure, regrouped_from = explained, self.ch
+        except KeyboardInterrupt as err:
+            if self.watchdog.verdict is None:
+                self.strategy.failed(err)
+                raise
+            # The job stalled on this rank: its watchdog interrupted it where it stood.
+            self.watchdog.await_verdict_seen()
+            self.strategy.failed(self.watchdog.verdict)
+            raise self.watchdog.verdict from None
         except BaseException as err:
             self.strategy.failed(err)
             raise

@@ -3,17 +3,27 @@
 A thread watches the channel's liveness: when a peer is lost it aborts the process group so
 that no rank sits in a collective for a peer that will never come (the training then fails,
 and :func:`explain` names the lost rank). It also notes when this process itself stood still
-(SIGSTOP, a starved machine) longer than the liveness timeout: its peers have given it up."""
+(SIGSTOP, a starved machine) longer than the liveness timeout: its peers have given it up.
+
+With ``TrainOptions.stall_timeout``, the driver's watchdog also reads every rank's status
+once a second and, once a stall (:func:`~dataparallel.control.status.diagnose`) has lasted
+that long, records its verdict under the job's reserved key ``__dp/stall/verdict``; every
+rank's watchdog looks for it as often, aborts the process group when it is there, and the
+rank it names is interrupted where it stands: ``fit`` raises :class:`~dataparallel.Stalled`."""
 
 from __future__ import annotations
 
+import _thread
+import contextlib
+import json
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from ..control.process_group import abort_process_group
-from ..errors import ChannelClosed, ControlError, PeerLeft, PeerLost
+from ..control.status import read_job
+from ..errors import ChannelClosed, ControlError, PeerLeft, PeerLost, Stalled
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -28,12 +38,14 @@ class Watchdog:
         self.t = trainer
         self.lost: PeerLost | None = None  # the peer the channel declared lost
         self.stalled = 0.0  # the longest this process stood still (stopped, or starved), seconds
+        self.verdict: Stalled | None = None  # the job's stall, as the driver named it (stall_timeout)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self.lost = None
         self.stalled = 0.0
+        self.verdict = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True)
         self._thread.start()
@@ -46,11 +58,16 @@ class Watchdog:
     def _watch(self) -> None:
         t = self.t
         last = time.monotonic()
+        looked = last  # when the stall verdict was last looked for
         while not self._stop.wait(0.2):
             now = time.monotonic()
             if now - last > t.ch.liveness_timeout:
                 self.stalled = max(self.stalled, now - last)
             last = now
+            if t.opts.stall_timeout is not None and now - looked >= STALL_LOOK:
+                looked = now
+                if self._judge_stall(t.opts.stall_timeout):
+                    return
             lost = t.ch.lost_peers()
             if lost:
                 self.lost = next(iter(lost.values()))
@@ -59,11 +76,65 @@ class Watchdog:
                 t.strategy.abort()
                 return
 
+    def _judge_stall(self, timeout: float) -> bool:
+        """The driver names a stall that has lasted ``timeout``; every rank acts on the verdict
+        (True once it has: the process group is aborted, the named rank interrupted)."""
+        t = self.t
+        verdicts = t.ch.reserved("stall")
+        try:
+            if t.rank == 0 and not verdicts.check("verdict"):
+                for stall in read_job(t.ch, world_size=t.world)["stalls"]:
+                    if (stall.get("for_s") or 0.0) >= timeout:
+                        said = json.dumps({k: stall.get(k) for k in ("rank", "phase", "cause")}).encode()
+                        verdicts.compare_set("verdict", b"", said)
+                        break
+            raw = verdicts.get("verdict", timeout=STALL_LOOK) if verdicts.check("verdict") else None
+        except ControlError as err:  # the channel's own liveness judges the store
+            log.debug("rank %d: stall verdict not read: %s", t.rank, err)
+            return False
+        if not raw:
+            return False
+        said = json.loads(raw)
+        self.verdict = Stalled(int(said["rank"]), said.get("phase"), str(said.get("cause")), timeout)
+        with contextlib.suppress(ControlError):
+            verdicts.set(f"seen/{t.rank}", b"1")  # the driver holds the job's state until all saw it
+        log.error("rank %d: %s; aborting the process group", t.rank, self.verdict)
+        abort_process_group(t.pg)
+        t.strategy.abort()
+        if self.verdict.rank == t.rank:  # stuck where the others cannot reach it: interrupt it there
+            _thread.interrupt_main()
+        return True
+
+    def await_verdict_seen(self) -> None:
+        """On the driver, before it ends with the job's stall: wait (at most
+        :data:`STALL_SEEN_WITHIN`) until every rank has seen the verdict, so that none is left
+        waiting where the driver's end takes the job's coordinator with it."""
+        t = self.t
+        if t.rank != 0:
+            return
+        verdicts = t.ch.reserved("stall")
+        deadline = time.monotonic() + STALL_SEEN_WITHIN
+        others = set(range(1, t.world))
+        while others and time.monotonic() < deadline:
+            try:
+                others = {r for r in others if not verdicts.check(f"seen/{r}")}
+            except ControlError:
+                return
+            time.sleep(0.05)
+
+
+#: Seconds between two looks for a stall (stall_timeout), and the longest the driver waits for
+#: every rank to have seen its verdict.
+STALL_LOOK, STALL_SEEN_WITHIN = 1.0, 5.0
+
 
 def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
     """Turn a collective failure caused by a lost peer into PeerLost naming it (waiting up to
     a liveness timeout for the channel to tell); a process that stood still, or a coordinator
     gone, into :class:`ChannelClosed` saying so; anything else is ``err`` itself."""
+    if t.watchdog.verdict is not None:  # the job stalled: what failed is its consequence
+        t.watchdog.await_verdict_seen()
+        return t.watchdog.verdict
     if isinstance(err, PeerLeft):  # not a loss: that rank closed its channel
         return err
     if isinstance(err, PeerLost):

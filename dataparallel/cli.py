@@ -162,6 +162,22 @@ def _status(args: argparse.Namespace) -> int:
     config = _load(args)
     timeout = float(args.timeout) if args.timeout else 10.0
     channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
+    if args.http:
+        from .control.status_http import StatusServer, parse_address
+
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it as Ctrl-C does
+        try:
+            with StatusServer(
+                lambda: read_job(channel, world_size=args.world_size), parse_address(args.http), config.token
+            ) as server:
+                print(f"serving job {config.job!r} at {server.url} (/, /status.json, /metrics)", flush=True)
+                while True:
+                    signal.pause()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            channel.close()
+        return 0
     try:
         view = read_job(channel, world_size=args.world_size)
     finally:
@@ -279,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
     status.add_argument("--json", action="store_true", help="one JSON object: job, world_size, time, ranks, stalls")
     status.add_argument("--world-size", type=int, help="the job's size (default: as its ranks published it)")
+    status.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="serve the view until interrupted instead: a page at /, /status.json, and /metrics for Prometheus "
+        "(bound to 127.0.0.1 unless HOST says otherwise; with a token, requests carry it: Authorization: Bearer "
+        "TOKEN, or ?token=TOKEN in a browser)",
+    )
     _config_flags(status, launcher=False)
     status.set_defaults(run=_status)
 

@@ -146,6 +146,7 @@ def main(cfg: dict) -> None:
         progress=False,
         collective_timeout=cfg.get("collective_timeout", 60),
         stall_timeout=cfg.get("stall_timeout"),
+        status_http=cfg.get("status_http"),
         checkpoint_every=cfg.get("checkpoint_every", 1),
         scheduler_interval=cfg.get("scheduler_interval", "epoch"),
         log_every=cfg.get("log_every"),

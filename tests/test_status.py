@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,19 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
     """Three ranks train (zmq, gloo); rank 2's data loader stalls mid-training. Within 5 s of
     the stall's start (the threshold, 2 s, included), ``dataparallel status --json``
     names rank 2, in ``data``, as the rank that ranks 0 and 1 wait for in ``backward`` (DDP's
-    gradient all-reduce); the text view says the same, and ``dataparallel top`` at each of its
-    looks. Released, the job ends well."""
+    gradient all-reduce); the text view says the same, ``dataparallel top`` at each of its
+    looks, and the driver's ``/metrics`` (``status_http``). Released, the job ends well."""
     url = f"zmq://127.0.0.1:{free_port()}"
     release = tmp_path / "release"
-    cfg = {"url": url, "world": 3, "epochs": 3, "out": str(tmp_path / "out.pt"), "stall_data": [2, 45, str(release)]}
+    web = free_port()
+    cfg = {
+        "url": url,
+        "world": 3,
+        "epochs": 3,
+        "out": str(tmp_path / "out.pt"),
+        "stall_data": [2, 45, str(release)],
+        "status_http": f"127.0.0.1:{web}",
+    }
     procs = [spawn({**cfg, "rank": r}) for r in range(3)]
     try:
         stalled = Path(f"{release}.stalled")
@@ -90,6 +99,30 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
         top = [sys.executable, "-m", "dataparallel", "top", url, "--job", JOB, "--iterations", "2", "--interval", "0.5"]
         live = subprocess.run(top, capture_output=True, text=True, timeout=60, check=True).stdout
         assert live.count("rank 2: in 'data'") == 2 and live.count("job 'loop': 3 rank(s)") == 2, live
+        # The driver's HTTP view (status_http) says it to Prometheus.
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+        stalled = {
+            s.labels["rank"]: (s.value, s.labels["phase"])
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == "dataparallel_rank_stalled"
+        }
+        assert stalled == {"0": (0, ""), "1": (0, ""), "2": (1, "data")}, stalled
+        # `dataparallel status --http`: the same view from outside the job, until SIGTERM.
+        served = subprocess.Popen([*cli, "--http", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert served.stdout is not None
+            said = served.stdout.readline()
+            assert said.startswith("serving job 'loop' at http://127.0.0.1:"), said
+            address = said.split(" at ")[1].split()[0]
+            with urllib.request.urlopen(f"{address}status.json", timeout=10) as answer:
+                assert [s["rank"] for s in json.loads(answer.read())["stalls"]] == [2]
+        finally:
+            served.terminate()
+            assert served.wait(timeout=30) == 0
     finally:
         release.touch()
     _finish(procs)
@@ -155,3 +188,74 @@ def test_a_stall_timeout_fails_every_rank_with_stalled_naming_the_culprit(tmp_pa
         assert code != 0, f"rank {rank} ended well through a stall:\n{said[-3000:]}"
         assert "Stalled: the job stalled on rank 2: in 'data'" in said, f"rank {rank}:\n{said[-3000:]}"
     assert ended < 20, f"the ranks ended {ended:.1f}s after the stall began (stall_timeout 3 s)"
+
+
+def test_the_http_view_serves_a_page_json_and_metrics_only_to_the_token(tmp_path: Path) -> None:
+    """A job of two ranks (memory://, token set), rank 0 in a phase whose name holds markup.
+    The server, bound to 127.0.0.1, refuses a request without the token or with another
+    (401); with it (as ``?token=`` or a bearer token) it serves the page (the ranks' table,
+    the phase escaped), ``/status.json`` (the view) and ``/metrics``, which Prometheus' client
+    library parses back into the ranks' steps and states. Ten requests at once look at the job
+    once."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dataparallel.control.status_http import StatusServer
+
+    url, token = f"memory://http-{os.getpid()}", "web-token"
+    chs = [dp.connect(url, rank=r, world_size=2, job=JOB, token=token, timeout=10) for r in (0,)]
+    chs.append(dp.connect(url, rank=1, world_size=2, job=JOB, token=token, timeout=10))
+    observer = dp.observe(url, job=JOB, token=token, timeout=10)
+    looks = []
+
+    def look() -> dict:
+        looks.append(time.monotonic())
+        return dp.read_job(observer)
+
+    try:
+        chs[0].status.at(epoch=0, step=7)
+        chs[0].status.enter("<b>x</b>")
+        chs[0].status.publish(interval=0.2)
+
+        def get(path: str, bearer: str | None = None) -> tuple[int, str]:
+            request = urllib.request.Request(server.url.rstrip("/") + path)
+            if bearer is not None:
+                request.add_header("Authorization", f"Bearer {bearer}")
+            try:
+                with urllib.request.urlopen(request, timeout=10) as answer:
+                    return answer.status, answer.read().decode()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read().decode()
+
+        with StatusServer(look, token=token) as server:
+            assert server.address[0] == "127.0.0.1", server.address
+            assert get("/")[0] == 401 and get("/metrics", bearer="another")[0] == 401
+            assert get("/?token=another")[0] == 401
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(10) as pool:
+                answers = list(pool.map(lambda _: get(f"/?token={token}"), range(10)))
+            assert all(code == 200 for code, _ in answers), [code for code, _ in answers]
+            assert len(looks) == 1, f"{len(looks)} looks at the job for ten requests at once"
+            page = answers[0][1]
+            assert '<table id="ranks">' in page and "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page, page
+            assert page.count("<tr class=") == 2, page
+            code, body = get("/status.json", bearer=token)
+            assert code == 200 and [r["rank"] for r in json.loads(body)["ranks"]] == [0, 1], body
+            code, body = get("/metrics", bearer=token)
+            assert code == 200, body
+            samples = {
+                (s.name, s.labels.get("rank"), s.labels.get("state")): s.value
+                for family in text_string_to_metric_families(body)
+                for s in family.samples
+            }
+            assert samples[("dataparallel_rank_step", "0", None)] == 7, samples
+            assert samples[("dataparallel_rank_running", "0", None)] == 1, samples
+            assert samples[("dataparallel_rank_state", "1", "joined")] == 1, samples
+            assert samples[("dataparallel_rank_stalled", "0", None)] == 0, samples
+    finally:
+        observer.close()
+        for ch in reversed(chs):
+            ch.close()

@@ -53,6 +53,12 @@ class TrainOptions:
     #: request a second each). A stall is a rank gone silent, or ranks behind others that wait
     #: (:func:`dataparallel.control.status.diagnose`), for this long. None: no such check.
     stall_timeout: float | None = None
+    #: Serve the job's view over HTTP from the driver, at ``"[HOST:]PORT"`` (bound to
+    #: 127.0.0.1 unless HOST says otherwise): a page at ``/``, ``/status.json``, and
+    #: ``/metrics`` in Prometheus' format (``pip install 'dataparallel[observe]'``), each
+    #: read-only and, with the job's token, only for requests that carry it
+    #: (:mod:`dataparallel.control.status_http`). None: not served.
+    status_http: str | None = None
     #: The driver prints one line per epoch (loss, accuracy, samples, seconds), with a tqdm bar
     #: during the epoch on a terminal (none in a log). False: neither; print your own from a
     #: callback.
@@ -161,6 +167,10 @@ class TrainOptions:
                 raise ValueError(f"stop_signals: {name!r} is not a signal that can be caught (e.g. 'SIGTERM')")
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1 or None, got {self.snapshot_every!r}")
+        if self.status_http is not None:
+            from ..control.status_http import parse_address
+
+            parse_address(self.status_http)
         if self.stall_timeout is not None and not self.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds or None, got {self.stall_timeout!r}")
         if self.sync_every < 1:

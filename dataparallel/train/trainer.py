@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from .reports import Reports
 from .spec import Batch, BatchSource, FitSpec
 from .strategies import STRATEGIES
 from .watchdog import Watchdog, explain
+
+if TYPE_CHECKING:
+    from ..control.status_http import StatusServer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class Trainer:
         self.checkpoints = Checkpoints(self)
         self.strategy = STRATEGIES[self.opts.strategy](self)
         self.history = FitResult()
+        self.status_server: StatusServer | None = None  # the driver's, with status_http
 
     # ------------------------------------------------------------------ setup
     def publish_status(self) -> None:
@@ -103,8 +107,20 @@ class Trainer:
         status.at(step=self.global_step)
         status.publish()
 
+    def _serve_status(self) -> None:
+        """On the driver, with ``status_http``: serve the job's view over HTTP."""
+        if self.rank != 0 or self.opts.status_http is None or self.status_server is not None:
+            return
+        from ..control.status import read_job
+        from ..control.status_http import StatusServer, parse_address
+
+        look = lambda: read_job(self.ch, world_size=self.world)  # noqa: E731 (the channel of the moment)
+        self.status_server = StatusServer(look, parse_address(self.opts.status_http), self.ch.token).start()
+        log.warning("job %r: status served at %s (/, /status.json, /metrics)", self.ch.job, self.status_server.url)
+
     def _setup(self) -> None:
         self.publish_status()
+        self._serve_status()
         self.ch.status.enter("rendezvous")
         if self.settings.elastic:
             self.elastic.check()
@@ -182,6 +198,9 @@ class Trainer:
             self.strategy.failed(err)
             raise
         finally:
+            if self.status_server is not None:
+                self.status_server.close()
+                self.status_server = None
             self.stops.release(stopped)
             self.watchdog.stop()
             self.elastic.close_queue()

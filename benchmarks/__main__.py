@@ -22,6 +22,8 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
                                                                             -> strategies.py
   ports       lines changed by porting a torchrun DDP script to dp.fit, against its
               Lightning Fabric port                                         -> ports.py
+  status      what each rank's status (phases, split, a record a second) costs a step of
+              dp.fit, epochs alternating with and without it                -> status_overhead.py
 
 Results (JSON and PNG) go to ``benchmarks/results/``; ``summary.json`` holds the targets and
 how each came out.
@@ -48,7 +50,7 @@ from benchmarks.common import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic", "strategies", "ports"]
+SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic", "strategies", "ports", "status"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         strategies.main(["--repeats", "1" if quick else "3", "--out", str(out / "strategies.json")])
     if "ports" in args.only:
         ports.main(["--out", str(out / "ports.json")])
+    if "status" in args.only:
+        from benchmarks import status_overhead
+
+        runs = ["--repeats", "2", "--epochs", "8"] if quick else ["--repeats", "10", "--epochs", "40"]
+        status_overhead.main([*runs, "--out", str(out / "status_overhead.json")])
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     previous = _load(RESULTS / "previous" / "summary.json") or {"targets": []}
@@ -250,6 +257,12 @@ def summarize(out: Path) -> dict:
                         measured += f"; 95% CI {interval[1]:.2f}-{interval[2]:.2f}x ({len(runs['ddp'])} repeats)"
                     judged = verdict(interval, 1.5, at_most=False)
                     row(f"{name}, {case} 2x straggler >= 1.5x DDP", measured, judged, interval)
+    status = _load(out / "status_overhead.json")
+    if status and status.get("ratio_on_off"):
+        r = status["ratio_on_off"]
+        interval = (r["mean"], r["low"], r["high"])
+        measured = f"{r['mean']:.4f}x; 95% CI {r['low']:.3f}-{r['high']:.3f}x ({status['pairs']} pairs of epochs)"
+        row("dp.fit step with its status <= 1.01x without", measured, verdict(interval, 1.01), interval)
     from benchmarks.common import machine
 
     return {"machine": machine(), "targets": targets}

@@ -157,18 +157,21 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     from .connect import observe
-    from .control.status import read_job, render
+    from .control.status import JobWatch, read_job, render
 
     config = _load(args)
     timeout = float(args.timeout) if args.timeout else 10.0
     channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
     if args.http:
+        watch = JobWatch()  # looked at again and again: ages on this process's clock
         from .control.status_http import StatusServer, parse_address
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it as Ctrl-C does
         try:
             with StatusServer(
-                lambda: read_job(channel, world_size=args.world_size), parse_address(args.http), config.token
+                lambda: read_job(channel, world_size=args.world_size, watch=watch),
+                parse_address(args.http),
+                config.token,
             ) as server:
                 print(f"serving job {config.job!r} at {server.url} (/, /status.json, /metrics)", flush=True)
                 while True:
@@ -193,19 +196,28 @@ def _top(args: argparse.Namespace) -> int:
     import time
 
     from .connect import observe
-    from .control.status import read_job, render
+    from .control.status import JobWatch, read_job, render
 
     config = _load(args)
     timeout = float(args.timeout) if args.timeout else 10.0
     tty = sys.stdout.isatty()
+    watch = JobWatch()  # ages on this process's clock from the second look on
     channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
     shown = 0
     try:
         while args.iterations is None or shown < args.iterations:
             started = time.monotonic()
-            view = read_job(channel, world_size=args.world_size)
-            clock = time.strftime("%H:%M:%S", time.localtime(view["time"]))
-            text = f"{clock}  {render(view)}"
+            try:
+                if channel.failure is not None:  # its coordinator went away: connect again
+                    channel.close()
+                    channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
+                view = read_job(channel, world_size=args.world_size, watch=watch)
+            except ControlError as err:  # the job between runs, its coordinator restarting: look again
+                view = None
+                text = f"{time.strftime('%H:%M:%S')}  job {config.job!r}: {type(err).__name__}: {err}"
+            if view is not None:
+                clock = time.strftime("%H:%M:%S", time.localtime(view["time"]))
+                text = f"{clock}  {render(view)}"
             # A terminal is redrawn in place; a pipe or file gets one block per look.
             print("\x1b[H\x1b[2J" + text if tty else text + "\n", flush=True)
             shown += 1

@@ -128,7 +128,7 @@ def observe(
             if not channel._attach_run():
                 raise ControlError(f"job {job!r} has no run at {parsed.shown}: no rank of it has joined")
             if not cls.native_auth:
-                channel.agree_on_token()
+                channel.check_token()  # a read: an observer writes nothing
         except BaseException:
             channel.close()
             raise

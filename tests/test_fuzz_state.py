@@ -150,6 +150,7 @@ class SessionModel:
     #: First replies of mutations, which the coordinator may answer a resend from.
     replies: dict[int, pb.Reply] = field(default_factory=dict)
     parked: dict[int, ParkedModel] = field(default_factory=dict)
+    observer: bool = False  # a hello of world size 0: reads only, follows its job's current run
 
     def pick_id(self, how: str, n: int) -> int:
         return min(self._pick_id(how, n), 2**64 - 1)
@@ -412,6 +413,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
             s.used.add(r.id)
             s.high = max(s.high, r.id)
             s.last_seen = self.now
+        if s.observer:
+            if op not in READ_ONLY and op not in ("heartbeat", "leave"):
+                return reply(r.id, pb.FAILED, "reads only"), True
+            current = self.jobs.get(s.job.name)
+            if current is not None and current is not s.job:  # the job's next run: followed
+                s.job.sessions.pop(s.sid, None)
+                s.job = current
+                current.sessions[s.sid] = s
         answer = getattr(self, "m_" + op)(s, r, route)
         cacheable = op not in READ_ONLY and op != "heartbeat" and s.alive
         return answer, cacheable
@@ -677,7 +686,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         s.alive = False
         self.live.pop(s.sid, None)
         s.job.sessions.pop(s.sid, None)
-        if not s.job.sessions and self.jobs.get(s.job.name) is s.job:
+        if self.jobs.get(s.job.name) is s.job and all(o.observer for o in s.job.sessions.values()):
             del self.jobs[s.job.name]
 
     def sweep(self) -> None:
@@ -746,7 +755,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         check_reply(actual, reply(7, session=b"x"), "hello")
         if state is None:
             state = self.jobs[name] = JobModel(name, world_size, liveness)
-        s = SessionModel(actual.session, state, route, self.now)
+        s = SessionModel(actual.session, state, route, self.now, observer=world_size == 0)
         state.sessions[s.sid] = self.live[s.sid] = s
         self.watched.append(s)
         self.check_sent()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -255,7 +257,167 @@ def test_the_http_view_serves_a_page_json_and_metrics_only_to_the_token(tmp_path
             assert samples[("dataparallel_rank_running", "0", None)] == 1, samples
             assert samples[("dataparallel_rank_state", "1", "joined")] == 1, samples
             assert samples[("dataparallel_rank_stalled", "0", None)] == 0, samples
+            # The page as a real browser renders it (Debian's Chromium, headless).
+            cells = _rendered_rows(f"{server.url}?token={token}")
+            assert [row[:7] for row in cells] == [
+                ["0", "running", socket.gethostname(), str(os.getpid()), "0", "7", "<b>x</b>"],
+                ["1", "joined", socket.gethostname(), str(os.getpid()), "-", "-", "-"],
+            ], cells
     finally:
         observer.close()
         for ch in reversed(chs):
             ch.close()
+
+
+def _rendered_rows(url: str) -> list[list[str]]:
+    """The cells of the page's ranks table, as headless Chromium renders the page at ``url``
+    (its DOM after load, read back with the standard library's HTML parser)."""
+    import shutil
+    from html.parser import HTMLParser
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        message = "no chromium: `apt-get install chromium` (Debian's package)"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(message + " — CI must test the page in a browser")
+        pytest.skip(message)
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}", "--dump-dom", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+
+    class Rows(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[list[str]] = []
+            self.cell: list[str] | None = None
+            self.body = False
+
+        def handle_starttag(self, tag: str, attrs: list) -> None:
+            if tag == "tbody":
+                self.body = True
+            elif tag == "tr" and self.body:
+                self.rows.append([])
+            elif tag == "td" and self.body:
+                self.cell = []
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag == "td" and self.cell is not None:
+                self.rows[-1].append("".join(self.cell).strip())
+                self.cell = None
+            elif tag == "tbody":
+                self.body = False
+
+        def handle_data(self, data: str) -> None:
+            if self.cell is not None:
+                self.cell.append(data)
+
+    parser = Rows()
+    parser.feed(dom)
+    assert parser.rows, f"no ranks table in the page Chromium rendered: {dom[:2000]}"
+    return parser.rows
+
+
+def _entry(rank: int, phase: str | None, epoch: int | None = 0, step: int | None = 3, phase_s: float = 9.0, **more):
+    entry = {
+        "rank": rank,
+        "state": "running",
+        "phase": phase,
+        "phase_s": phase_s,
+        "epoch": epoch,
+        "step": step,
+        "step_s": 0.01,
+        "heartbeat_age": 0.5,
+    }
+    return {**entry, **more}
+
+
+def test_diagnose_names_only_ranks_that_hold_others_up() -> None:
+    """Ranks that all wait at one place (a long validation, a slow first step) are no stall;
+    a rank still validating while the others report is, whatever its number; a rank still
+    reporting an epoch while the others wait for the next epoch's command is; a rank in a
+    phase of a loop's own is compared with nothing; a silent rank comes first, then the
+    furthest behind."""
+    diagnose = dp.control.status.diagnose
+    assert diagnose([_entry(r, "validation") for r in range(3)]) == []
+    assert diagnose([_entry(r, "forward", step=0) for r in range(3)]) == []
+    ranks = [_entry(0, "report"), _entry(1, "report"), _entry(2, "validation")]
+    assert [(s["rank"], s["waiting"]) for s in diagnose(ranks)] == [(2, [0, 1])]
+    ranks = [_entry(0, "report", phase_s=1.0), _entry(1, "command"), _entry(2, "command")]
+    assert [s["rank"] for s in diagnose(ranks)] == [0]
+    ranks = [_entry(0, "my own phase"), _entry(1, "backward"), _entry(2, "backward")]
+    assert diagnose(ranks) == []
+    ranks = [
+        _entry(0, "backward", step=5),
+        _entry(1, "data", step=5),
+        _entry(2, "optimizer", step=4),
+        _entry(3, "backward", step=5, state="silent", heartbeat_age=7.0),
+    ]
+    assert [s["rank"] for s in diagnose(ranks)] == [3, 2, 1], diagnose(ranks)
+    assert diagnose(ranks)[0]["cause"].startswith("silent: no status for 7.0s"), diagnose(ranks)
+
+
+def test_a_watched_record_ages_on_the_readers_clock_whatever_the_writers_says() -> None:
+    """A rank whose clock runs 100 s ahead (or behind) of the reader's: one look reads that
+    skew as its age; a reader that watches takes a record it sees for the first time as no
+    older than a publishing interval, then ages it on its own clock, from when it saw the
+    record's publish count last move."""
+    url = f"memory://skew-{os.getpid()}"
+    ch = dp.connect(url, rank=0, world_size=1, job=JOB, timeout=10)
+    observer = dp.observe(url, job=JOB, timeout=10)
+    try:
+        for skew in (100.0, -100.0):
+            record = ch.status.record() | {"time": time.time() + skew, "seq": 1}
+            ch._set(ch._scoped(dp.control.status.status_key(0)), json.dumps(record).encode())
+            watch = dp.control.status.JobWatch()
+            first = dp.read_job(observer, watch=watch)["ranks"][0]
+            # At first sight no older than a publishing interval (1 s), whatever the writer says.
+            assert first["heartbeat_age"] <= 1.0 and first["state"] == "running", first
+            time.sleep(0.3)
+            later = dp.read_job(observer, watch=watch)["ranks"][0]
+            assert 0.3 <= later["heartbeat_age"] - first["heartbeat_age"] < 1.5, (first, later)
+            assert later["state"] == "running", later
+            once = dp.read_job(observer)["ranks"][0]
+            assert once["state"] == ("silent" if skew < 0 else "running"), once
+    finally:
+        observer.close()
+        ch.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_observer_holds_no_job_and_follows_its_next_run(tmp_path: Path) -> None:
+    """A standalone coordinator (``dataparallel serve``); an observer attached to a job of two
+    ranks reads only (its writes are refused: by the channel, and by the coordinator for a
+    request that gets past it). The ranks close; the same job name starts again at once, with
+    another size, though the observer is still there; the observer, still open, reads the new
+    run's ranks."""
+    from jobutil import standalone
+
+    url = f"zmq://127.0.0.1:{free_port()}"
+    with standalone(url, None):
+        first = [dp.connect(url, rank=r, world_size=2, job=JOB, timeout=10) for r in (0, 1)]
+        for ch in first:
+            ch.status.publish(interval=0.2)
+        observer = dp.observe(url, job=JOB, timeout=10)
+        try:
+            assert [r["state"] for r in dp.read_job(observer)["ranks"]] == ["running", "running"]
+            with pytest.raises(dp.ConfigError, match="reads only"):
+                observer.set("k", b"v")
+            with pytest.raises(dp.ControlError, match="reads only"):
+                observer._set("k", b"v")  # past the channel's own check: the coordinator refuses
+            for ch in first:
+                ch.close()
+            again = [dp.connect(url, rank=r, world_size=3, job=JOB, timeout=10) for r in (0, 1, 2)]
+            try:
+                again[2].status.publish(interval=0.2)
+                view = dp.read_job(observer)
+                assert view["world_size"] == 3 and view["ranks"][2]["state"] == "running", view
+            finally:
+                for ch in again:
+                    ch.close()
+        finally:
+            observer.close()

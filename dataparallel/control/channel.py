@@ -239,7 +239,7 @@ class ControlChannel(Collectives, abc.ABC):
         timeout: float = 300.0,
         serve: bool = True,
     ) -> None:
-        observer = world_size == 0 and rank is None  # dp.observe's: no rank, never joins
+        self._observer = observer = world_size == 0 and rank is None  # dp.observe's: no rank, never joins
         if not isinstance(world_size, int) or not (observer or 1 <= world_size <= MAX_WORLD_SIZE):
             raise ConfigError(f"world_size must be an integer in 1..{MAX_WORLD_SIZE}, got {world_size!r}")
         if rank is not None and (not isinstance(rank, int) or not 0 <= rank < world_size):
@@ -462,7 +462,7 @@ class ControlChannel(Collectives, abc.ABC):
     # ------------------------------------------------------------------ primitives
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (overwriting), releasing every ``get`` waiting on it."""
-        self._usable()
+        self._writable_here()
         self._set(self._scoped(_writable(key)), _value(value))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
@@ -473,7 +473,7 @@ class ControlChannel(Collectives, abc.ABC):
     def add(self, key: str, amount: int = 1) -> int:
         """Atomically add ``amount`` to the decimal integer at ``key`` (missing = 0); return
         the new value. The value reads back as ASCII digits, as in torch's TCPStore."""
-        self._usable()
+        self._writable_here()
         if not isinstance(amount, int):
             raise TypeError(f"amount must be an int, got {type(amount).__name__}")
         name = self._scoped(_writable(key))
@@ -486,12 +486,12 @@ class ControlChannel(Collectives, abc.ABC):
         """Atomically set ``desired`` if the current value equals ``expected`` (a missing key
         matches ``b""``). Returns the value stored afterwards; for a missing key and a
         non-empty ``expected``, returns ``expected`` and creates nothing (TCPStore semantics)."""
-        self._usable()
+        self._writable_here()
         return self._compare_set(self._scoped(_writable(key)), _value(expected), _value(desired))
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it existed."""
-        self._usable()
+        self._writable_here()
         return self._delete(self._scoped(_writable(key)))
 
     def check(self, keys: Iterable[str]) -> bool:
@@ -532,7 +532,7 @@ class ControlChannel(Collectives, abc.ABC):
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
         """Set ``keys[i]`` to ``values[i]`` for every i (one round trip on every built-in
         transport), releasing the ``get``s waiting on them."""
-        self._usable()
+        self._writable_here()
         if isinstance(keys, str) or len(keys) != len(values):
             raise TypeError(f"multi_set needs equal-length sequences of keys and values, got {keys!r}")
         items = [(self._scoped(_writable(k)), _value(v)) for k, v in zip(keys, values, strict=True)]
@@ -541,7 +541,7 @@ class ControlChannel(Collectives, abc.ABC):
 
     def append(self, key: str, value: bytes) -> None:
         """Atomically append ``value`` to the bytes at ``key`` (a missing key is created)."""
-        self._usable()
+        self._writable_here()
         self._append(self._scoped(_writable(key)), _value(value))
 
     def close(self) -> None:
@@ -667,6 +667,13 @@ class ControlChannel(Collectives, abc.ABC):
             raise ChannelClosed(f"{self!r} is closed")
         if self._broken is not None:  # the coordinator is gone: every call says so at once
             raise self._broken
+
+    def _writable_here(self) -> None:
+        """``_usable``, for the public writes: an observer's channel (:func:`dataparallel.observe`)
+        reads only."""
+        self._usable()
+        if self._observer:
+            raise ConfigError(f"{self!r} observes job {self.job!r}: it reads only (open a rank's channel to write)")
 
     def _raise_if_failed(self, what: str) -> None:
         self._usable()
@@ -891,6 +898,19 @@ class ControlChannel(Collectives, abc.ABC):
     @property
     def _token_differs(self) -> str:
         return f"job {self.job!r}: this process's token differs from the one the job was started with"
+
+    def check_token(self) -> None:
+        """Raise :class:`AuthError` unless this process's token is the one the job's run was
+        started with, writing nothing (an observer's check, :func:`dataparallel.observe`):
+        :class:`ControlError` where the run has no token check yet (no rank has joined)."""
+        key = self._scoped(f"{RESERVED_PREFIX}token")
+        if not self._check([key]):
+            raise ControlError(
+                f"job {self.job!r}: no rank of its run has joined yet (nothing to compare the token with)"
+            )
+        digest = hmac.digest(purpose_key(self.token, "token-check"), self.job.encode(), "sha256").hex().encode()
+        if not hmac.compare_digest(self._get(key, self.timeout) or b"", digest):
+            raise AuthError(self._token_differs)
 
     def _token_agrees(self) -> bool:
         """Whether this process's token is the one the run was started with.

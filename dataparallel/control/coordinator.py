@@ -48,6 +48,8 @@ R = TypeVar("R", bound=Hashable)
 
 #: Operations that change nothing: a resend is served again instead of from the reply cache.
 READ_ONLY = frozenset({"get", "multi_get", "check", "num_keys"})
+#: What an observer's session (a hello of world size 0: dp.observe) may ask: reads, and to live.
+OBSERVER_OPS = READ_ONLY | {"heartbeat", "leave"}
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: Longest gap between sweeps: a newly parked request's timeout fires at most this late.
 SWEEP_INTERVAL = 0.1
@@ -105,6 +107,9 @@ class Session:
     dropped_at: float | None = None
     local: bool = False
     heartbeat: float = 1.0
+    #: An observer's (a hello of world size 0): reads only, follows its job's current run, and
+    #: keeps no job alive (a job ends with its last other session).
+    observer: bool = False
 
     def accept(self, request_id: int, window: int) -> bool:
         """True the first time ``request_id`` is offered; False for a resend or a replay."""
@@ -332,10 +337,27 @@ class Coordinator(Generic[R]):
         handler = self._HANDLERS.get(op)
         if handler is None:
             return _reply(request.id, pb.BAD_MESSAGE, f"unknown operation {op!r}")
+        if session.observer:
+            refused = self._observed(session, op, request.id)
+            if refused is not None:
+                self._remember(session, refused)
+                return refused
         answer = handler(self, session, request, route)
         if answer is not None and op != "heartbeat" and op not in READ_ONLY:
             self._remember(session, answer)
         return answer
+
+    def _observed(self, s: Session, op: str, request_id: int) -> pb.Reply | None:
+        """An observer's request: refused unless it reads (or heartbeats, or leaves); a read
+        goes to the job's current run, which the session follows from one run to the next."""
+        if op not in OBSERVER_OPS:
+            return _reply(request_id, pb.FAILED, f"an observer's session reads only: {op} refused")
+        current = self._jobs.get(s.job.name)
+        if current is not None and current is not s.job:
+            s.job.sessions.discard(s)
+            s.job = current
+            current.sessions.add(s)
+        return None
 
     def _hello(self, route: R, request: pb.Request) -> pb.Reply:
         hello = request.hello
@@ -364,6 +386,7 @@ class Coordinator(Generic[R]):
                 del self._jobs[hello.job]
             return _reply(request.id, pb.FAILED, f"coordinator full: {self.limits.max_sessions} sessions open")
         session = Session(os.urandom(16), job, hello.host[:256], hello.pid, self._clock(), nonce=nonce)
+        session.observer = hello.world_size == 0
         session.local = procinfo.same_pids(hello.boot_id, hello.pid_namespace)
         if 0 < hello.heartbeat < hello.liveness_timeout:
             session.heartbeat = hello.heartbeat
@@ -602,8 +625,8 @@ class Coordinator(Generic[R]):
             self._forget(s, request_id)
         job = s.job
         job.sessions.discard(s)
-        if not job.sessions and self._jobs.get(job.name) is job:
-            del self._jobs[job.name]  # last one out: a later job of the same name starts clean
+        if self._jobs.get(job.name) is job and all(other.observer for other in job.sessions):
+            del self._jobs[job.name]  # last one out (observers aside): a later job of the same name starts clean
 
     # ------------------------------------------------------------------ collectives
     def _collect(self, s: Session, r: pb.Request, route: R) -> pb.Reply | None:

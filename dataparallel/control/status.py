@@ -44,9 +44,8 @@ _STATUS = f"{RESERVED_PREFIX}status/"
 #: The phases of a training step, in the order a step goes through them: a rank at an
 #: earlier one (or an earlier step) than ranks waiting in a later one is behind them.
 STEP_PHASES = ("data", "forward", "backward", "optimizer")
-#: Steps whose time split a record carries (the means of the last ones) and step times kept
-#: for the view's plot (at most this many, the latest).
-SPLIT_OVER, RECENT = 16, 120
+#: Steps whose time split and median step time a record carries (the last ones).
+SPLIT_OVER = 16
 #: A stall is a wait in one phase longer than this many times the job's median step time,
 #: and never shorter than :data:`STALL_FLOOR` seconds.
 STALL_STEPS, STALL_FLOOR = 5.0, 2.0
@@ -73,8 +72,9 @@ class RankStatus:
         self.step: int | None = None
         self.device: str | None = None
         self._split: dict[str, float] = {}  # this step's seconds per phase, so far
-        self._steps: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=RECENT)  # (end, seconds, split)
+        self._steps: deque[tuple[float, dict[str, float]]] = deque(maxlen=SPLIT_OVER)  # (seconds, split)
         self._changed = 0
+        self._published = 0  # records written: a reader that sees the count move sees the rank live
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.interval = channel.heartbeat_interval
@@ -116,7 +116,7 @@ class RankStatus:
             split = self._split
             split[self.phase_name] = split.get(self.phase_name, 0.0) + now - self.phase_since
             self.phase_since = now
-            self._steps.append((now, sum(split.values()), split))
+            self._steps.append((sum(split.values()), split))
             self._split = {}
             self.step = step
             self._changed += 1
@@ -132,12 +132,12 @@ class RankStatus:
         """The rank's record as published (JSON-able)."""
         now = time.time()
         with self._lock:
-            steps = list(self._steps)
-            last = steps[-SPLIT_OVER:]
+            last = list(self._steps)
             split: dict[str, float] = {}
-            for _, _, s in last:
+            for _, s in last:
                 for name, seconds in s.items():
                     split[name] = split.get(name, 0.0) + seconds / len(last)
+            self._published += 1
             return {
                 "rank": self._ch.rank,
                 "world_size": self._ch.world_size,
@@ -148,10 +148,10 @@ class RankStatus:
                 "phase_s": round(now - self.phase_since, 4),
                 "epoch": self.epoch,
                 "step": self.step,
-                "step_s": round(statistics.median(t for _, t, _ in last), 6) if last else None,
+                "step_s": round(statistics.median(t for t, _ in last), 6) if last else None,
                 "split": {k: round(v, 6) for k, v in split.items()},
-                "recent": [[round(end, 3), round(t, 6)] for end, t, _ in steps],
                 "time": now,
+                "seq": self._published,
                 "interval": self.interval,
             }
 
@@ -193,25 +193,60 @@ class RankStatus:
                 return
             try:
                 self._write()
-            except ControlError as err:  # the liveness thread judges the store; try again
+            except Exception as err:  # the liveness thread judges the store; try again
                 log.debug("rank %s: status not written: %s", self._ch.rank, err)
 
 
 # ---------------------------------------------------------------------- reading the job
-def read_job(channel: ControlChannel, world_size: int | None = None) -> dict[str, Any]:
-    """Every rank's record and process of ``channel``'s job (a channel that need not hold a
-    rank of it: :func:`dataparallel.observe`), with what :func:`diagnose` sees in them:
-    ``{"job", "world_size", "time", "ranks": [...], "stalls": [...]}``. Each entry of
-    ``ranks`` has ``rank``, ``host``, ``pid``, ``phase``, ``phase_s``, ``epoch``, ``step``,
-    ``step_s``, ``split``, ``heartbeat_age`` (seconds since its record was written; None
-    where none was) and ``state`` (``"running"``, ``"silent"``, ``"closed"``, ``"joined"``
-    without a record, ``"absent"``: not joined)."""
-    size = world_size or _world_size(channel)
-    records = _read_many(channel, [status_key(r) for r in range(size)])
-    peers = _read_many(channel, [peer_key(r) for r in range(size)])
-    now = time.time()
+class JobWatch:
+    """What a reader that looks again and again (``top``, the page, the driver's stall check)
+    saw of each rank's record: the record's publish count and when, by this reader's own
+    monotonic clock, it last moved. With one, a record's age is measured on this reader's
+    clock alone (hosts' clocks may disagree): a rank is silent once its count has not moved
+    for the silence bound since this reader first saw it."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[Any, float]] = {}
+
+    def age(self, rank: int, seq: Any, now: float, claimed: float, interval: float) -> float:
+        """Seconds since ``rank``'s record last moved, as this reader saw it: a record seen
+        for the first time (or moved since the last look) is as old as the writer's clock
+        says (``claimed``), but no older than one publishing ``interval``; from then on it
+        ages on this reader's monotonic clock ``now``."""
+        last = self._seen.get(rank)
+        if last is None or last[0] != seq:
+            last = self._seen[rank] = (seq, now - min(max(claimed, 0.0), interval))
+        return now - last[1]
+
+
+#: Longest one look at a job takes (every rank's record and process read), seconds.
+LOOK_WITHIN = 5.0
+
+
+def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobWatch | None = None) -> dict[str, Any]:
+    """Every rank's record and process of ``channel``'s job, with what :func:`diagnose` sees
+    in them: ``{"job", "world_size", "time", "ranks": [...], "stalls": [...]}``. Each entry of
+    ``ranks`` has ``rank``, ``host``, ``pid``, ``device``, ``phase``, ``phase_s``, ``epoch``,
+    ``step``, ``step_s``, ``split``, ``heartbeat_age`` (seconds since its record was written:
+    by the writer's wall clock against this one's, or, with ``watch``, since this reader saw
+    it move; None where there is none) and ``state`` (``"running"``, ``"silent"``,
+    ``"closed"``, ``"joined"`` without a record, ``"absent"``: not joined).
+
+    ``channel`` may hold no rank (:func:`dataparallel.observe`): each look then attaches to
+    the job's current run again (a rerun of the job is followed). A look takes at most
+    :data:`LOOK_WITHIN` seconds; a channel that has failed, or a job with no run, raises."""
+    deadline = time.monotonic() + LOOK_WITHIN
+    if channel.failure is not None:
+        raise channel.failure
+    if channel.rank is None and not channel._attach_run():
+        raise ControlError(f"job {channel.job!r} has no run: no rank of it has joined")
+    size = world_size or _world_size(channel, deadline)
+    records = _read_many(channel, [status_key(r) for r in range(size)], deadline)
+    peers = _read_many(channel, [peer_key(r) for r in range(size)], deadline)
+    if channel.failure is not None:
+        raise channel.failure
+    now, mono = time.time(), time.monotonic()
     ranks = []
-    found: dict[int, dict[str, Any]] = {}
     for rank in range(size):
         rec, peer = records[rank], peers[rank]
         entry: dict[str, Any] = {
@@ -231,17 +266,20 @@ def read_job(channel: ControlChannel, world_size: int | None = None) -> dict[str
         if peer is not None:
             entry.update(host=peer.get("host"), pid=peer.get("pid"), state="joined")
         if rec is not None:
-            age = max(now - float(rec.get("time", now)), 0.0)
-            found[rank] = rec
-            entry.update({k: rec.get(k) for k in ("host", "pid", "device", "phase", "epoch", "step", "step_s")})
-            entry["split"] = rec.get("split") or {}
-            entry["recent"] = rec.get("recent") or []
-            entry["phase_s"] = round(float(rec.get("phase_s") or 0.0) + age, 3)
-            entry["heartbeat_age"] = round(age, 3)
-            if rec.get("phase") == "closed":
-                entry["state"] = "closed"
-            else:
-                entry["state"] = "silent" if age > silent_after(rec) else "running"
+            try:
+                wall_age = max(now - float(rec.get("time", now)), 0.0)
+                interval = float(rec.get("interval") or 1.0)
+                age = wall_age if watch is None else watch.age(rank, rec.get("seq"), mono, wall_age, interval)
+                entry.update({k: rec.get(k) for k in ("host", "pid", "device", "phase", "epoch", "step", "step_s")})
+                entry["split"] = dict(rec.get("split") or {})
+                entry["phase_s"] = round(float(rec.get("phase_s") or 0.0) + age, 3)
+                entry["heartbeat_age"] = round(age, 3)
+                if rec.get("phase") == "closed":
+                    entry["state"] = "closed"
+                else:
+                    entry["state"] = "silent" if age > silent_after(rec) else "running"
+            except (TypeError, ValueError, AttributeError):  # a record not of this library's making
+                entry["state"] = "joined"
         ranks.append(entry)
     return {
         "job": channel.job,
@@ -298,27 +336,51 @@ def stall_threshold(ranks: Sequence[Mapping[str, Any]], floor: float = STALL_FLO
     return max(floor, STALL_STEPS * statistics.median(times)) if times else floor
 
 
-def _position(entry: Mapping[str, Any]) -> tuple[int, int, int]:
-    """How far a rank is: (epoch, step, the phase's place in a step; -1 outside a step)."""
+#: Where a phase outside a step lies in an epoch (``command``, the driver's broadcast that
+#: starts an epoch, belongs to the next epoch: the rank's epoch is still the last one's).
+_STAGES = {"command": 0, "train": 1, "epoch end": 2, "validation": 3, "report": 4}
+_BEFORE = {"joined", "rendezvous", "setup"}
+_AFTER = {"barrier dp-fit-end", "done"}
+
+
+def _position(entry: Mapping[str, Any]) -> tuple[int, int, int, int] | None:
+    """How far a rank is in the job, comparable between ranks: (epoch, stage, step, the
+    phase's place in a step); None for a phase that is not one of ``dp.fit``'s (a loop's
+    own), which is never taken for behind or ahead."""
     phase = entry.get("phase")
-    place = STEP_PHASES.index(phase) if phase in STEP_PHASES else -1
-    return (entry.get("epoch") or 0, entry.get("step") or 0, place)
+    epoch, step = entry.get("epoch"), entry.get("step") or 0
+    if phase in _BEFORE:
+        return (-1, 0, 0, 0)
+    if phase in _AFTER:
+        return (1 << 62, 0, 0, 0)
+    if phase == "command":
+        return (-1 if epoch is None else epoch) + 1, 0, 0, 0
+    if phase in STEP_PHASES and epoch is not None:
+        return epoch, 1, step, STEP_PHASES.index(phase)
+    if phase == "train" and epoch is not None:  # a strategy whose ranks do not step together
+        return epoch, 1, 0, -1
+    if phase in _STAGES and epoch is not None:
+        return epoch, _STAGES[phase], 0, 0
+    return None
 
 
 def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None) -> list[dict[str, Any]]:
     """The stalls ``ranks`` (entries as :func:`read_job` makes them) show, each ``{"rank",
     "cause", "phase", "for_s", "waiting"}`` naming a rank others wait for (``waiting``: the
-    running ranks ahead of it):
+    running ranks ahead of it), the silent first, then the furthest behind first:
 
     - a rank gone silent (its record stopped coming: frozen, cut off, or dead);
     - when some ranks have been in one phase past ``threshold`` (default
       :func:`stall_threshold`): every running rank behind the furthest of them (an earlier
-      step, or an earlier phase of the same step, or outside the step they wait in), with
-      what it is doing; where none is behind, each rank that has waited that long.
-    """
+      epoch or step, or an earlier phase of the same step: :func:`_position`), with what it
+      is doing.
+
+    Ranks that all wait at one place with nobody behind (a long validation, a slow first
+    step) are no stall: no rank holds the others up. Phases of a loop's own are compared with
+    nothing: only silence names such a rank."""
     live = [r for r in ranks if r.get("state") in ("running", "silent")]
     stalls: list[dict[str, Any]] = []
-    waiting_ranks = [r["rank"] for r in live if r.get("state") == "running"]
+    running = [r for r in live if r.get("state") == "running"]
     for r in live:
         if r.get("state") == "silent":
             stalls.append(
@@ -330,36 +392,31 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
                     ),
                     "phase": r.get("phase"),
                     "for_s": r.get("heartbeat_age"),
-                    "waiting": [w for w in waiting_ranks if w != r["rank"]],
+                    "waiting": [w["rank"] for w in running],
                 }
             )
     limit = stall_threshold(live) if threshold is None else threshold
-    running = [r for r in live if r.get("state") == "running"]
-    waiters = [r for r in running if (r.get("phase_s") or 0.0) > limit]
+    placed = [(r, _position(r)) for r in running]
+    waiters = [(r, p) for r, p in placed if p is not None and (r.get("phase_s") or 0.0) > limit]
     if not waiters:
         return stalls
-    furthest = max(_position(w) for w in waiters)
-    ahead = [w["rank"] for w in waiters if _position(w) == furthest]
-    where = next(f"{w['phase']!r}{_at(w)}" for w in waiters if _position(w) == furthest)
-    behind = [r for r in running if _position(r) < furthest]
-    if behind:
-        blamed = behind
-    elif not stalls:  # nobody behind, nobody silent: the ones that wait are stuck where they are
-        blamed = waiters
-    else:
-        return stalls
-    for r in blamed:
-        # Who waits for it: the ranks ahead of it (those past the threshold first named where).
-        others = sorted(a["rank"] for a in running if _position(a) > _position(r)) if r in behind else []
-        if others:
-            cause = (
-                f"in {r['phase']!r}{_at(r)} for {r['phase_s']:.1f}s while rank(s) "
-                f"{', '.join(map(str, ahead))} wait in {where}"
-            )
-        else:
-            cause = f"in {r['phase']!r}{_at(r)} for {r['phase_s']:.1f}s (stall threshold {limit:.1f}s)"
+    furthest = max(p for _, p in waiters)
+    ahead = [r["rank"] for r, p in waiters if p == furthest]
+    where = next(f"{r['phase']!r}{_at(r)}" for r, p in waiters if p == furthest)
+    behind = sorted(((r, p) for r, p in placed if p is not None and p < furthest), key=lambda rp: rp[1])
+    for r, p in behind:
+        others = sorted(a["rank"] for a, q in placed if q is not None and q > p)
         stalls.append(
-            {"rank": r["rank"], "cause": cause, "phase": r.get("phase"), "for_s": r.get("phase_s"), "waiting": others}
+            {
+                "rank": r["rank"],
+                "cause": (
+                    f"in {r['phase']!r}{_at(r)} for {r['phase_s']:.1f}s while rank(s) "
+                    f"{', '.join(map(str, ahead))} wait in {where}"
+                ),
+                "phase": r.get("phase"),
+                "for_s": r.get("phase_s"),
+                "waiting": others,
+            }
         )
     return stalls
 
@@ -373,27 +430,37 @@ def _at(entry: Mapping[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _read_many(channel: ControlChannel, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-    """The JSON values of ``keys`` in the run (None where absent or unreadable), one look."""
+def _read_many(channel: ControlChannel, keys: Sequence[str], deadline: float) -> list[dict[str, Any] | None]:
+    """The JSON objects at ``keys`` in the run (None where absent or not JSON), read one by
+    one until ``deadline`` (those left then: None)."""
     out: list[dict[str, Any] | None] = []
     for key in keys:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            out.append(None)
+            continue
         scoped = channel._scoped(key)
         try:
-            raw = channel._get(scoped, 1.0) if channel._check([scoped]) else None
-            out.append(json.loads(raw) if raw else None)
-        except (ControlError, ValueError):
-            out.append(None)
+            raw = channel._get(scoped, min(1.0, left)) if channel._check([scoped]) else None
+            value = json.loads(raw) if raw else None
+        except ControlError:
+            if channel.failure is not None:
+                raise
+            value = None
+        except ValueError:
+            value = None
+        out.append(value if isinstance(value, dict) else None)
     return out
 
 
-def _world_size(channel: ControlChannel) -> int:
+def _world_size(channel: ControlChannel, deadline: float) -> int:
     """The job's size as its ranks published it (their records), else as far as ranks joined."""
     for rank in range(64):
-        rec = _read_many(channel, [status_key(rank)])[0]
-        if rec is not None and rec.get("world_size"):
+        rec = _read_many(channel, [status_key(rank)], deadline)[0]
+        if rec is not None and isinstance(rec.get("world_size"), int) and rec["world_size"] > 0:
             return int(rec["world_size"])
     size, rank = 0, 0
-    while rank < size + 64:  # the last joined rank, past gaps of up to 64
+    while rank < size + 64 and time.monotonic() < deadline:  # the last joined rank, past gaps of up to 64
         if channel._check([channel._scoped(peer_key(rank))]):
             size = rank + 1
         rank += 1

@@ -2145,9 +2145,9 @@ class StatusTests(ChannelHarness):
         step 7, rank 1 still in ``data`` of that step), rank 2 does not. An observer with the
         token sees each rank's host, pid, phase, epoch and step, rank 2 joined without a
         record, and names rank 1 as the rank rank 0 waits for once rank 0 has waited past the
-        threshold; a rank that closes reads as closed. One with another token is refused
-        (AuthError); one of a job that has no run is refused (ControlError) and starts none:
-        that job then starts with any size."""
+        threshold; a rank that closes reads as closed; the observer's writes are refused. One
+        with another token is refused (AuthError); one of a job that has no run is refused
+        (ControlError) and starts none: that job then starts with any size."""
         from dataparallel.control.status import diagnose, read_job
 
         token = "status-token"
@@ -2179,6 +2179,8 @@ class StatusTests(ChannelHarness):
             assert [(s["rank"], s["phase"], s["waiting"]) for s in stalls] == [(1, "data", [0])], stalls
             assert "'data'" in stalls[0]["cause"] and "'backward'" in stalls[0]["cause"], stalls
             assert diagnose(ranks, threshold=60) == [], "no stall below the threshold"
+            with pytest.raises(dp.ConfigError, match="reads only"):
+                observer.set("written", b"by an observer")
             chs[1].close()
             assert read_job(observer)["ranks"][1]["state"] == "closed"
         finally:

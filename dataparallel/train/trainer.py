@@ -111,10 +111,11 @@ class Trainer:
         """On the driver, with ``status_http``: serve the job's view over HTTP."""
         if self.rank != 0 or self.opts.status_http is None or self.status_server is not None:
             return
-        from ..control.status import read_job
+        from ..control.status import JobWatch, read_job
         from ..control.status_http import StatusServer, parse_address
 
-        look = lambda: read_job(self.ch, world_size=self.world)  # noqa: E731 (the channel of the moment)
+        watch = JobWatch()  # ages on this process's clock
+        look = lambda: read_job(self.ch, world_size=self.world, watch=watch)  # noqa: E731 (the channel of the moment)
         self.status_server = StatusServer(look, parse_address(self.opts.status_http), self.ch.token).start()
         log.warning("job %r: status served at %s (/, /status.json, /metrics)", self.ch.job, self.status_server.url)
 
@@ -198,11 +199,15 @@ class Trainer:
             self.strategy.failed(err)
             raise
         finally:
+            try:
+                self.watchdog.stop()  # first: nothing interrupts this thread once it returns
+            except KeyboardInterrupt:
+                if self.watchdog.verdict is None:  # the user's Ctrl-C, not the stall's interrupt
+                    raise
             if self.status_server is not None:
                 self.status_server.close()
                 self.status_server = None
             self.stops.release(stopped)
-            self.watchdog.stop()
             self.elastic.close_queue()
             if self._own_pg and self.watchdog.lost is None:
                 with contextlib.suppress(Exception):
@@ -236,6 +241,8 @@ class Trainer:
                     self.elastic.snapshot = None
             stamps = [started, time.perf_counter()]
             lr = self.optimizer.param_groups[0]["lr"]  # at the epoch's first step
+            self.ch.status.at(epoch=epoch)
+            self.ch.status.enter("train")  # a strategy that steps in lockstep says which part of a step
             train = self.strategy.train_epoch(epoch)
             self.strategy.end_epoch()
             if self.stops.stopped_at is not None:

@@ -17,12 +17,13 @@ import _thread
 import contextlib
 import json
 import logging
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from ..control.process_group import abort_process_group
-from ..control.status import read_job
+from ..control.status import JobWatch, read_job
 from ..errors import ChannelClosed, ControlError, PeerLeft, PeerLost, Stalled
 
 if TYPE_CHECKING:
@@ -41,6 +42,10 @@ class Watchdog:
         self.verdict: Stalled | None = None  # the job's stall, as the driver named it (stall_timeout)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._judge: threading.Thread | None = None
+        # Held while this rank may be interrupted (inside fit's loop, the watchdog running).
+        self._interrupt_lock = threading.Lock()
+        self._interruptible = False
 
     def start(self) -> None:
         self.lost = None
@@ -49,25 +54,32 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True)
         self._thread.start()
+        self._judge = None
+        if self.t.opts.stall_timeout is not None:
+            self._judge = threading.Thread(target=self._judge_stalls, name="dp-train-stalls", daemon=True)
+            self._judge.start()
+        with self._interrupt_lock:
+            self._interruptible = True
 
     def stop(self) -> None:
+        """Stop watching. From its return on, nothing interrupts this rank's main thread."""
+        with self._interrupt_lock:
+            self._interruptible = False
         self._stop.set()
-        if self._thread is not None:  # no abort() may run while the group is destroyed
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._judge):
+            if thread is not None:  # no abort() may run while the group is destroyed
+                thread.join(timeout=5)
 
     def _watch(self) -> None:
         t = self.t
         last = time.monotonic()
-        looked = last  # when the stall verdict was last looked for
         while not self._stop.wait(0.2):
             now = time.monotonic()
             if now - last > t.ch.liveness_timeout:
                 self.stalled = max(self.stalled, now - last)
             last = now
-            if t.opts.stall_timeout is not None and now - looked >= STALL_LOOK:
-                looked = now
-                if self._judge_stall(t.opts.stall_timeout):
-                    return
+            if self.verdict is not None:
+                return
             lost = t.ch.lost_peers()
             if lost:
                 self.lost = next(iter(lost.values()))
@@ -76,33 +88,50 @@ class Watchdog:
                 t.strategy.abort()
                 return
 
-    def _judge_stall(self, timeout: float) -> bool:
-        """The driver names a stall that has lasted ``timeout``; every rank acts on the verdict
-        (True once it has: the process group is aborted, the named rank interrupted)."""
+    def _judge_stalls(self) -> None:
+        """Once a second: the driver names a stall that has lasted ``stall_timeout`` (measured
+        on its own clock: :class:`~dataparallel.control.status.JobWatch`); every rank acts on
+        the verdict once it is there (the process group aborted, the named rank interrupted)."""
+        watch = JobWatch()
+        while not self._stop.wait(STALL_LOOK):
+            if self.lost is not None:
+                return
+            try:
+                if self._judged(watch):
+                    return
+            except Exception as err:  # a store that does not answer is the liveness thread's to judge
+                log.debug("rank %d: stall verdict not read: %s", self.t.rank, err)
+
+    def _judged(self, watch: JobWatch) -> bool:
         t = self.t
+        timeout = t.opts.stall_timeout
+        assert timeout is not None
         verdicts = t.ch.reserved("stall")
-        try:
-            if t.rank == 0 and not verdicts.check("verdict"):
-                for stall in read_job(t.ch, world_size=t.world)["stalls"]:
-                    if (stall.get("for_s") or 0.0) >= timeout:
-                        said = json.dumps({k: stall.get(k) for k in ("rank", "phase", "cause")}).encode()
-                        verdicts.compare_set("verdict", b"", said)
-                        break
-            raw = verdicts.get("verdict", timeout=STALL_LOOK) if verdicts.check("verdict") else None
-        except ControlError as err:  # the channel's own liveness judges the store
-            log.debug("rank %d: stall verdict not read: %s", t.rank, err)
-            return False
+        if t.rank == 0 and not verdicts.check("verdict"):
+            for stall in read_job(t.ch, world_size=t.world, watch=watch)["stalls"]:
+                if (stall.get("for_s") or 0.0) >= timeout:  # the silent first, then the furthest behind
+                    said = json.dumps({k: stall.get(k) for k in ("rank", "phase", "cause")}).encode()
+                    verdicts.compare_set("verdict", b"", said)
+                    break
+        raw = verdicts.get("verdict", timeout=STALL_LOOK) if verdicts.check("verdict") else None
         if not raw:
             return False
         said = json.loads(raw)
-        self.verdict = Stalled(int(said["rank"]), said.get("phase"), str(said.get("cause")), timeout)
-        with contextlib.suppress(ControlError):
-            verdicts.set(f"seen/{t.rank}", b"1")  # the driver holds the job's state until all saw it
-        log.error("rank %d: %s; aborting the process group", t.rank, self.verdict)
-        abort_process_group(t.pg)
-        t.strategy.abort()
-        if self.verdict.rank == t.rank:  # stuck where the others cannot reach it: interrupt it there
-            _thread.interrupt_main()
+        verdict = Stalled(int(said["rank"]), said.get("phase"), str(said.get("cause")), timeout)
+        with self._interrupt_lock:
+            if not self._interruptible:  # fit is ending already
+                return True
+            self.verdict = verdict
+            with contextlib.suppress(ControlError):
+                verdicts.set(f"seen/{t.rank}", b"1")  # the driver holds the job's state until all saw it
+            log.error("rank %d: %s; aborting the process group", t.rank, verdict)
+            abort_process_group(t.pg)
+            t.strategy.abort()
+            # The rank the others wait for is stuck where they cannot reach it: interrupt it
+            # there (its main thread, between two Python instructions), unless SIGINT is not
+            # Python's own (ignored, or a stop signal's: then its launcher ends it).
+            if verdict.rank == t.rank and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                _thread.interrupt_main()
         return True
 
     def await_verdict_seen(self) -> None:

@@ -173,6 +173,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 run, self._run_lease = current.value, current.lease
                 break
             if self.world_size == 0:  # an observer (dp.observe) starts no run: it reads one
+                self._run_id, self._root = b"", self._job_root
                 return
             lease = await self._call("lease", self._ttl)
             fresh = uuid.uuid4().hex.encode()
@@ -200,7 +201,9 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         return reply is None or reply.TTL > 0
 
     def _attach_run(self) -> bool:
-        return bool(self._run_id)  # what __init__ found (an observer's starts none: _open_run)
+        # The job's current run, looked up again (an observer follows reruns; it starts none).
+        self._run(self._open_run(), self.timeout)
+        return bool(self._run_id)
 
     def _enter_run(self, retry: bool) -> None:
         if retry:  # the run opened in __init__ was the first attempt's; it may have ended since

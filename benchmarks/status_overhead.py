@@ -1,0 +1,176 @@
+"""What saying what each rank does costs a training step: ``dp.fit`` as it is (each rank's
+phases, step times and split kept, its record published every second) against ``dp.fit``
+with that bookkeeping and publishing taken out, same model, data, processes and run.
+
+    python -m benchmarks.status_overhead [--nprocs 2] [--epochs 24] [--repeats 4]
+
+N processes, gloo on CPU, the MLP and data of ``benchmarks.train_loop`` (56 steps of batch 64
+per rank and epoch with 2 ranks), over zmq. Within each run the epochs alternate: even ones
+as ``dp.fit`` is, odd ones with the bookkeeping taken out on every rank (the publishing
+thread skips its writes then), so each pair of neighbouring epochs compares the two in the
+same processes. The driver's training time per epoch (``EpochMetrics.train_seconds``; the
+first pair dropped as warm-up); the mean of the pairs' ratios and its 95% interval, held to
+the target (at most 1.01: 1% of a step). Also what each part costs measured alone (a phase
+change, five a step; a step's end; a publish of the record over zmq, one a second) and
+their share of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import free_port, machine, ratio_interval, run_main, verdict, write_result
+from benchmarks.train_loop import setup
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET = 1.01
+
+
+def worker(rank: int, world: int, port: int, epochs: int) -> list[float]:
+    import dataparallel as dp
+    from dataparallel.control.status import RankStatus
+
+    kept = {name: getattr(RankStatus, name) for name in ("enter", "step_done", "step_started", "_write")}
+    original_at = RankStatus.at
+    on = [True]
+
+    def at(self: RankStatus, epoch: int | None = None, step: int | None = None) -> None:
+        if epoch is not None:  # every rank at the same epoch: odd epochs without the bookkeeping
+            on[0] = epoch % 2 == 0
+        if on[0]:
+            original_at(self, epoch, step)
+
+    def switched(name: str):
+        def call(self: RankStatus, *args, **kwargs):
+            return kept[name](self, *args, **kwargs) if on[0] else ""
+
+        return call
+
+    RankStatus.at = at  # type: ignore[method-assign]
+    for name in kept:
+        setattr(RankStatus, name, switched(name))
+    ch = dp.connect(f"zmq://127.0.0.1:{port}", rank=rank, world_size=world, job="bench", timeout=120)
+    model, train, val = setup()
+    seconds: list[float] = []
+    dp.fit(
+        ch,
+        model,
+        torch.nn.functional.cross_entropy,
+        lambda p: torch.optim.Adam(p, lr=1e-3),
+        train,
+        val,
+        options=dp.TrainOptions(epochs=epochs, batch_size=64, progress=False),
+        callbacks=[lambda m: seconds.append(m.train_seconds)],
+    )
+    ch.close()
+    return seconds
+
+
+def run(world: int, epochs: int) -> list[tuple[float, float]]:
+    """One run's (on, off) pairs of neighbouring epochs, the first dropped."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.status_overhead", "--worker", "--port", str(port)]
+    cmd += ["--nprocs", str(world), "--epochs", str(epochs)]
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    seconds = json.loads(outs[0].strip().splitlines()[-1])
+    return [(seconds[i], seconds[i + 1]) for i in range(2, len(seconds) - 1, 2)]
+
+
+def parts_cost(rounds: int = 100_000) -> dict[str, float]:
+    """Seconds, measured alone: one phase change (``RankStatus.enter``), one step's end
+    (``step_done``), and one publish of a rank's record over zmq (the record, its JSON and
+    the ``set``: once a second per rank)."""
+    import dataparallel as dp
+
+    ch = dp.connect(f"zmq://127.0.0.1:{free_port()}", rank=0, world_size=1, job="bench", timeout=10)
+    try:
+        status = ch.status
+        names = ("data", "forward", "backward", "optimizer")
+        started = time.perf_counter()
+        for i in range(rounds):
+            status.enter(names[i % 4])
+        enter = (time.perf_counter() - started) / rounds
+        started = time.perf_counter()
+        for i in range(rounds):
+            status.step_done(i)
+        step_done = (time.perf_counter() - started) / rounds
+        started = time.perf_counter()
+        for _ in range(1000):
+            status._write()
+        publish = (time.perf_counter() - started) / 1000
+        return {"phase_change_s": enter, "step_done_s": step_done, "publish_s": publish}
+    finally:
+        ch.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=RESULTS / "status_overhead.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        torch.set_num_threads(1)
+        print(json.dumps(worker(args.rank, args.nprocs, args.port, args.epochs)), flush=True)
+        return 0
+    from tqdm import tqdm
+
+    pairs: list[tuple[float, float]] = []
+    for _ in tqdm(range(args.repeats), desc="runs"):
+        pairs += run(args.nprocs, args.epochs)
+    sides = {"status on": [on for on, _ in pairs], "status off": [off for _, off in pairs]}
+    interval = ratio_interval(pairs)
+    parts = parts_cost()
+    steps = 7168 // (64 * args.nprocs)
+    step_s = statistics.median(sides["status off"]) / steps
+    # What the parts add to a step: five phase changes and a step's end, and a second's publish
+    # spread over the steps of a second.
+    added = (5 * parts["phase_change_s"] + parts["step_done_s"]) / step_s + parts["publish_s"] / 1.0
+    print(f"{args.nprocs} processes, gloo, {args.repeats} runs of {args.epochs} epochs: {len(pairs)} pairs of epochs")
+    for name, values in sides.items():
+        med = statistics.median(values)
+        print(f"  {name:10s} training per epoch {med * 1e3:7.1f} ms ({med / steps * 1e3:.2f} ms a step)")
+    if interval is not None:
+        mean, low, high = interval
+        print(f"  on/off: {mean:.4f} (95% {low:.4f}..{high:.4f}); target <= {TARGET}: {verdict(interval, TARGET)}")
+    print(
+        f"  alone: a phase change {parts['phase_change_s'] * 1e9:.0f} ns (five a step), a step's end "
+        f"{parts['step_done_s'] * 1e9:.0f} ns, a publish {parts['publish_s'] * 1e6:.0f} us (one a second): "
+        f"{added * 100:.3f}% of a {step_s * 1e3:.2f} ms step"
+    )
+    write_result(
+        args.out,
+        {
+            "machine": machine(),
+            "backend": "gloo",
+            "world_size": args.nprocs,
+            "epochs": args.epochs,
+            "runs": args.repeats,
+            "pairs": len(pairs),
+            "steps_per_epoch": steps,
+            "train_s_per_epoch": sides,
+            "ratio_on_off": None if interval is None else dict(zip(("mean", "low", "high"), interval, strict=True)),
+            "target": TARGET,
+            "verdict": verdict(interval, TARGET),
+            "parts_s": parts,
+            "parts_share_of_step": added,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    run_main("benchmarks.status_overhead", main)

@@ -230,6 +230,13 @@ def _top(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_view_args(parser: argparse.ArgumentParser) -> None:
+    """What ``status`` and ``top`` both take: the URL, the job's size, the job's configuration."""
+    parser.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
+    parser.add_argument("--world-size", type=int, help="the job's size (default: as its ranks published it)")
+    _config_flags(parser, launcher=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataparallel",
@@ -302,11 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
         "each rank's host, pid, phase, epoch and step, how long it has been in its phase, its step time and "
         "its split, and the age of its last status; then the stalls: ranks gone silent, and ranks that others "
         "have waited for past the stall threshold (5 median step times, at least 2 s), with what each is "
-        "doing. Ranks publish their status under dp.fit. --timeout bounds the connection (default 10 s).",
+        "doing; then the stragglers. Ranks publish their status under dp.fit. --timeout bounds the connection "
+        "(default 10 s).",
     )
-    status.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
-    status.add_argument("--json", action="store_true", help="one JSON object: job, world_size, time, ranks, stalls")
-    status.add_argument("--world-size", type=int, help="the job's size (default: as its ranks published it)")
+    _job_view_args(status)
+    status.add_argument(
+        "--json", action="store_true", help="one JSON object: job, world_size, time, ranks, stalls, stragglers"
+    )
     status.add_argument(
         "--http",
         metavar="[HOST:]PORT",
@@ -314,7 +323,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(bound to 127.0.0.1 unless HOST says otherwise; with a token, requests carry it: Authorization: Bearer "
         "TOKEN, or ?token=TOKEN in a browser)",
     )
-    _config_flags(status, launcher=False)
     status.set_defaults(run=_status)
 
     top = sub.add_parser(
@@ -323,11 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="As dataparallel status, looked at again every --interval seconds (one connection, held) until "
         "interrupted or --iterations looks: a terminal is redrawn in place, other output gets one block per look.",
     )
-    top.add_argument("url_arg", metavar="URL", nargs="?", help="channel URL (default: from the configuration)")
+    _job_view_args(top)
     top.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
     top.add_argument("--iterations", type=int, help="stop after this many looks (default: until interrupted)")
-    top.add_argument("--world-size", type=int, help="the job's size (default: as its ranks published it)")
-    _config_flags(top, launcher=False)
     top.set_defaults(run=_top)
     return parser
 

@@ -49,6 +49,15 @@ def _training(view: dict) -> bool:
     return all(r["state"] == "running" and (r["step"] or 0) >= 1 for r in view["ranks"])
 
 
+def _stalled(release: Path, procs) -> float:
+    """When (monotonic) the stalling rank began to wait (``loop_worker.Stalling``)."""
+    deadline = time.monotonic() + 60
+    while not Path(f"{release}.stalled").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the rank never stalled"
+        time.sleep(0.02)
+    return time.monotonic()
+
+
 def _finish(procs) -> None:
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -75,12 +84,7 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
     }
     procs = [spawn({**cfg, "rank": r}) for r in range(3)]
     try:
-        stalled = Path(f"{release}.stalled")
-        deadline = time.monotonic() + 60
-        while not stalled.exists():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "rank 2 never stalled"
-            time.sleep(0.02)
-        began = time.monotonic()
+        began = _stalled(release, procs)
         # Named once the others' wait passes the threshold (2 s here: steps of milliseconds).
         view, seen = _until(url, lambda v: any(s["rank"] == 2 and s["phase"] == "data" for s in v["stalls"]), "stall")
         assert seen - began < SHOWS_WITHIN, f"named {seen - began:.1f}s after the stall began"
@@ -169,13 +173,8 @@ def test_a_stall_timeout_fails_every_rank_with_stalled_naming_the_culprit(tmp_pa
         "stall_timeout": 3,
     }
     procs = [spawn({**cfg, "rank": r}) for r in range(3)]
-    stalled = Path(f"{release}.stalled")
     try:
-        deadline = time.monotonic() + 60
-        while not stalled.exists():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "rank 2 never stalled"
-            time.sleep(0.02)
-        began = time.monotonic()
+        began = _stalled(release, procs)
         outputs = []
         for p in procs:
             out, err = p.communicate(timeout=60)
@@ -421,3 +420,54 @@ def test_an_observer_holds_no_job_and_follows_its_next_run(tmp_path: Path) -> No
                     ch.close()
         finally:
             observer.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
+    """Three ranks train; rank 1's every step takes 30 ms more of its own (in its optimizer
+    step, not in the all-reduce that makes the others wait). The view scores rank 1 a
+    straggler against the fastest rank, and no other; the page lists it, ``/metrics``
+    gives every rank's score, and the job's event log holds each rank's join, the driver's
+    checkpoints and the straggler it noted (rank 1 alone)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, web = f"zmq://127.0.0.1:{free_port()}", free_port()
+    cfg = {
+        "url": url,
+        "world": 3,
+        "epochs": 40,  # 4 steps an epoch: some seconds in all
+        "out": str(tmp_path / "out.pt"),
+        "step_sleep": [0.0, 0.03, 0.0],
+        "status_http": f"127.0.0.1:{web}",
+        "checkpoint": str(tmp_path / "job.ckpt"),
+        "checkpoint_every": 10,
+    }
+    procs = [spawn({**cfg, "rank": r}) for r in range(3)]
+    try:
+        view, _ = _until(
+            url, lambda v: _training(v) and all(r["own_s"] for r in v["ranks"]) and v["stragglers"], "a straggler"
+        )
+        assert [s["rank"] for s in view["stragglers"]] == [1], view["stragglers"]
+        assert view["stragglers"][0]["vs_fastest"] < 0.75 and "the fastest rank" in view["stragglers"][0]["cause"]
+        assert all(view["ranks"][r]["scores"]["vs_fastest"] > 0.75 for r in (0, 2)), view["ranks"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+        scores = {
+            s.labels["rank"]: s.value
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == "dataparallel_rank_straggler_score" and s.labels["against"] == "fastest"
+        }
+        assert set(scores) == {"0", "1", "2"} and scores["1"] < 0.75, scores
+        with urllib.request.urlopen(f"http://127.0.0.1:{web}/", timeout=10) as answer:
+            page = answer.read().decode()
+        assert '<ul id="stragglers"><li>rank 1:' in page, page
+        # The job's event log: each rank's join, the driver's checkpoints, the straggler it noted.
+        view, _ = _until(url, lambda v: any(e["kind"] == "straggler" for e in v["events"]), "a straggler event")
+        kinds = [(e["kind"], e["rank"]) for e in view["events"]]
+        assert sorted(r for kind, r in kinds if kind == "join") == [0, 1, 2], kinds
+        assert ("straggler", 1) in kinds and ("straggler", 0) not in kinds and ("straggler", 2) not in kinds, kinds
+        assert ("checkpoint", 0) in kinds, kinds
+        assert all({"time", "rank", "host", "kind", "detail"} <= set(e) for e in view["events"]), view["events"]
+    finally:
+        _finish(procs)

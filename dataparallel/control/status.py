@@ -75,6 +75,7 @@ class RankStatus:
         self._steps: deque[tuple[float, dict[str, float]]] = deque(maxlen=SPLIT_OVER)  # (seconds, split)
         self._changed = 0
         self._published = 0  # records written: a reader that sees the count move sees the rank live
+        self._own_best: float | None = None  # the least median own time over a full window of steps
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.interval = channel.heartbeat_interval
@@ -120,6 +121,9 @@ class RankStatus:
             self._split = {}
             self.step = step
             self._changed += 1
+            if len(self._steps) == SPLIT_OVER:
+                own = _own_time(self._steps)
+                self._own_best = own if self._own_best is None else min(self._own_best, own)
 
     def step_started(self) -> None:
         """The first step of a stretch begins now: what came before is no step's time."""
@@ -150,12 +154,19 @@ class RankStatus:
                 "step": self.step,
                 "step_s": round(statistics.median(t for t, _ in last), 6) if last else None,
                 "split": {k: round(v, 6) for k, v in split.items()},
+                "own_s": round(_own_time(last), 6) if last else None,
+                "own_best_s": None if self._own_best is None else round(self._own_best, 6),
                 "time": now,
                 "seq": self._published,
                 "interval": self.interval,
             }
 
     # ------------------------------------------------------------------ publishing
+    @property
+    def publishing(self) -> bool:
+        """Whether :meth:`publish` has started writing the record (and not stopped)."""
+        return self._thread is not None
+
     def publish(self, interval: float | None = None) -> None:
         """Write the record now and then every ``interval`` seconds (default: the channel's
         heartbeat interval) until the channel closes. Idempotent. The first write is made
@@ -197,6 +208,87 @@ class RankStatus:
                 log.debug("rank %s: status not written: %s", self._ch.rank, err)
 
 
+def _own_time(steps: Sequence[tuple[float, dict[str, float]]]) -> float:
+    """The median of the steps' own time: all of a step but ``backward``, where DDP's gradient
+    all-reduce makes a rank wait for the others (what a straggler is slow at, the others are
+    not)."""
+    return statistics.median(total - split.get("backward", 0.0) for total, split in steps)
+
+
+#: A rank whose own time per step is this much of the fastest rank's, or of its own best, or
+#: less (a score), and longer than it by at least :data:`STRAGGLER_FLOOR` seconds, is a
+#: straggler (the floor keeps a millisecond's jitter of a short step from being one).
+STRAGGLER_BELOW, STRAGGLER_FLOOR = 0.75, 0.005
+
+
+def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each running rank's scores (its own time per step against the fastest rank's, and
+    against its own best: 1.0 is as fast, 0.5 twice as slow), set in its entry as
+    ``scores``; returns the stragglers (a score below :data:`STRAGGLER_BELOW`, by at least
+    :data:`STRAGGLER_FLOOR` seconds a step), slowest first, each ``{"rank", "vs_fastest",
+    "vs_own_best", "own_s", "cause"}``."""
+    timed = [r for r in ranks if r.get("state") == "running" and r.get("own_s")]
+    if not timed:
+        return []
+    fastest = min(float(r["own_s"]) for r in timed)
+    found = []
+    for r in timed:
+        own = float(r["own_s"])
+        scores = {"vs_fastest": round(fastest / own, 3), "vs_own_best": None}
+        if r.get("own_best_s"):
+            scores["vs_own_best"] = round(min(float(r["own_best_s"]) / own, 1.0), 3)
+        r["scores"] = scores  # type: ignore[index]
+        low = min(v for v in scores.values() if v is not None)
+        if low < STRAGGLER_BELOW and own * (1 - low) >= STRAGGLER_FLOOR:
+            against = "the fastest rank" if scores["vs_fastest"] == low else "its own best"
+            cause = f"its own time per step, {own * 1000:.1f} ms, is {1 / low:.2f}x {against}'s"
+            found.append({"rank": r["rank"], **scores, "own_s": own, "cause": cause, "_low": low})
+    found.sort(key=lambda f: f.pop("_low"))
+    return found
+
+
+# ---------------------------------------------------------------------- the event log
+_EVENTS = f"{RESERVED_PREFIX}events/"
+#: Events a job keeps (the latest; each writer deletes the one this far behind its own).
+KEEP_EVENTS = 256
+
+
+def record_event(channel: ControlChannel, kind: str, detail: str, rank: int | None = None) -> None:
+    """Add an event to the job's log (``kind``: ``join``, ``loss``, ``stall``, ``straggler``,
+    ``checkpoint``, ``stop``...; ``rank``: the rank it is about, default the writer's): one
+    ``add`` and one ``set``, and a ``delete`` of the event :data:`KEEP_EVENTS` behind. Never
+    raises: an event that cannot be written is left out (logged), the job goes on."""
+    event = {
+        "time": time.time(),
+        "rank": channel.rank if rank is None else rank,
+        "by": channel.rank,
+        "host": socket.gethostname(),
+        "kind": kind,
+        "detail": detail,
+    }
+    try:
+        number = channel._add(channel._scoped(f"{_EVENTS}next"), 1) - 1
+        channel._set(channel._scoped(f"{_EVENTS}{number}"), json.dumps(event).encode())
+        if number >= KEEP_EVENTS:
+            channel._delete(channel._scoped(f"{_EVENTS}{number - KEEP_EVENTS}"))
+    except Exception as err:
+        log.info("job %r: event %s not recorded: %s", channel.job, kind, err)
+
+
+def read_events(channel: ControlChannel, last: int = 20, deadline: float | None = None) -> list[dict[str, Any]]:
+    """The job's last ``last`` events, oldest first (JSON lines' objects: ``time``, ``rank``,
+    ``by``, ``host``, ``kind``, ``detail``)."""
+    deadline = time.monotonic() + LOOK_WITHIN if deadline is None else deadline
+    counter = channel._scoped(f"{_EVENTS}next")
+    if not channel._check([counter]):
+        return []
+    raw = channel._get(counter, 1.0)
+    count = int(raw) if raw and raw.isdigit() else 0
+    first = max(count - min(last, KEEP_EVENTS), 0)
+    events = _read_many(channel, [f"{_EVENTS}{n}" for n in range(first, count)], deadline)
+    return [e for e in events if e is not None]
+
+
 # ---------------------------------------------------------------------- reading the job
 class JobWatch:
     """What a reader that looks again and again (``top``, the page, the driver's stall check)
@@ -225,9 +317,12 @@ LOOK_WITHIN = 5.0
 
 def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobWatch | None = None) -> dict[str, Any]:
     """Every rank's record and process of ``channel``'s job, with what :func:`diagnose` sees
-    in them: ``{"job", "world_size", "time", "ranks": [...], "stalls": [...]}``. Each entry of
-    ``ranks`` has ``rank``, ``host``, ``pid``, ``device``, ``phase``, ``phase_s``, ``epoch``,
-    ``step``, ``step_s``, ``split``, ``heartbeat_age`` (seconds since its record was written:
+    in them: ``{"job", "world_size", "time", "ranks": [...], "stalls": [...], "stragglers":
+    [...], "events": [...]}`` (:func:`straggler_scores`, :func:`read_events`: the last 20).
+    Each entry of ``ranks`` has ``rank``, ``host``,
+    ``pid``, ``device``, ``phase``, ``phase_s``, ``epoch``, ``step``, ``step_s``, ``split``,
+    ``own_s`` and ``own_best_s`` (a step's time but ``backward``: now, and the least seen),
+    ``scores``, ``heartbeat_age`` (seconds since its record was written:
     by the writer's wall clock against this one's, or, with ``watch``, since this reader saw
     it move; None where there is none) and ``state`` (``"running"``, ``"silent"``,
     ``"closed"``, ``"joined"`` without a record, ``"absent"``: not joined).
@@ -260,6 +355,9 @@ def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobW
             "step": None,
             "step_s": None,
             "split": {},
+            "own_s": None,
+            "own_best_s": None,
+            "scores": None,
             "heartbeat_age": None,
             "state": "absent",
         }
@@ -270,7 +368,8 @@ def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobW
                 wall_age = max(now - float(rec.get("time", now)), 0.0)
                 interval = float(rec.get("interval") or 1.0)
                 age = wall_age if watch is None else watch.age(rank, rec.get("seq"), mono, wall_age, interval)
-                entry.update({k: rec.get(k) for k in ("host", "pid", "device", "phase", "epoch", "step", "step_s")})
+                keys = ("host", "pid", "device", "phase", "epoch", "step", "step_s", "own_s", "own_best_s")
+                entry.update({k: rec.get(k) for k in keys})
                 entry["split"] = dict(rec.get("split") or {})
                 entry["phase_s"] = round(float(rec.get("phase_s") or 0.0) + age, 3)
                 entry["heartbeat_age"] = round(age, 3)
@@ -287,6 +386,8 @@ def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobW
         "time": now,
         "ranks": ranks,
         "stalls": diagnose(ranks),
+        "stragglers": straggler_scores(ranks),
+        "events": read_events(channel, deadline=deadline),
     }
 
 
@@ -317,6 +418,21 @@ def render(view: Mapping[str, Any]) -> str:
     stalls = view["stalls"]
     lines.append("stalls:" if stalls else "no stall")
     lines += [f"  rank {s['rank']}: {s['cause']}" for s in stalls]
+    stragglers = view.get("stragglers") or []
+    if stragglers:
+        lines.append("stragglers:")
+        lines += [
+            f"  rank {s['rank']}: {s['cause']} (score {s['vs_fastest']:.2f} against the fastest"
+            + (f", {s['vs_own_best']:.2f} against its own best)" if s["vs_own_best"] is not None else ")")
+            for s in stragglers
+        ]
+    events = view.get("events") or []
+    if events:
+        lines.append("events:")
+        lines += [
+            f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} rank {e['rank']} {e['kind']}: {e['detail']}"
+            for e in events[-10:]
+        ]
     return "\n".join(lines)
 
 

@@ -187,10 +187,11 @@ class StatusServer:
     def _page(self, view: Mapping[str, Any], token: str) -> str:
         e = html.escape
         stalled = {s["rank"] for s in view["stalls"]}
+        slow = {s["rank"] for s in view.get("stragglers") or []}
         rows = []
         for r in view["ranks"]:
             split = ", ".join(f"{e(k)} {v * 1000:.1f} ms" for k, v in sorted(r["split"].items(), key=lambda kv: -kv[1]))
-            cls = "stalled" if r["rank"] in stalled else e(r["state"])
+            cls = "stalled" if r["rank"] in stalled else "straggler" if r["rank"] in slow else e(r["state"])
             step_time = "-" if not r["step_s"] else f"{r['step_s'] * 1000:.1f} ms"
             rows.append(
                 f'<tr class="{cls}"><td>{r["rank"]}</td><td>{e(r["state"])}</td><td>{e(str(r["host"] or "-"))}</td>'
@@ -200,6 +201,7 @@ class StatusServer:
                 f"<td>{_seconds(r['heartbeat_age'])}</td><td>{self._sparkline(r['rank'])}</td></tr>"
             )
         stalls = "".join(f"<li>rank {s['rank']}: {e(s['cause'])}</li>" for s in view["stalls"])
+        stragglers = "".join(f"<li>rank {s['rank']}: {e(s['cause'])}</li>" for s in view.get("stragglers") or [])
         error = f'<p class="error">last look failed: {e(self._error)}</p>' if self._error else ""
         keep = f"?token={quote(token)}" if token else ""
         return PAGE.format(
@@ -208,6 +210,9 @@ class StatusServer:
             when=time.strftime("%H:%M:%S", time.localtime(view["time"])),
             rows="\n".join(rows),
             stalls=f'<ul id="stalls">{stalls}</ul>' if stalls else '<p id="stalls">no stall</p>',
+            stragglers=(
+                f'<ul id="stragglers">{stragglers}</ul>' if stragglers else '<p id="stragglers">no straggler</p>'
+            ),
             error=error,
             json=f"status.json{keep}",
             metrics=f"metrics{keep}",
@@ -242,7 +247,8 @@ PAGE = """<!doctype html>
 body {{ font: 14px system-ui, sans-serif; margin: 1.5em; }}
 table {{ border-collapse: collapse; }}
 th, td {{ padding: 0.25em 0.6em; border-bottom: 1px solid #ddd; text-align: left; white-space: nowrap; }}
-tr.stalled {{ background: #fdd; }} tr.silent {{ background: #fec; }} tr.closed {{ color: #888; }}
+tr.stalled {{ background: #fdd; }} tr.silent {{ background: #fec; }} tr.straggler {{ background: #ffd; }}
+tr.closed {{ color: #888; }}
 .error {{ color: #a00; }}
 </style></head>
 <body>
@@ -257,6 +263,8 @@ tr.stalled {{ background: #fdd; }} tr.silent {{ background: #fec; }} tr.closed {
 </tbody></table>
 <h2>stalls</h2>
 {stalls}
+<h2>stragglers</h2>
+{stragglers}
 </body></html>
 """
 
@@ -295,6 +303,11 @@ class _Collector:
         split = gauge("dataparallel_rank_step_phase_seconds", "the rank's mean seconds per step in a phase", ["phase"])
         age = gauge("dataparallel_rank_status_age_seconds", "seconds since the rank last published its status")
         stalled = gauge("dataparallel_rank_stalled", "1 where a stall waits for the rank", ["phase"])
+        score = gauge(
+            "dataparallel_rank_straggler_score",
+            "the rank's own time per step against the fastest rank's or its own best (1: as fast)",
+            ["against"],
+        )
         stalls_for = {s["rank"]: s for s in self._view["stalls"]}
         for r in self._view["ranks"]:
             base = [job, str(r["rank"]), str(r["host"] or "")]
@@ -314,4 +327,7 @@ class _Collector:
                 age.add_metric(base, float(r["heartbeat_age"]))
             stall = stalls_for.get(r["rank"])
             stalled.add_metric([*base, str((stall or {}).get("phase") or "")], 1.0 if stall else 0.0)
-        yield from (running, state, step, epoch, phase, step_s, split, age, stalled)
+            for against, value in (r.get("scores") or {}).items():
+                if value is not None:
+                    score.add_metric([*base, against.removeprefix("vs_")], float(value))
+        yield from (running, state, step, epoch, phase, step_s, split, age, stalled, score)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ..control.status import record_event
 from .options import EpochMetrics
 from .position import NO_SUMS, EpochPosition, set_rng_state
 from .storage import load, save_atomically
@@ -64,6 +65,8 @@ class Checkpoints:
             "partial": position.to_dict() if position is not None else None,  # a stop signal's
         }
         save_atomically(state, self.target())
+        where = f", stopped within epoch {epoch + 1} after {position.batches} batches" if position is not None else ""
+        record_event(t.ch, "checkpoint", f"after epoch {epoch}{where}: {self.target()}")
 
     def resume(self) -> None:
         """With ``resume=True``: the driver reads the checkpoint, every rank takes it up: at

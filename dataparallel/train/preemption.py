@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..control.status import record_event
 from ..errors import Preempted
 from .position import EpochPosition, Sums, rng_state
 
@@ -146,6 +147,8 @@ class StopSignals:
             t.checkpoints.save(epoch - 1, [p["rng"] for p in parsed], position)
         t.ch.barrier(f"dp-stopped-{epoch}", timeout=timeout)  # no rank ends before the file is there
         stopped = Preempted(self.agreed_signal or signal.SIGTERM, epoch, batches, str(t.opts.checkpoint))
+        if t.rank == 0:
+            record_event(t.ch, "stop", str(stopped))
         if t.rank == 0:
             print(f"dataparallel: {stopped}", file=sys.stderr, flush=True)
         raise stopped

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Sized
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..control.channel import ControlChannel
 from ..control.process_group import init_process_group
+from ..control.status import record_event
 from ..errors import ControlError, PeerLost, Preempted
 from .checkpoint import Checkpoints
 from .data import count, first_parameter, hits, to_device
@@ -105,7 +107,10 @@ class Trainer:
         status = self.ch.status
         status.device = str(self.device)
         status.at(step=self.global_step)
+        if status.publishing:
+            return
         status.publish()
+        record_event(self.ch, "join", f"rank {self.rank} of {self.world}: pid {os.getpid()}, {self.device}")
 
     def _serve_status(self) -> None:
         """On the driver, with ``status_http``: serve the job's view over HTTP."""

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..control.process_group import abort_process_group
-from ..control.status import JobWatch, read_job
+from ..control.status import JobWatch, read_job, record_event
 from ..errors import ChannelClosed, ControlError, PeerLeft, PeerLost, Stalled
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True)
         self._thread.start()
         self._judge = None
-        if self.t.opts.stall_timeout is not None:
+        if self.t.opts.stall_timeout is not None or self.t.rank == 0:  # the driver also notes stragglers
             self._judge = threading.Thread(target=self._judge_stalls, name="dp-train-stalls", daemon=True)
             self._judge.start()
         with self._interrupt_lock:
@@ -86,33 +86,47 @@ class Watchdog:
                 log.error("rank %d: %s; aborting the process group", t.rank, self.lost)
                 abort_process_group(t.pg)
                 t.strategy.abort()
+                if t.rank == 0:
+                    record_event(t.ch, "loss", str(self.lost), rank=self.lost.rank)
                 return
 
     def _judge_stalls(self) -> None:
-        """Once a second: the driver names a stall that has lasted ``stall_timeout`` (measured
-        on its own clock: :class:`~dataparallel.control.status.JobWatch`); every rank acts on
-        the verdict once it is there (the process group aborted, the named rank interrupted)."""
+        """With ``stall_timeout``, once a second: the driver names a stall that has lasted that
+        long (measured on its own clock: :class:`~dataparallel.control.status.JobWatch`); every
+        rank acts on the verdict once it is there (the process group aborted, the named rank
+        interrupted). The driver also records in the job's event log each rank that becomes a
+        straggler (every :data:`STRAGGLERS_LOOK` seconds without ``stall_timeout``)."""
         watch = JobWatch()
-        while not self._stop.wait(STALL_LOOK):
+        every = STALL_LOOK if self.t.opts.stall_timeout is not None else STRAGGLERS_LOOK
+        slow: set[int] = set()
+        while not self._stop.wait(every):
             if self.lost is not None:
                 return
             try:
-                if self._judged(watch):
+                if self._judged(watch, slow):
                     return
             except Exception as err:  # a store that does not answer is the liveness thread's to judge
                 log.debug("rank %d: stall verdict not read: %s", self.t.rank, err)
 
-    def _judged(self, watch: JobWatch) -> bool:
+    def _judged(self, watch: JobWatch, slow: set[int]) -> bool:
         t = self.t
         timeout = t.opts.stall_timeout
-        assert timeout is not None
         verdicts = t.ch.reserved("stall")
-        if t.rank == 0 and not verdicts.check("verdict"):
-            for stall in read_job(t.ch, world_size=t.world, watch=watch)["stalls"]:
-                if (stall.get("for_s") or 0.0) >= timeout:  # the silent first, then the furthest behind
+        if t.rank == 0 and (timeout is None or not verdicts.check("verdict")):
+            view = read_job(t.ch, world_size=t.world, watch=watch)
+            for straggler in view["stragglers"]:
+                if straggler["rank"] not in slow:
+                    record_event(t.ch, "straggler", straggler["cause"], rank=straggler["rank"])
+            slow.clear()
+            slow.update(s["rank"] for s in view["stragglers"])
+            for stall in view["stalls"]:  # the silent first, then the furthest behind
+                if timeout is not None and (stall.get("for_s") or 0.0) >= timeout:
                     said = json.dumps({k: stall.get(k) for k in ("rank", "phase", "cause")}).encode()
-                    verdicts.compare_set("verdict", b"", said)
+                    if verdicts.compare_set("verdict", b"", said) == said:
+                        record_event(t.ch, "stall", f"{stall['cause']} (stall_timeout {timeout:g}s)", stall["rank"])
                     break
+        if timeout is None:
+            return False
         raw = verdicts.get("verdict", timeout=STALL_LOOK) if verdicts.check("verdict") else None
         if not raw:
             return False
@@ -153,8 +167,8 @@ class Watchdog:
 
 
 #: Seconds between two looks for a stall (stall_timeout), and the longest the driver waits for
-#: every rank to have seen its verdict.
-STALL_LOOK, STALL_SEEN_WITHIN = 1.0, 5.0
+#: every rank to have seen its verdict; between two looks for stragglers without stall_timeout.
+STALL_LOOK, STALL_SEEN_WITHIN, STRAGGLERS_LOOK = 1.0, 5.0, 5.0
 
 
 def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
@@ -174,9 +188,12 @@ def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
     watchdog = t.watchdog
     deadline = time.monotonic() + t.ch.liveness_timeout + 2 * t.ch.heartbeat_interval + 1
     while watchdog.lost is None and not t.ch.lost_peers() and time.monotonic() < deadline:
-        if isinstance(err, ChannelClosed) or t.ch.failure is not None:
+        if isinstance(err, ChannelClosed) or t.ch.failure is not None or watchdog.verdict is not None:
             break
         time.sleep(0.1)
+    if watchdog.verdict is not None:  # another rank's abort, for the stall, came first
+        watchdog.await_verdict_seen()
+        return watchdog.verdict
     lost = watchdog.lost or next(iter(t.ch.lost_peers().values()), None)
     if lost is not None:
         return PeerLost(lost.rank, lost.last_seen, lost.reason, during=f"epoch {epoch}")

@@ -163,23 +163,27 @@ def _status(args: argparse.Namespace) -> int:
     timeout = float(args.timeout) if args.timeout else 10.0
     channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
     if args.http:
-        watch = JobWatch()  # looked at again and again: ages on this process's clock
         from .control.status_http import StatusServer, parse_address
+
+        watch = JobWatch()  # looked at again and again: ages on this process's clock
+        held = [channel]
+
+        def look() -> dict[str, Any]:
+            if held[0].failure is not None:  # its coordinator went away: connect again
+                held[0].close()
+                held[0] = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
+            return read_job(held[0], world_size=args.world_size, watch=watch)
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it as Ctrl-C does
         try:
-            with StatusServer(
-                lambda: read_job(channel, world_size=args.world_size, watch=watch),
-                parse_address(args.http),
-                config.token,
-            ) as server:
+            with StatusServer(look, parse_address(args.http), config.token) as server:
                 print(f"serving job {config.job!r} at {server.url} (/, /status.json, /metrics)", flush=True)
                 while True:
                     signal.pause()
         except KeyboardInterrupt:
             pass
         finally:
-            channel.close()
+            held[0].close()
         return 0
     try:
         view = read_job(channel, world_size=args.world_size)

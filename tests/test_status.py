@@ -340,12 +340,18 @@ def test_diagnose_names_only_ranks_that_hold_others_up() -> None:
     a rank still validating while the others report is, whatever its number; a rank still
     reporting an epoch while the others wait for the next epoch's command is; a rank in a
     phase of a loop's own is compared with nothing; a silent rank comes first, then the
-    furthest behind."""
+    furthest behind; a rank behind is named for as long as the others have waited for it."""
     diagnose = dp.control.status.diagnose
     assert diagnose([_entry(r, "validation") for r in range(3)]) == []
     assert diagnose([_entry(r, "forward", step=0) for r in range(3)]) == []
     ranks = [_entry(0, "report"), _entry(1, "report"), _entry(2, "validation")]
     assert [(s["rank"], s["waiting"]) for s in diagnose(ranks)] == [(2, [0, 1])]
+    # Stalling the others as long as they have waited, not as long as it has validated.
+    ranks = [_entry(0, "report", phase_s=3.0), _entry(1, "report", phase_s=3.0), _entry(2, "validation", phase_s=240)]
+    assert [(s["rank"], s["for_s"]) for s in diagnose(ranks)] == [(2, 3.0)]
+    # A newcomer waiting for its first command (no epoch yet) is compared with nothing.
+    ranks = [_entry(0, "command", epoch=None, phase_s=1.0), _entry(1, "backward"), _entry(2, "backward")]
+    assert diagnose(ranks) == []
     ranks = [_entry(0, "report", phase_s=1.0), _entry(1, "command"), _entry(2, "command")]
     assert [s["rank"] for s in diagnose(ranks)] == [0]
     ranks = [_entry(0, "my own phase"), _entry(1, "backward"), _entry(2, "backward")]

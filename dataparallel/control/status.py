@@ -227,7 +227,9 @@ def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     ``scores``; returns the stragglers (a score below :data:`STRAGGLER_BELOW`, by at least
     :data:`STRAGGLER_FLOOR` seconds a step), slowest first, each ``{"rank", "vs_fastest",
     "vs_own_best", "own_s", "cause"}``."""
-    timed = [r for r in ranks if r.get("state") == "running" and r.get("own_s")]
+    timed = [
+        r for r in ranks if r.get("state") == "running" and isinstance(r.get("own_s"), int | float) and r["own_s"] > 0
+    ]
     if not timed:
         return []
     fastest = min(float(r["own_s"]) for r in timed)
@@ -235,7 +237,7 @@ def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     for r in timed:
         own = float(r["own_s"])
         scores = {"vs_fastest": round(fastest / own, 3), "vs_own_best": None}
-        if r.get("own_best_s"):
+        if isinstance(r.get("own_best_s"), int | float) and r["own_best_s"] > 0:
             scores["vs_own_best"] = round(min(float(r["own_best_s"]) / own, 1.0), 3)
         r["scores"] = scores  # type: ignore[index]
         low = min(v for v in scores.values() if v is not None)
@@ -286,7 +288,17 @@ def read_events(channel: ControlChannel, last: int = 20, deadline: float | None 
     count = int(raw) if raw and raw.isdigit() else 0
     first = max(count - min(last, KEEP_EVENTS), 0)
     events = _read_many(channel, [f"{_EVENTS}{n}" for n in range(first, count)], deadline)
-    return [e for e in events if e is not None]
+    return [e for e in events if e is not None and _is_event(e)]
+
+
+def _is_event(event: Mapping[str, Any]) -> bool:
+    """Whether ``event`` has the fields an event of :func:`record_event`'s has, of their types."""
+    return (
+        isinstance(event.get("time"), int | float)
+        and isinstance(event.get("kind"), str)
+        and isinstance(event.get("detail"), str)
+        and (event.get("rank") is None or isinstance(event.get("rank"), int))
+    )
 
 
 # ---------------------------------------------------------------------- reading the job
@@ -315,10 +327,13 @@ class JobWatch:
 LOOK_WITHIN = 5.0
 
 
-def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobWatch | None = None) -> dict[str, Any]:
+def read_job(
+    channel: ControlChannel, world_size: int | None = None, watch: JobWatch | None = None, events: bool = True
+) -> dict[str, Any]:
     """Every rank's record and process of ``channel``'s job, with what :func:`diagnose` sees
     in them: ``{"job", "world_size", "time", "ranks": [...], "stalls": [...], "stragglers":
-    [...], "events": [...]}`` (:func:`straggler_scores`, :func:`read_events`: the last 20).
+    [...], "events": [...]}`` (:func:`straggler_scores`, :func:`read_events`: the last 20;
+    none with ``events=False``).
     Each entry of ``ranks`` has ``rank``, ``host``,
     ``pid``, ``device``, ``phase``, ``phase_s``, ``epoch``, ``step``, ``step_s``, ``split``,
     ``own_s`` and ``own_best_s`` (a step's time but ``backward``: now, and the least seen),
@@ -365,6 +380,10 @@ def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobW
             entry.update(host=peer.get("host"), pid=peer.get("pid"), state="joined")
         if rec is not None:
             try:
+                if not all(rec.get(k) is None or type(rec.get(k)) is int for k in ("epoch", "step")):
+                    raise ValueError(f"rank {rank}'s record: epoch and step must be integers")
+                if not isinstance(rec.get("phase"), str | None):
+                    raise ValueError(f"rank {rank}'s record: its phase must be text")
                 wall_age = max(now - float(rec.get("time", now)), 0.0)
                 interval = float(rec.get("interval") or 1.0)
                 age = wall_age if watch is None else watch.age(rank, rec.get("seq"), mono, wall_age, interval)
@@ -387,7 +406,7 @@ def read_job(channel: ControlChannel, world_size: int | None = None, watch: JobW
         "ranks": ranks,
         "stalls": diagnose(ranks),
         "stragglers": straggler_scores(ranks),
-        "events": read_events(channel, deadline=deadline),
+        "events": read_events(channel, deadline=deadline) if events else [],
     }
 
 
@@ -469,8 +488,8 @@ def _position(entry: Mapping[str, Any]) -> tuple[int, int, int, int] | None:
         return (-1, 0, 0, 0)
     if phase in _AFTER:
         return (1 << 62, 0, 0, 0)
-    if phase == "command":
-        return (-1 if epoch is None else epoch) + 1, 0, 0, 0
+    if phase == "command":  # a newcomer's, which has no epoch yet, is compared with nothing
+        return None if epoch is None else (epoch + 1, 0, 0, 0)
     if phase in STEP_PHASES and epoch is not None:
         return epoch, 1, step, STEP_PHASES.index(phase)
     if phase == "train" and epoch is not None:  # a strategy whose ranks do not step together
@@ -518,6 +537,9 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
         return stalls
     furthest = max(p for _, p in waiters)
     ahead = [r["rank"] for r, p in waiters if p == furthest]
+    # How long the others have waited: a rank behind is stalling them that long, not as long
+    # as it has been where it is (a long validation the others have only just finished).
+    waited = max(float(r.get("phase_s") or 0.0) for r, p in waiters if p == furthest)
     where = next(f"{r['phase']!r}{_at(r)}" for r, p in waiters if p == furthest)
     behind = sorted(((r, p) for r, p in placed if p is not None and p < furthest), key=lambda rp: rp[1])
     for r, p in behind:
@@ -530,7 +552,7 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
                     f"{', '.join(map(str, ahead))} wait in {where}"
                 ),
                 "phase": r.get("phase"),
-                "for_s": r.get("phase_s"),
+                "for_s": round(min(float(r.get("phase_s") or 0.0), waited), 3),
                 "waiting": others,
             }
         )

@@ -79,11 +79,18 @@ class StatusServer:
             def do_GET(self) -> None:
                 server._answer(self)
 
+            timeout = 30  # a connection that sends nothing is closed: no thread waits for it for ever
+
             def log_message(self, format: str, *args: Any) -> None:
-                log.debug("status http: " + format, *args)
+                log.debug("status http: %s", self.command)  # not the path: it may hold the token
 
         self._http = ThreadingHTTPServer(address, Handler)
         self._http.daemon_threads = True
+        if token is None and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            log.warning(
+                "the job's view is served at %s to anyone who reaches it: no token (set one: DP_TOKEN, --token-file)",
+                self.url,
+            )
         self._thread: threading.Thread | None = None
 
     @property
@@ -123,10 +130,11 @@ class StatusServer:
                     view = self._look()
                 except ControlError as err:  # shown on the page; the next look tries again
                     self._error = f"{type(err).__name__}: {err}"
+                    self._at = time.monotonic()
                     if self._view is None:
                         raise
                 else:
-                    self._view, self._at, self._error = view, now, None
+                    self._view, self._at, self._error = view, time.monotonic(), None
                     self._remember(view)
             assert self._view is not None
             return self._view
@@ -157,6 +165,9 @@ class StatusServer:
         if parts.path == "/":
             token = query.get("token", [""])[0]
             self._send(request, HTTPStatus.OK, "text/html; charset=utf-8", self._page(view, token).encode())
+        elif parts.path in ("/status.json", "/metrics") and self._error is not None:
+            # The last look failed: no stale figures a scraper would take for current ones.
+            self._send(request, HTTPStatus.SERVICE_UNAVAILABLE, "text/plain", f"{self._error}\n".encode())
         elif parts.path == "/status.json":
             self._send(request, HTTPStatus.OK, "application/json", json.dumps(view).encode())
         elif parts.path == "/metrics":

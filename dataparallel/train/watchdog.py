@@ -13,7 +13,6 @@ rank it names is interrupted where it stands: ``fit`` raises :class:`~dataparall
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import json
 import logging
@@ -52,11 +51,15 @@ class Watchdog:
         self.stalled = 0.0
         self.verdict = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="dp-train-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(self._stop,), name="dp-train-watchdog", daemon=True)
         self._thread.start()
         self._judge = None
-        if self.t.opts.stall_timeout is not None or self.t.rank == 0:  # the driver also notes stragglers
-            self._judge = threading.Thread(target=self._judge_stalls, name="dp-train-stalls", daemon=True)
+        opts = self.t.opts
+        # The driver also notes stragglers where it looks at the job anyway (its page).
+        if opts.stall_timeout is not None or (self.t.rank == 0 and opts.status_http is not None):
+            self._judge = threading.Thread(
+                target=self._judge_stalls, args=(self._stop,), name="dp-train-stalls", daemon=True
+            )
             self._judge.start()
         with self._interrupt_lock:
             self._interruptible = True
@@ -70,10 +73,12 @@ class Watchdog:
             if thread is not None:  # no abort() may run while the group is destroyed
                 thread.join(timeout=5)
 
-    def _watch(self) -> None:
+    def _watch(self, stop: threading.Event) -> None:
+        # ``stop`` is this thread's own: one that outlived its stop's join never runs on next
+        # to the next generation's.
         t = self.t
         last = time.monotonic()
-        while not self._stop.wait(0.2):
+        while not stop.wait(0.2):
             now = time.monotonic()
             if now - last > t.ch.liveness_timeout:
                 self.stalled = max(self.stalled, now - last)
@@ -90,7 +95,7 @@ class Watchdog:
                     record_event(t.ch, "loss", str(self.lost), rank=self.lost.rank)
                 return
 
-    def _judge_stalls(self) -> None:
+    def _judge_stalls(self, stop: threading.Event) -> None:
         """With ``stall_timeout``, once a second: the driver names a stall that has lasted that
         long (measured on its own clock: :class:`~dataparallel.control.status.JobWatch`); every
         rank acts on the verdict once it is there (the process group aborted, the named rank
@@ -99,27 +104,31 @@ class Watchdog:
         watch = JobWatch()
         every = STALL_LOOK if self.t.opts.stall_timeout is not None else STRAGGLERS_LOOK
         slow: set[int] = set()
-        while not self._stop.wait(every):
+        said = False
+        while not stop.wait(every):
             if self.lost is not None:
                 return
             try:
                 if self._judged(watch, slow):
                     return
             except Exception as err:  # a store that does not answer is the liveness thread's to judge
-                log.debug("rank %d: stall verdict not read: %s", self.t.rank, err)
+                (log.debug if said else log.warning)("rank %d: the job's stalls not judged: %s", self.t.rank, err)
+                said = True
 
     def _judged(self, watch: JobWatch, slow: set[int]) -> bool:
         t = self.t
         timeout = t.opts.stall_timeout
         verdicts = t.ch.reserved("stall")
         if t.rank == 0 and (timeout is None or not verdicts.check("verdict")):
-            view = read_job(t.ch, world_size=t.world, watch=watch)
+            view = read_job(t.ch, world_size=t.world, watch=watch, events=False)
             for straggler in view["stragglers"]:
                 if straggler["rank"] not in slow:
                     record_event(t.ch, "straggler", straggler["cause"], rank=straggler["rank"])
             slow.clear()
             slow.update(s["rank"] for s in view["stragglers"])
             for stall in view["stalls"]:  # the silent first, then the furthest behind
+                if stall["cause"].startswith("silent") and t.settings.elastic:
+                    continue  # a rank gone silent is for liveness to declare lost: the others regroup
                 if timeout is not None and (stall.get("for_s") or 0.0) >= timeout:
                     said = json.dumps({k: stall.get(k) for k in ("rank", "phase", "cause")}).encode()
                     if verdicts.compare_set("verdict", b"", said) == said:
@@ -145,7 +154,8 @@ class Watchdog:
             # there (its main thread, between two Python instructions), unless SIGINT is not
             # Python's own (ignored, or a stop signal's: then its launcher ends it).
             if verdict.rank == t.rank and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                _thread.interrupt_main()
+                # A signal, not interrupt_main(): it ends a blocking call (a sleep, a wait) too.
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
         return True
 
     def await_verdict_seen(self) -> None:
@@ -175,8 +185,8 @@ def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
     """Turn a collective failure caused by a lost peer into PeerLost naming it (waiting up to
     a liveness timeout for the channel to tell); a process that stood still, or a coordinator
     gone, into :class:`ChannelClosed` saying so; anything else is ``err`` itself."""
-    if t.watchdog.verdict is not None:  # the job stalled: what failed is its consequence
-        t.watchdog.await_verdict_seen()
+    if t.watchdog.verdict is not None and t.watchdog.lost is None and not t.ch.lost_peers():
+        t.watchdog.await_verdict_seen()  # the job stalled: what failed is its consequence
         return t.watchdog.verdict
     if isinstance(err, PeerLeft):  # not a loss: that rank closed its channel
         return err
@@ -191,8 +201,8 @@ def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
         if isinstance(err, ChannelClosed) or t.ch.failure is not None or watchdog.verdict is not None:
             break
         time.sleep(0.1)
-    if watchdog.verdict is not None:  # another rank's abort, for the stall, came first
-        watchdog.await_verdict_seen()
+    if watchdog.verdict is not None and watchdog.lost is None and not t.ch.lost_peers():
+        watchdog.await_verdict_seen()  # another rank's abort, for the stall, came first
         return watchdog.verdict
     lost = watchdog.lost or next(iter(t.ch.lost_peers().values()), None)
     if lost is not None:

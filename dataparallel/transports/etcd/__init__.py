@@ -141,8 +141,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         except BaseException:
             self._shutdown()
             raise
-        self._keeper = threading.Thread(target=self._keep_alive, args=(self._ttl,), name="dp-etcd-lease", daemon=True)
-        self._keeper.start()
+        if self._lease is not None:  # an observer's (dp.observe) has none to keep
+            self._keeper = threading.Thread(
+                target=self._keep_alive, args=(self._ttl,), name="dp-etcd-lease", daemon=True
+            )
+            self._keeper.start()
 
     # ------------------------------------------------------------------ plumbing
     async def _open_run(self) -> None:
@@ -154,12 +157,16 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         a dead run left). A channel that holds no rank and never will (the torchrun backends',
         an elastic job's join queue) keeps its run alive as a rank does; one that waits for a
         rank held by another keeps none alive (:attr:`_holds_run`)."""
-        if self._lease is None:
+        if self._lease is None and self.world_size != 0:  # an observer's holds no lease: it writes nothing
             self._lease = await self._call("lease", self._ttl)
         run_key = self._run_key
         txn = self._etcd.transactions
         while True:
             current = await self._call("get", run_key)
+            if self.world_size == 0 and (current is None or current.lease == 0):
+                # An observer (dp.observe) starts no run and mends none: it reads one.
+                self._run_id, self._root = b"", self._job_root
+                return
             if current is not None and current.lease == 0:
                 # A run key on no lease (put by hand or by a tool) would never end: a dead run.
                 await self._call(
@@ -172,9 +179,6 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             if current is not None:
                 run, self._run_lease = current.value, current.lease
                 break
-            if self.world_size == 0:  # an observer (dp.observe) starts no run: it reads one
-                self._run_id, self._root = b"", self._job_root
-                return
             lease = await self._call("lease", self._ttl)
             fresh = uuid.uuid4().hex.encode()
             ok, _ = await self._call(

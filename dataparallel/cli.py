@@ -10,12 +10,16 @@ import os
 import signal
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import CHOICES, SETTINGS, flag_of
 from .control.registry import resolve
 from .errors import ConfigError, ControlError
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .control.channel import ControlChannel
+    from .control.status import JobWatch
 
 EXAMPLES = """\
 examples:
@@ -153,42 +157,60 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+class _Observer:
+    """``status``'s and ``top``'s channel to the configured job (:func:`dataparallel.observe`),
+    opened again where its coordinator went away."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.config = _load(args)
+        self.timeout = float(args.timeout) if args.timeout else 10.0
+        self.world_size: int | None = args.world_size
+        self.channel = self._open()
+
+    def _open(self) -> ControlChannel:
+        from .connect import observe
+
+        config = self.config
+        return observe(config.require("url"), job=config.job, token=config.token, timeout=self.timeout)
+
+    def look(self, watch: JobWatch | None = None) -> dict[str, Any]:
+        """The job's view (:func:`~dataparallel.control.status.read_job`)."""
+        from .control.status import read_job
+
+        if self.channel.failure is not None:  # its coordinator went away: connect again
+            self.channel.close()
+            self.channel = self._open()
+        return read_job(self.channel, world_size=self.world_size, watch=watch)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    from .connect import observe
-    from .control.status import JobWatch, read_job, render
+    from .control.status import JobWatch, render
 
-    config = _load(args)
-    timeout = float(args.timeout) if args.timeout else 10.0
-    channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
+    observer = _Observer(args)
     if args.http:
         from .control.status_http import StatusServer, parse_address
 
         watch = JobWatch()  # looked at again and again: ages on this process's clock
-        held = [channel]
-
-        def look() -> dict[str, Any]:
-            if held[0].failure is not None:  # its coordinator went away: connect again
-                held[0].close()
-                held[0] = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
-            return read_job(held[0], world_size=args.world_size, watch=watch)
-
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends it as Ctrl-C does
         try:
-            with StatusServer(look, parse_address(args.http), config.token) as server:
-                print(f"serving job {config.job!r} at {server.url} (/, /status.json, /metrics)", flush=True)
+            with StatusServer(lambda: observer.look(watch), parse_address(args.http), observer.config.token) as server:
+                print(f"serving job {observer.config.job!r} at {server.url} (/, /status.json, /metrics)", flush=True)
                 while True:
                     signal.pause()
         except KeyboardInterrupt:
             pass
         finally:
-            held[0].close()
+            observer.close()
         return 0
     try:
-        view = read_job(channel, world_size=args.world_size)
+        view = observer.look()
     finally:
-        channel.close()
+        observer.close()
     if args.json:
         print(json.dumps(view), flush=True)
     else:
@@ -199,29 +221,20 @@ def _status(args: argparse.Namespace) -> int:
 def _top(args: argparse.Namespace) -> int:
     import time
 
-    from .connect import observe
-    from .control.status import JobWatch, read_job, render
+    from .control.status import JobWatch, render
 
-    config = _load(args)
-    timeout = float(args.timeout) if args.timeout else 10.0
     tty = sys.stdout.isatty()
     watch = JobWatch()  # ages on this process's clock from the second look on
-    channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
+    observer = _Observer(args)
     shown = 0
     try:
         while args.iterations is None or shown < args.iterations:
             started = time.monotonic()
             try:
-                if channel.failure is not None:  # its coordinator went away: connect again
-                    channel.close()
-                    channel = observe(config.require("url"), job=config.job, token=config.token, timeout=timeout)
-                view = read_job(channel, world_size=args.world_size, watch=watch)
+                view = observer.look(watch)
+                text = f"{time.strftime('%H:%M:%S', time.localtime(view['time']))}  {render(view)}"
             except ControlError as err:  # the job between runs, its coordinator restarting: look again
-                view = None
-                text = f"{time.strftime('%H:%M:%S')}  job {config.job!r}: {type(err).__name__}: {err}"
-            if view is not None:
-                clock = time.strftime("%H:%M:%S", time.localtime(view["time"]))
-                text = f"{clock}  {render(view)}"
+                text = f"{time.strftime('%H:%M:%S')}  job {observer.config.job!r}: {type(err).__name__}: {err}"
             # A terminal is redrawn in place; a pipe or file gets one block per look.
             print("\x1b[H\x1b[2J" + text if tty else text + "\n", flush=True)
             shown += 1
@@ -230,7 +243,7 @@ def _top(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        channel.close()
+        observer.close()
     return 0
 
 

@@ -903,12 +903,11 @@ class ControlChannel(Collectives, abc.ABC):
         """Raise :class:`AuthError` unless this process's token is the one the job's run was
         started with, writing nothing (an observer's check, :func:`dataparallel.observe`):
         :class:`ControlError` where the run has no token check yet (no rank has joined)."""
-        key = self._scoped(f"{RESERVED_PREFIX}token")
+        key, digest = self._token_check()
         if not self._check([key]):
             raise ControlError(
                 f"job {self.job!r}: no rank of its run has joined yet (nothing to compare the token with)"
             )
-        digest = hmac.digest(purpose_key(self.token, "token-check"), self.job.encode(), "sha256").hex().encode()
         if not hmac.compare_digest(self._get(key, self.timeout) or b"", digest):
             raise AuthError(self._token_differs)
 
@@ -919,8 +918,13 @@ class ControlChannel(Collectives, abc.ABC):
         joining a job started with another token. A MAC of the job name under the token's own
         key: the store is readable by anyone who reaches it, and a plain hash of the token
         there could be brute-forced offline."""
+        key, digest = self._token_check()
+        return self._compare_set(key, b"", digest) == digest
+
+    def _token_check(self) -> tuple[str, bytes]:
+        """Where the run keeps its token check, and what this process's token makes of it."""
         digest = hmac.digest(purpose_key(self.token, "token-check"), self.job.encode(), "sha256").hex().encode()
-        return self._compare_set(self._scoped(f"{RESERVED_PREFIX}token"), b"", digest) == digest
+        return self._scoped(f"{RESERVED_PREFIX}token"), digest
 
     def peer_info(self, rank: int) -> dict[str, Any] | None:
         """What a rank published at rendezvous (host, pid), or None if not (yet) known."""

@@ -73,7 +73,6 @@ class RankStatus:
         self.device: str | None = None
         self._split: dict[str, float] = {}  # this step's seconds per phase, so far
         self._steps: deque[tuple[float, dict[str, float]]] = deque(maxlen=SPLIT_OVER)  # (seconds, split)
-        self._changed = 0
         self._published = 0  # records written: a reader that sees the count move sees the rank live
         self._own_best: float | None = None  # the least median own time over a full window of steps
         self._thread: threading.Thread | None = None
@@ -89,7 +88,6 @@ class RankStatus:
             left = self.phase_name
             self._split[left] = self._split.get(left, 0.0) + now - self.phase_since
             self.phase_name, self.phase_since = phase, now
-            self._changed += 1
         return left
 
     @contextlib.contextmanager
@@ -108,7 +106,6 @@ class RankStatus:
                 self.epoch = epoch
             if step is not None:
                 self.step = step
-            self._changed += 1
 
     def step_done(self, step: int) -> None:
         """A step ended (the next begins): its time, split by the phases it went through."""
@@ -120,7 +117,6 @@ class RankStatus:
             self._steps.append((sum(split.values()), split))
             self._split = {}
             self.step = step
-            self._changed += 1
             if len(self._steps) == SPLIT_OVER:
                 own = _own_time(self._steps)
                 self._own_best = own if self._own_best is None else min(self._own_best, own)

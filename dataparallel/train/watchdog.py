@@ -158,6 +158,14 @@ class Watchdog:
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
         return True
 
+    def stall_to_raise(self) -> Stalled | None:
+        """The job's stall, where this rank is to raise it (no loss was declared, which wins),
+        once the driver has waited for every rank to see it; else None."""
+        if self.verdict is None or self.lost is not None or self.t.ch.lost_peers():
+            return None
+        self.await_verdict_seen()
+        return self.verdict
+
     def await_verdict_seen(self) -> None:
         """On the driver, before it ends with the job's stall: wait (at most
         :data:`STALL_SEEN_WITHIN`) until every rank has seen the verdict, so that none is left
@@ -185,9 +193,9 @@ def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
     """Turn a collective failure caused by a lost peer into PeerLost naming it (waiting up to
     a liveness timeout for the channel to tell); a process that stood still, or a coordinator
     gone, into :class:`ChannelClosed` saying so; anything else is ``err`` itself."""
-    if t.watchdog.verdict is not None and t.watchdog.lost is None and not t.ch.lost_peers():
-        t.watchdog.await_verdict_seen()  # the job stalled: what failed is its consequence
-        return t.watchdog.verdict
+    stalled = t.watchdog.stall_to_raise()  # the job stalled: what failed is its consequence
+    if stalled is not None:
+        return stalled
     if isinstance(err, PeerLeft):  # not a loss: that rank closed its channel
         return err
     if isinstance(err, PeerLost):
@@ -201,9 +209,9 @@ def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
         if isinstance(err, ChannelClosed) or t.ch.failure is not None or watchdog.verdict is not None:
             break
         time.sleep(0.1)
-    if watchdog.verdict is not None and watchdog.lost is None and not t.ch.lost_peers():
-        watchdog.await_verdict_seen()  # another rank's abort, for the stall, came first
-        return watchdog.verdict
+    stalled = watchdog.stall_to_raise()  # another rank's abort, for the stall, came first
+    if stalled is not None:
+        return stalled
     lost = watchdog.lost or next(iter(t.ch.lost_peers().values()), None)
     if lost is not None:
         return PeerLost(lost.rank, lost.last_seen, lost.reason, during=f"epoch {epoch}")

@@ -127,7 +127,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         # Whether this channel keeps its run alive: from the start, unless it waits for a
         # rank another process holds (a rerun waiting for a dead run to end must not keep it
         # alive); again once it holds its rank.
-        self._holds_run = self.world_size != 0  # an observer's (dp.observe) keeps no run alive
+        self._holds_run = not self._observer  # an observer's (dp.observe) keeps no run alive
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._registered = False
@@ -157,13 +157,13 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         a dead run left). A channel that holds no rank and never will (the torchrun backends',
         an elastic job's join queue) keeps its run alive as a rank does; one that waits for a
         rank held by another keeps none alive (:attr:`_holds_run`)."""
-        if self._lease is None and self.world_size != 0:  # an observer's holds no lease: it writes nothing
+        if self._lease is None and not self._observer:  # an observer's holds no lease: it writes nothing
             self._lease = await self._call("lease", self._ttl)
         run_key = self._run_key
         txn = self._etcd.transactions
         while True:
             current = await self._call("get", run_key)
-            if self.world_size == 0 and (current is None or current.lease == 0):
+            if self._observer and (current is None or current.lease == 0):
                 # An observer (dp.observe) starts no run and mends none: it reads one.
                 self._run_id, self._root = b"", self._job_root
                 return

@@ -24,6 +24,8 @@ Sections (each also runs alone: ``python -m benchmarks.<module> --help``):
               Lightning Fabric port                                         -> ports.py
   status      what each rank's status (phases, split, a record a second) costs a step of
               dp.fit, epochs alternating with and without it                -> status_overhead.py
+  diagnosis   who the job's view names, and how soon, for six faults, 20 trials each on
+              zmq, grpc, etcd; three hosts in network namespaces (root)     -> fault_matrix.py
 
 Results (JSON and PNG) go to ``benchmarks/results/``; ``summary.json`` holds the targets and
 how each came out.
@@ -50,7 +52,19 @@ from benchmarks.common import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ["control", "rendezvous", "swarm", "train", "gpu", "faults", "elastic", "strategies", "ports", "status"]
+SECTIONS = [
+    "control",
+    "rendezvous",
+    "swarm",
+    "train",
+    "gpu",
+    "faults",
+    "elastic",
+    "strategies",
+    "ports",
+    "status",
+    "diagnosis",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     if "status" in args.only:
         from benchmarks import status_overhead
 
-        runs = ["--repeats", "2", "--epochs", "8"] if quick else ["--repeats", "10", "--epochs", "40"]
+        runs = ["--repeats", "2", "--epochs", "8"] if quick else ["--repeats", "24", "--epochs", "160"]
         status_overhead.main([*runs, "--out", str(out / "status_overhead.json")])
+    if "diagnosis" in args.only:
+        from benchmarks import fault_matrix
+
+        trials = ["--trials", "1", "--kinds", "zmq"] if quick else ["--trials", "20"]
+        fault_matrix.main([*trials, "--out", str(out / "fault_matrix.json")])
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     previous = _load(RESULTS / "previous" / "summary.json") or {"targets": []}
@@ -258,11 +277,19 @@ def summarize(out: Path) -> dict:
                     judged = verdict(interval, 1.5, at_most=False)
                     row(f"{name}, {case} 2x straggler >= 1.5x DDP", measured, judged, interval)
     status = _load(out / "status_overhead.json")
-    if status and status.get("ratio_on_off"):
-        r = status["ratio_on_off"]
+    if status and status.get("ratio_on_off_geometric"):
+        r = status["ratio_on_off_geometric"]
         interval = (r["mean"], r["low"], r["high"])
-        measured = f"{r['mean']:.4f}x; 95% CI {r['low']:.3f}-{r['high']:.3f}x ({status['pairs']} pairs of epochs)"
+        measured = f"{r['mean']:.4f}x (geometric mean); 95% CI {r['low']:.3f}-{r['high']:.3f}x"
+        measured += f" ({status['pairs']} pairs of epochs)"
         row("dp.fit step with its status <= 1.01x without", measured, verdict(interval, 1.01), interval)
+    matrix = _load(out / "fault_matrix.json")
+    for kind, result in (matrix or {}).get("kinds", {}).items():
+        for fault, f in result["faults"].items():
+            target = f"{kind}, {fault}: right rank and cause within 5 s in >= 19/20"
+            measured = f"{f['passed']}/{f['of']} (median {f['median_s']} s, max {f['max_s']} s)"
+            judged = f["verdict"] if f["of"] >= 20 else UNKNOWN
+            row(target, measured, MET if judged == "met" else MISSED if judged == "missed" else UNKNOWN, None)
     from benchmarks.common import machine
 
     return {"machine": machine(), "targets": targets}

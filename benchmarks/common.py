@@ -68,18 +68,32 @@ def timed(call: Callable[[], object], rounds: int) -> list[float]:
     return samples
 
 
-def ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, float] | None:
-    """The mean of per-repeat ratios ``a / b`` (each repeat measured both sides, interleaved)
-    and its two-sided 95% t interval: (mean, low, high). None with fewer than 2 repeats."""
-    ratios = [a / b for a, b in pairs]
-    n = len(ratios)
+def _t_interval(values: list[float]) -> tuple[float, float, float] | None:
+    """The mean of ``values`` and its two-sided 95% t interval; None with fewer than 2."""
+    n = len(values)
     if n < 2:
         return None
-    mean = sum(ratios) / n
-    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1))
+    mean = sum(values) / n
+    sd = math.sqrt(sum((r - mean) ** 2 for r in values) / (n - 1))
     t = T_975[max(df for df in T_975 if df <= n - 1)] if n - 1 <= 30 else 1.96
     half = t * sd / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+def ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """The mean of per-repeat ratios ``a / b`` (each repeat measured both sides, interleaved)
+    and its two-sided 95% t interval: (mean, low, high). None with fewer than 2 repeats."""
+    return _t_interval([a / b for a, b in pairs])
+
+
+def log_ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """The geometric mean of per-pair ratios ``a / b`` and its two-sided 95% t interval
+    (of the mean of ``log(a / b)``, taken back): (mean, low, high). Where both sides carry
+    the same multiplicative noise, the plain mean of ratios overstates the ratio by about
+    half the variance of their logarithm (for epochs of 3 ms steps on 2 cores, about 1%); the
+    geometric mean does not. None with fewer than 2 pairs."""
+    logs = _t_interval([math.log(a / b) for a, b in pairs])
+    return None if logs is None else (math.exp(logs[0]), math.exp(logs[1]), math.exp(logs[2]))
 
 
 def verdict(interval: tuple[float, float, float] | None, limit: float, at_most: bool = True) -> str:

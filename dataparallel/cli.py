@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
+import inspect
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from .config import CHOICES, SETTINGS, flag_of
 from .control.registry import resolve
@@ -48,7 +53,7 @@ def _config_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
     if launcher:
         names += ["world_size", "nprocs", "nodes", "node_rank", "max_restarts", "elastic", "relay", "min_world_size"]
         names += ["max_world_size", "hosts", "hostfile"]
-        names += ["log_format"]
+        names += ["log_format", "events"]
     for name in names:
         setting = SETTINGS[name]
         kwargs: dict[str, Any] = {"help": f"{setting.meaning} (default: {setting.default})"}
@@ -115,11 +120,68 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    try:
-        serve(url, token, ready)
-    except KeyboardInterrupt:
-        pass
+    if not args.http:
+        try:
+            serve(url, token, ready)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if "coordinator" not in inspect.signature(serve).parameters:
+        raise ConfigError(f"transport {url.scheme!r}: its coordinator does not say its jobs (--http)")
+    from .control.status_http import StatusServer, parse_address
+
+    jobs: list[Callable[[], list[str]]] = []  # the coordinator's, once it is made
+    observers = _Observers(url, token)
+
+    def listening(at: int) -> None:
+        observers.port = at
+        web = StatusServer(address=parse_address(args.http), token=token, jobs=jobs[0], look_job=observers.look)
+        stack.enter_context(web)
+        ready(at)
+        print(f"status of its jobs at {web.url} (/, /job/NAME/, /metrics)", flush=True)
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(observers.close)
+        try:
+            serve(url, token, listening, coordinator=lambda c: jobs.append(c.job_names))
+        except KeyboardInterrupt:
+            pass
     return 0
+
+
+class _Observers:
+    """``serve --http``: an observer of each job the page is asked for, on this coordinator
+    (opened again where it failed), each with its own :class:`JobWatch`."""
+
+    def __init__(self, url: Any, token: str | None) -> None:
+        self.url, self.token, self.port = url, token, 0
+        self._open: dict[str, tuple[ControlChannel, JobWatch]] = {}
+        self._lock = threading.Lock()
+
+    def look(self, job: str) -> dict[str, Any]:
+        from .connect import observe
+        from .control.status import JobWatch, read_job
+
+        host = "127.0.0.1" if self.url.host in ("0.0.0.0", "::", "") else self.url.host
+        with self._lock:
+            channel, watch = self._open.get(job, (None, None))
+            if channel is None or channel.failure is not None or watch is None:
+                if channel is not None:
+                    channel.close()
+                # The URL served, its options kept (curve, TLS), at an address this process reaches.
+                parts = urlsplit(self.url.raw)
+                netloc = f"{'[' + host + ']' if ':' in host else host}:{self.port}"
+                where = urlunsplit(parts._replace(netloc=netloc))
+                channel, watch = observe(where, job=job, token=self.token, timeout=5), JobWatch()
+                self._open[job] = (channel, watch)
+        return read_job(channel, watch=watch)
+
+    def close(self) -> None:
+        with self._lock:
+            for channel, _ in self._open.values():
+                with contextlib.suppress(ControlError):
+                    channel.close()
+            self._open.clear()
 
 
 def _can_listen(host: str, port: int | None) -> None:
@@ -159,27 +221,42 @@ def _check(args: argparse.Namespace) -> int:
 
 class _Observer:
     """``status``'s and ``top``'s channel to the configured job (:func:`dataparallel.observe`),
-    opened again where its coordinator went away."""
+    opened again where its coordinator went away, and moved on to an elastic job's newest
+    generation (``JOB~1``...) at each look."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from .control.membership import newest_generation
+
         self.config = _load(args)
         self.timeout = float(args.timeout) if args.timeout else 10.0
         self.world_size: int | None = args.world_size
-        self.channel = self._open()
+        self.generation = 0
+        try:
+            self.channel = self._open(self.config.job)
+        except ControlError:  # generation 0 over: a later one may carry on
+            newer = newest_generation(self._open, self.config.job, 0)
+            if newer is None:
+                raise
+            self.channel, self.generation = newer
 
-    def _open(self) -> ControlChannel:
+    def _open(self, job: str) -> ControlChannel:
         from .connect import observe
 
         config = self.config
-        return observe(config.require("url"), job=config.job, token=config.token, timeout=self.timeout)
+        return observe(config.require("url"), job=job, token=config.token, timeout=self.timeout)
 
     def look(self, watch: JobWatch | None = None) -> dict[str, Any]:
         """The job's view (:func:`~dataparallel.control.status.read_job`)."""
+        from .control.membership import generation_job, newest_generation
         from .control.status import read_job
 
-        if self.channel.failure is not None:  # its coordinator went away: connect again
+        newer = newest_generation(self._open, self.config.job, self.generation)
+        if newer is not None:
             self.channel.close()
-            self.channel = self._open()
+            self.channel, self.generation = newer
+        elif self.channel.failure is not None:  # its coordinator went away: connect again
+            self.channel.close()
+            self.channel = self._open(generation_job(self.config.job, self.generation))
         return read_job(self.channel, world_size=self.world_size, watch=watch)
 
     def close(self) -> None:
@@ -189,8 +266,17 @@ class _Observer:
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    from .control.status import JobWatch, render
+    from .control.status import JobWatch, render, render_events
 
+    if args.events:  # a launcher's file: no job to reach (it may have ended long ago)
+        from .launching.events import read_event_file
+
+        try:
+            events = sorted(read_event_file(args.events), key=lambda e: e["time"])
+        except OSError as err:
+            raise ConfigError(f"cannot read the event file {args.events!r}: {err.strerror}") from None
+        print(json.dumps(events) if args.json else "\n".join(render_events(events)), flush=True)
+        return 0
     observer = _Observer(args)
     if args.http:
         from .control.status_http import StatusServer, parse_address
@@ -209,13 +295,64 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     try:
         view = observer.look()
+        if args.stacks is not None:
+            view["stacks"] = _stacks(observer, view, args.stacks)
     finally:
         observer.close()
     if args.json:
         print(json.dumps(view), flush=True)
     else:
         print(render(view), flush=True)
+        for rank, dump in sorted(view.get("stacks", {}).items()):
+            print(f"\nrank {rank} ({dump['host']}, pid {dump['pid']}), Python stacks of {_clock(dump['time'])}:")
+            print(dump["text"].rstrip(), flush=True)
     return 0
+
+
+def _clock(at: float) -> str:
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def _stacks(observer: _Observer, view: dict[str, Any], asked: list[int]) -> dict[int, dict[str, Any]]:
+    """``status --stacks``: the ranks asked for (none: the stalled ranks, else every rank) dump
+    their Python stacks where this process can signal them (on this host), and each one's
+    last dump is read from the channel; where a rank is elsewhere, how to ask it is said."""
+    import time
+
+    from .control.status import STACKS_SIGNAL, read_stacks
+
+    ranks = asked or [s["rank"] for s in view["stalls"]] or [r["rank"] for r in view["ranks"]]
+    entries = {r["rank"]: r for r in view["ranks"]}
+    if unknown := [r for r in ranks if r not in entries]:
+        raise ConfigError(f"no rank {unknown[0]} in job {view['job']!r} of {view['world_size']} rank(s)")
+    here, signalled, since = socket.gethostname(), [], time.time()
+    for rank in ranks:
+        entry = entries[rank]
+        pid, host = entry.get("pid"), entry.get("host")
+        if entry["state"] not in ("running", "silent") or not isinstance(pid, int):
+            continue
+        if host == here:
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+                signalled.append(rank)
+                continue
+            except (ProcessLookupError, PermissionError) as err:
+                print(f"rank {rank}: pid {pid} not signalled: {err}", file=sys.stderr)
+        how = f"`kill -{STACKS_SIGNAL.name[3:]} {pid}` (or to its launcher)"
+        print(f"rank {rank} runs on {host}: there, {how} makes it dump its stacks", file=sys.stderr)
+    deadline = time.monotonic() + 5.0
+    while True:  # until every rank signalled has put a dump newer than the signal (at most 5 s)
+        dumps = read_stacks(observer.channel, ranks)
+        late = [r for r in signalled if r not in dumps or dumps[r]["time"] < since]
+        if not late or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for rank in late:
+        why = "not a dp.fit rank, or its status not published"
+        print(f"rank {rank}: no stacks within 5 s of the signal ({why})", file=sys.stderr)
+    return dumps
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -296,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or --token-file.",
     )
     serve.add_argument("url_arg", metavar="URL", nargs="?", help="where to listen, e.g. zmq://0.0.0.0:29500[?curve=1]")
+    serve.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="also serve the status of its jobs: / lists them, /job/NAME/ is a job's page (and status.json), "
+        "/metrics every job's ranks for Prometheus (bound to 127.0.0.1 unless HOST says otherwise; the token "
+        "as a bearer token or ?token=)",
+    )
     _config_flags(serve, launcher=False)
     serve.set_defaults(run=_serve)
 
@@ -331,7 +475,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _job_view_args(status)
     status.add_argument(
-        "--json", action="store_true", help="one JSON object: job, world_size, time, ranks, stalls, stragglers"
+        "--json",
+        action="store_true",
+        help="one JSON object: job, world_size, time, ranks, stalls, stragglers, events (and stacks)",
+    )
+    status.add_argument(
+        "--events",
+        metavar="FILE",
+        help="show the event log a launcher kept in FILE (launch --events) instead: every event, oldest first "
+        "(with --json, a JSON list); no job is reached",
+    )
+    status.add_argument(
+        "--stacks",
+        metavar="RANK",
+        type=int,
+        nargs="*",
+        help="also each rank's Python stacks (all threads), dumped on SIGUSR1: the ranks given, else the "
+        "stalled ones, else all; those on this host are signalled, for the others the command to run there is "
+        "printed (a rank's launcher passes SIGUSR1 on to its workers too)",
     )
     status.add_argument(
         "--http",

@@ -42,6 +42,7 @@ def _value(name: str, tmp_path: Path) -> str:
         "options": "heartbeat=0.5",
         "job": "docs",
         "log_format": "json",
+        "events": "events.jsonl",
         "hosts": "10.0.0.1:2,10.0.0.2:2",
         "rank": "1",
     }

@@ -240,11 +240,16 @@ def test_launch_starts_a_killed_follower_again_and_it_rejoins_the_running_job(tm
     """``launch --elastic --max-restarts 1``: rank 2 is killed in epoch 1, the survivors redo
     it on two ranks, the launcher starts rank 2 again (the group keeps running), and the new
     process joins at the boundary after epoch 2 (held until it waits in the queue): the
-    job ends on three ranks, exit code 0, one launch attempt."""
+    job ends on three ranks, exit code 0, one launch attempt. The launcher's event file
+    (``--events``) holds the story in order, across the job's generations: the joins, rank
+    2's exit, its loss, the regroup without it, its restart, the regroup with it; ``status
+    --events`` shows it."""
     port, out, release = free_port(), str(tmp_path / "relaunched.pt"), tmp_path / "release"
     url = with_options(f"zmq://127.0.0.1:{port}", **FAST)
     cfg = {"launched": True, "out": out, "epochs": 4, "die": [2, 1, 2], "hold": [2, str(release)]}
+    events = tmp_path / "events.jsonl"
     launch = [sys.executable, "-m", "dataparallel", "launch", "--elastic", "--max-restarts", "1", "--nprocs", "3"]
+    launch += ["--events", str(events)]
     proc = subprocess.Popen(
         [*launch, "--url", url, "--job", "relaunch", str(WORKER), json.dumps(cfg)],
         stdout=subprocess.PIPE,
@@ -268,6 +273,22 @@ def test_launch_starts_a_killed_follower_again_and_it_rejoins_the_running_job(tm
     lost, joined = result["regroups"]
     assert (lost["epoch"], lost["lost"], lost["world_size"]) == (1, [2], 2)
     assert (joined["epoch"], joined["joined"], joined["world_size"], joined["generation"]) == (3, [2], 3, 2)
+    story = [json.loads(line) for line in events.read_text().splitlines()]
+    said = [(e["job"], e["kind"], e["rank"]) for e in story]
+    assert {("relaunch", "join", r) for r in range(3)} <= set(said), said
+    # The launcher's own lines are written as it sees them, the ranks' as it reads them.
+    launcher = [(j, k, r) for j, k, r in said if k in ("exit", "restart")]
+    assert launcher == [("relaunch", "exit", 2), ("relaunch", "restart", 2)], said
+    ranks = [(j, k, r) for j, k, r in said if k in ("loss", "regroup")]
+    assert ranks == [("relaunch", "loss", 2), ("relaunch~1", "regroup", 0), ("relaunch~2", "regroup", 0)], said
+    shown = subprocess.run(
+        [sys.executable, "-m", "dataparallel", "status", "--events", str(events)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "job relaunch~1 rank 0 regroup: generation 1: 2 rank(s) carry on without rank(s) [2]" in shown, shown
 
 
 @pytest.mark.timeout(240)

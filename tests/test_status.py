@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import pytest
 from test_loop import spawn
 
 import dataparallel as dp
+from dataparallel.control.status import STRAGGLER_BELOW
 from dataparallel.testing import free_port
 
 JOB = "loop"
@@ -94,6 +96,10 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
         assert stall["phase"] == "data" and stall["waiting"] == [0, 1], stall
         assert [ranks[r]["phase"] for r in (0, 1)] == ["backward", "backward"], ranks
         assert all(r["pid"] == p.pid for r, p in zip(ranks, procs, strict=True)), (ranks, [p.pid for p in procs])
+        # The driver logs the stall once, as it first sees it (it looks every 5 s).
+        view, _ = _until(url, lambda v: any(e["kind"] == "stall" for e in v["events"]), "the stall's event", 15)
+        logged = [e for e in view["events"] if e["kind"] == "stall"]
+        assert len(logged) == 1 and logged[0]["rank"] == 2 and "in 'data'" in logged[0]["detail"], logged
         cli = [sys.executable, "-m", "dataparallel", "status", url, "--job", JOB]
         said = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60, check=True)
         printed = json.loads(said.stdout)
@@ -135,6 +141,117 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
 
 
 @pytest.mark.timeout(180)
+def test_a_rank_dumps_its_python_stacks_on_sigusr1_to_its_launcher_and_status_shows_them(tmp_path: Path) -> None:
+    """Two ranks under ``dataparallel launch``; rank 1's data loader stalls. ``status
+    --stacks`` (no rank: the stalled one) signals rank 1 (on this host) and prints its Python
+    stacks, read back through the channel: the main thread inside the stalling loader's
+    ``__getitem__``, the others too. SIGUSR1 to the launcher makes both its workers dump
+    theirs (each rank's record says when); the launcher and the job go on, and end well."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    release = tmp_path / "release"
+    cfg = {"launched": True, "out": str(tmp_path / "out.pt"), "epochs": 2, "stall_data": [1, 45, str(release)]}
+    launch = [sys.executable, "-m", "dataparallel", "launch", "--nprocs", "2", "--url", url, "--job", JOB]
+    proc = subprocess.Popen(
+        [*launch, str(Path(__file__).with_name("loop_worker.py")), json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _stalled(release, [proc])
+        _until(url, lambda v: [s["rank"] for s in v["stalls"]] == [1], "rank 1's stall")
+        cli = [sys.executable, "-m", "dataparallel", "status", url, "--job", JOB, "--stacks"]
+        said = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
+        assert said.returncode == 0, said.stderr
+        stacks = json.loads(said.stdout)["stacks"]
+        assert list(stacks) == ["1"], stacks.keys()
+        dump = stacks["1"]
+        assert dump["why"] == "SIGUSR1" and dump["host"] == socket.gethostname(), dump
+        main = dump["text"].split("\n\n")  # one block per thread; the main thread's is the one in the loader
+        assert any("in __getitem__" in block and "loop_worker.py" in block for block in main), dump["text"]
+        assert "dp-status-r1" in dump["text"] or dump["text"].count("Thread 0x") >= 2, dump["text"]
+        text = subprocess.run(cli, capture_output=True, text=True, timeout=60).stdout
+        assert "rank 1 (" in text and "Python stacks of" in text and "in __getitem__" in text, text
+        # SIGUSR1 to the launcher: passed on to both workers, each dumps, nothing ends.
+        before = time.time()
+        proc.send_signal(signal.SIGUSR1)
+        view, _ = _until(
+            url, lambda v: all((r["stacks_at"] or 0) > before for r in v["ranks"]), "both ranks' stacks", within=10
+        )
+        with dp.observe(url, job=JOB, timeout=10) as ch:
+            dumps = dp.control.status.read_stacks(ch, [0, 1])
+        assert sorted(dumps) == [0, 1] and all(d["time"] > before for d in dumps.values()), dumps
+        assert "in __getitem__" in dumps[1]["text"] and "in __getitem__" not in dumps[0]["text"], dumps
+        assert [e["kind"] for e in view["events"]].count("stacks") >= 2, view["events"]
+        assert proc.poll() is None, "SIGUSR1 ended the launcher"
+    finally:
+        release.touch()
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_launchers_event_file_holds_its_own_ranks_events_and_the_other_nodes_from_the_channel(
+    tmp_path: Path,
+) -> None:
+    """Two nodes of one rank each, two launchers; only node 0's keeps an event file
+    (``--events``). Its rank writes its own events there; rank 1's (on node 1, which keeps
+    none) come through the channel: both joins, once each, with a stop the job agreed on
+    (a preemption's checkpoint and stop, recorded by the driver) and the launcher's note of
+    the signal. ``status --events FILE --json`` gives them back, oldest first."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    events = tmp_path / "events.jsonl"
+    cfg = {"launched": True, "out": str(tmp_path / "out.pt"), "epochs": 200, "step_sleep": 0.05}
+    cfg["checkpoint"] = str(tmp_path / "ckpt")
+    worker = [str(Path(__file__).with_name("loop_worker.py")), json.dumps(cfg)]
+    launch = [sys.executable, "-m", "dataparallel", "launch", "--nodes", "2", "--nprocs", "1", "--url", url]
+    nodes = [
+        subprocess.Popen(
+            [
+                *launch,
+                "--job",
+                JOB,
+                "--node-rank",
+                str(node),
+                *(["--events", str(events)] if node == 0 else []),
+                *worker,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        _until(url, _training, "the job training")
+        deadline = time.monotonic() + 10
+        while events.read_text().count('"kind": "join"') < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        nodes[0].send_signal(signal.SIGTERM)  # a preemption: checkpoint at a step, then stop, together
+        outputs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    story = [json.loads(line) for line in events.read_text().splitlines()]
+    keys = [(e["time"], e["by"], e["kind"]) for e in story]
+    assert len(keys) == len(set(keys)), story  # each event once
+    joins = sorted((e["rank"], e["by"], e["job"]) for e in story if e["kind"] == "join")
+    assert joins == [(0, 0, JOB), (1, 1, JOB)], (story, outputs)
+    kinds = [e["kind"] for e in story]
+    assert "signal" in kinds and "checkpoint" in kinds and "stop" in kinds, (story, outputs)
+    shown = subprocess.run(
+        [sys.executable, "-m", "dataparallel", "status", "--events", str(events), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    listed = json.loads(shown.stdout)
+    assert sorted(map(json.dumps, listed)) == sorted(map(json.dumps, story)), listed
+    assert [e["time"] for e in listed] == sorted(e["time"] for e in listed)
+
+
+@pytest.mark.timeout(180)
 def test_status_names_a_frozen_rank_silent_within_seconds(tmp_path: Path) -> None:
     """Three ranks train with steps of 0.1 s; rank 1 is frozen (SIGSTOP) for a few seconds.
     The view names it silent, with its last phase, within 5 s of the freeze; resumed before
@@ -157,11 +274,53 @@ def test_status_names_a_frozen_rank_silent_within_seconds(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(180)
-def test_a_stall_timeout_fails_every_rank_with_stalled_naming_the_culprit(tmp_path: Path) -> None:
+def test_a_killed_rank_is_named_lost_and_the_ranks_its_death_failed_say_so(tmp_path: Path) -> None:
+    """Three ranks train on a standalone coordinator; rank 1 is killed (SIGKILL). The driver
+    declares it lost (its event in the job's log), and the two others fail at once: their
+    last records say ``failed`` with the error. The view names rank 1 alone, lost, within
+    5 s (its record would take 3 s to fall silent), and never the ranks its death failed."""
+    from jobutil import standalone
+
+    url = f"zmq://127.0.0.1:{free_port()}"
+    with standalone(url, None):
+        cfg = {"url": url, "world": 3, "epochs": 50, "out": str(tmp_path / "out.pt"), "step_sleep": 0.05}
+        procs = [spawn({**cfg, "rank": r}) for r in range(3)]
+        try:
+            _until(url, _training, "the job training")
+            os.kill(procs[1].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            named: list[set[int]] = []
+
+            def gone(v: dict) -> bool:
+                named.append({s["rank"] for s in v["stalls"]})
+                return any(s["rank"] == 1 and s["cause"].startswith(("lost", "silent")) for s in v["stalls"])
+
+            view, seen = _until(url, gone, "rank 1 lost or silent")
+            assert seen - killed < SHOWS_WITHIN, f"named {seen - killed:.1f}s after the kill"
+            assert all(n <= {1} for n in named), named  # no other rank named, before or then
+            view, _ = _until(url, lambda v: all(v["ranks"][r]["state"] == "failed" for r in (0, 2)), "0, 2 failed", 10)
+            assert view["ranks"][1]["state"] == "lost" and "rank 1 lost" in view["ranks"][1]["error"], view["ranks"]
+            for r in (0, 2):
+                assert "rank 1" in (view["ranks"][r]["error"] or ""), view["ranks"][r]
+            assert all(n <= {1} for n in named), named
+        finally:
+            for p in procs:
+                p.kill()
+                p.communicate(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_stall_timeout_fails_every_rank_with_stalled_naming_the_culprit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three ranks train with ``stall_timeout=3``; rank 2's data loader stalls (for a minute,
     unless interrupted). Every rank ends with :class:`~dataparallel.Stalled` naming rank 2 in
     ``data``, rank 2 included (interrupted inside its loader), well before the stall would
-    have ended or the collective timeout (60 s) would have fired."""
+    have ended or the collective timeout (60 s) would have fired. The job's event file
+    (``DP_EVENTS``) holds the stall as the driver first saw it, its verdict, and rank 2's
+    stacks, dumped before it was interrupted."""
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("DP_EVENTS", str(events))
     url = f"zmq://127.0.0.1:{free_port()}"
     release = tmp_path / "release"
     cfg = {
@@ -189,6 +348,11 @@ def test_a_stall_timeout_fails_every_rank_with_stalled_naming_the_culprit(tmp_pa
         assert code != 0, f"rank {rank} ended well through a stall:\n{said[-3000:]}"
         assert "Stalled: the job stalled on rank 2: in 'data'" in said, f"rank {rank}:\n{said[-3000:]}"
     assert ended < 20, f"the ranks ended {ended:.1f}s after the stall began (stall_timeout 3 s)"
+    story = [json.loads(line) for line in events.read_text().splitlines()]
+    said_by = {(e["kind"], e["rank"], e["by"]) for e in story}
+    assert {("verdict", 2, 0), ("stacks", 2, 2)} <= said_by, story
+    (stacks,) = [e for e in story if e["kind"] == "stacks"]
+    assert "stall verdict" in stacks["detail"] and "in __getitem__" in stacks["detail"], stacks
 
 
 def test_the_http_view_serves_a_page_json_and_metrics_only_to_the_token(tmp_path: Path) -> None:
@@ -236,10 +400,14 @@ def test_the_http_view_serves_a_page_json_and_metrics_only_to_the_token(tmp_path
             assert get("/?token=another")[0] == 401
             from concurrent.futures import ThreadPoolExecutor
 
+            burst = time.monotonic()
             with ThreadPoolExecutor(10) as pool:
                 answers = list(pool.map(lambda _: get(f"/?token={token}"), range(10)))
+            burst = time.monotonic() - burst
             assert all(code == 200 for code, _ in answers), [code for code, _ in answers]
-            assert len(looks) == 1, f"{len(looks)} looks at the job for ten requests at once"
+            # One look a second whatever the requests (a loaded machine may take over a second for ten).
+            gaps = [b - a for a, b in itertools.pairwise(looks)]
+            assert len(looks) <= 1 + int(burst) and all(g >= 0.99 for g in gaps), (burst, looks)
             page = answers[0][1]
             assert '<table id="ranks">' in page and "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page, page
             assert page.count("<tr class=") == 2, page
@@ -364,6 +532,17 @@ def test_diagnose_names_only_ranks_that_hold_others_up() -> None:
     ]
     assert [s["rank"] for s in diagnose(ranks)] == [3, 2, 1], diagnose(ranks)
     assert diagnose(ranks)[0]["cause"].startswith("silent: no status for 7.0s"), diagnose(ranks)
+    # A rank frozen (SIGSTOP) inside an all-reduce's round: rank 0's round ended, it waits in
+    # the next step's; ranks 1 and 3 still wait in this one's. Before the frozen rank's record
+    # goes silent, its stale record is the furthest behind: it alone is named; once silent,
+    # it alone too (those in the all-reduce wait for it, they hold nobody up).
+    waiting = [_entry(0, "backward", step=161), _entry(1, "backward", step=160), _entry(3, "backward", step=160)]
+    frozen = _entry(2, "forward", step=154, phase_s=2.5)
+    assert [s["rank"] for s in diagnose([*waiting[:2], frozen, waiting[2]])] == [2]
+    frozen = _entry(2, "forward", step=154, state="silent", heartbeat_age=3.1)
+    assert [s["rank"] for s in diagnose([*waiting[:2], frozen, waiting[2]])] == [2]
+    # With nobody further behind, ranks left in an all-reduce's round are what the others wait for.
+    assert [s["rank"] for s in diagnose(waiting)] == [1, 3]
 
 
 def test_a_watched_record_ages_on_the_readers_clock_whatever_the_writers_says() -> None:
@@ -428,6 +607,75 @@ def test_an_observer_holds_no_job_and_follows_its_next_run(tmp_path: Path) -> No
             observer.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_serve_http_shows_every_job_of_its_coordinator_to_the_token(transport: str) -> None:
+    """``dataparallel serve URL --http 127.0.0.1:0`` with a token: ``/`` lists the jobs that
+    run there (each linked to its page), ``/job/NAME/`` is a job's page (its ranks, a stalled
+    one highlighted, the job's events), ``/job/NAME/status.json`` its view, ``/metrics`` every
+    job's ranks (parsed by Prometheus' own parser); a request without the token gets 401."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    token, port = "serve-token", free_port()
+    url = f"{transport}://127.0.0.1:{port}"
+    env = {**os.environ, "DP_TOKEN": token}
+    serve = [sys.executable, "-m", "dataparallel", "serve", url, "--http", "127.0.0.1:0"]
+    server = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    chs: list = []
+    try:
+        assert server.stdout is not None
+        lines = [server.stdout.readline() for _ in range(3)]
+        assert lines[2].startswith("status of its jobs at http://127.0.0.1:"), lines
+        web = lines[2].split(" at ")[1].split()[0]
+
+        def get(path: str, auth: bool = True) -> tuple[int, str]:
+            request = urllib.request.Request(web + path)
+            if auth:
+                request.add_header("Authorization", f"Bearer {token}")
+            try:
+                with urllib.request.urlopen(request, timeout=10) as answer:
+                    return answer.status, answer.read().decode()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read().decode()
+
+        for job, size in (("alpha", 2), ("beta", 1)):
+            for r in range(size):
+                chs.append(dp.connect(url, rank=r, world_size=size, job=job, token=token, timeout=10))
+        for ch in chs:
+            ch.status.at(epoch=0, step=3)
+            ch.status.enter("forward" if ch.job == "alpha" and ch.rank == 1 else "backward")
+            ch.status.publish(interval=0.2)
+        dp.control.status.record_event(chs[0], "checkpoint", "after epoch 0: a test's")
+        assert get("/", auth=False)[0] == 401 and get("/job/alpha/", auth=False)[0] == 401
+        code, index = get("/")
+        assert code == 200 and '<a href="job/alpha/">alpha</a>' in index and '<a href="job/beta/">beta</a>' in index
+        deadline = time.monotonic() + 20  # alpha's rank 1 behind in forward: a stall past 2 s
+        while time.monotonic() < deadline:
+            code, page = get("/job/alpha/")
+            if '<tr class="stalled">' in page:
+                break
+            time.sleep(0.5)
+        assert code == 200 and page.count("<tr class=") == 2 and '<tr class="stalled"><td>1</td>' in page, page
+        assert "checkpoint: after epoch 0: a test&#x27;s" in page, page
+        code, body = get("/job/beta/status.json")
+        assert code == 200 and json.loads(body)["job"] == "beta" and json.loads(body)["world_size"] == 1, body
+        code, metrics = get("/metrics")
+        running = {
+            (s.labels["job"], s.labels["rank"])
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == "dataparallel_rank_running" and s.value == 1
+        }
+        assert running == {("alpha", "0"), ("alpha", "1"), ("beta", "0")}, metrics
+        assert get("/job/gamma/")[0] == 503  # no such job here
+    finally:
+        for ch in chs:
+            ch.close()
+        server.terminate()
+        out = server.communicate(timeout=30)[0]
+    assert server.returncode == 0, out
+
+
 @pytest.mark.timeout(180)
 def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
     """Three ranks train; rank 1's every step takes 30 ms more of its own (in its optimizer
@@ -454,8 +702,14 @@ def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
             url, lambda v: _training(v) and all(r["own_s"] for r in v["ranks"]) and v["stragglers"], "a straggler"
         )
         assert [s["rank"] for s in view["stragglers"]] == [1], view["stragglers"]
-        assert view["stragglers"][0]["vs_fastest"] < 0.75 and "the fastest rank" in view["stragglers"][0]["cause"]
-        assert all(view["ranks"][r]["scores"]["vs_fastest"] > 0.75 for r in (0, 2)), view["ranks"]
+        assert (
+            view["stragglers"][0]["vs_fastest"] < STRAGGLER_BELOW
+            and "the fastest rank" in view["stragglers"][0]["cause"]
+        )
+        # The others score above the straggler (on a loaded machine two equal ranks can differ
+        # by a fifth: the 5 ms floor keeps that from being a straggler).
+        slowest = view["stragglers"][0]["vs_fastest"]
+        assert all(view["ranks"][r]["scores"]["vs_fastest"] > slowest for r in (0, 2)), view["ranks"]
         with urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=10) as answer:
             metrics = answer.read().decode()
         scores = {
@@ -464,7 +718,7 @@ def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
             for s in family.samples
             if s.name == "dataparallel_rank_straggler_score" and s.labels["against"] == "fastest"
         }
-        assert set(scores) == {"0", "1", "2"} and scores["1"] < 0.75, scores
+        assert set(scores) == {"0", "1", "2"} and scores["1"] < STRAGGLER_BELOW, scores
         with urllib.request.urlopen(f"http://127.0.0.1:{web}/", timeout=10) as answer:
             page = answer.read().decode()
         assert '<ul id="stragglers"><li>rank 1:' in page, page

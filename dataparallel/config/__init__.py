@@ -25,6 +25,7 @@ the same name in all three places::
     min_world_size = 2           # DP_MIN_WORLD_SIZE     --min-world-size (elastic: fewer left ends the job)
     max_world_size = 8           # DP_MAX_WORLD_SIZE     --max-world-size (elastic: newcomers up to this)
     log_format = "text"          # DP_LOG_FORMAT         --log-format  ("json": launch writes one JSON object per line)
+    events = "events.jsonl"      # DP_EVENTS             --events      (the job's event log, appended to this file)
     [options]                    # DP_OPTIONS="a=1&b=2"  --option a=1  (URL query options)
     curve = 1
 

@@ -118,6 +118,13 @@ SETTINGS: dict[str, Setting] = {
         "json: every output line of launch one JSON object (time, rank, stream, message; "
         "dp.fit's per-epoch metrics as fields) for log collectors",
     ),
+    "events": Setting(
+        str,
+        "DP_EVENTS",
+        "none",
+        "append the job's event log to this file, one JSON object a line (joins, losses, regroups, restarts, "
+        "checkpoints, stops, stalls, stragglers, stack dumps): each rank writes its own, launch follows the others",
+    ),
     "hosts": Setting(
         str,
         "DP_HOSTS",
@@ -157,6 +164,8 @@ class JobConfig:
     min_world_size: int | None = None
     max_world_size: int | None = None
     log_format: str = "text"
+    #: A file the job's event log is appended to (:mod:`dataparallel.launching.events`).
+    events: str | None = None
     #: The job's hosts and their slots (workers; None: ``nprocs``, else 1), from ``hosts``
     #: (``h1:2,h2:2``) or ``hostfile``: ``dataparallel launch`` starts each over ssh.
     hosts: tuple[tuple[str, int | None], ...] = ()
@@ -280,6 +289,7 @@ def load_config(
         min_world_size=values.get("min_world_size"),
         max_world_size=values.get("max_world_size"),
         log_format=values.get("log_format", "text"),
+        events=values.get("events"),
         hosts=values.get("__hosts", ()),
         agent_store=url is not None and serves_store(env, url),
         origin={k: v for k, v in origin.items() if not k.startswith("__")},

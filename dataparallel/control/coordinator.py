@@ -295,6 +295,11 @@ class Coordinator(Generic[R]):
                 "keys": sum(j.space.num_keys() for j in self._jobs.values()),
             }
 
+    def job_names(self) -> list[str]:
+        """The jobs that have a run here now (what ``dataparallel serve --http`` lists)."""
+        with self._lock:
+            return sorted(self._jobs)
+
     def served(self) -> dict[str, int]:
         """Requests that reached this coordinator since it started, by operation (``hello``,
         ``join``, ``collect``, ...; one that failed to open or parse is not counted)."""

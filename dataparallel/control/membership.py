@@ -42,7 +42,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import ChannelClosed, ControlError
@@ -57,6 +57,38 @@ _POLL = 0.05
 def generation_job(job: str, generation: int) -> str:
     """The name of ``job``'s ``generation`` (0: the job itself)."""
     return job if generation == 0 else f"{job}~{generation}"
+
+
+def later_generations(
+    open_job: Callable[[str], ControlChannel], job: str, generation: int
+) -> Iterator[tuple[ControlChannel, int]]:
+    """An elastic job carries on in generations, each a job of its own (``JOB~1``, ``JOB~2``...:
+    :func:`generation_job`). The channels (``open_job(name)``,
+    observers) to the generations after ``generation`` that have a run, oldest first, with
+    their numbers (one gap passed over: a generation that came and went between two looks);
+    the caller closes each."""
+    missed = 0
+    while missed < 2:
+        generation += 1
+        try:
+            channel = open_job(generation_job(job, generation))
+        except ControlError:
+            missed += 1
+            continue
+        missed = 0
+        yield channel, generation
+
+
+def newest_generation(
+    open_job: Callable[[str], ControlChannel], job: str, generation: int
+) -> tuple[ControlChannel, int] | None:
+    """The newest of :func:`later_generations` (the others closed); None where none has a run."""
+    found: tuple[ControlChannel, int] | None = None
+    for later in later_generations(open_job, job, generation):
+        if found is not None:
+            found[0].close()
+        found = later
+    return found
 
 
 def survivors(ch: ControlChannel, generation: int, settle: float) -> tuple[list[int], int]:

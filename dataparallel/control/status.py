@@ -9,6 +9,12 @@ writes the rank's record, a small JSON object, under ``__dp/status/RANK`` in the
 every ``interval`` seconds (the channel's heartbeat interval): one ``set`` a second per rank,
 on every transport, batched with its node's others behind a node relay.
 
+A published rank also dumps every thread's Python stack when it receives SIGUSR1
+(:data:`STACKS_SIGNAL`, through :mod:`faulthandler`, so wherever its main thread is: in a
+collective, a blocking read, a Python loop), and its publishing thread puts the dump under
+``__dp/stacks/RANK`` within a quarter of a second (:func:`read_stacks`; ``dataparallel status
+--stacks``). A launcher passes the signal on to the workers of its node.
+
 Anyone holding the job's URL and token reads the records (:func:`read_job`, behind
 ``dataparallel status``) without joining the job, and :func:`diagnose` names the ranks a
 stall waits for: a rank whose record stopped coming (frozen, cut off, dead), and, when ranks
@@ -21,11 +27,14 @@ synchronised (NTP) for ages across hosts to mean anything; on one host they are 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from collections import deque
@@ -41,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _STATUS = f"{RESERVED_PREFIX}status/"
+#: Phases in which a rank waits for the others (the gradient all-reduce overlaps backward).
+COLLECTIVE_PHASES = frozenset({"backward"})
 #: The phases of a training step, in the order a step goes through them: a rank at an
 #: earlier one (or an earlier step) than ranks waiting in a later one is behind them.
 STEP_PHASES = ("data", "forward", "backward", "optimizer")
@@ -54,9 +65,30 @@ STALL_STEPS, STALL_FLOOR = 5.0, 2.0
 SILENT_INTERVALS, SILENT_FLOOR = 3.0, 2.0
 
 
+_STACKS = f"{RESERVED_PREFIX}stacks/"
+#: The signal that makes a published rank dump its threads' Python stacks into the channel.
+STACKS_SIGNAL = signal.SIGUSR1
+#: How often the publishing thread looks for a new dump (a file size), seconds.
+STACKS_LOOK = 0.25
+#: Seconds a failing rank waits for its last record (``failed``) to be written.
+FAILED_WRITE_WITHIN = 1.0
+#: The most of a dump a record keeps (its end beyond is cut), characters.
+STACKS_KEEP = 64_000
+
+
+#: Which RankStatus of this process the stacks signal writes for, under its lock.
+_SIGNAL_LOCK = threading.Lock()
+_signal_owner: list[RankStatus | None] = [None]
+
+
 def status_key(rank: int) -> str:
     """Where ``rank`` publishes its record (a hook-level key, inside the run)."""
     return f"{_STATUS}{rank}"
+
+
+def stacks_key(rank: int) -> str:
+    """Where ``rank`` puts its last dump of Python stacks."""
+    return f"{_STACKS}{rank}"
 
 
 class RankStatus:
@@ -78,6 +110,12 @@ class RankStatus:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.interval = channel.heartbeat_interval
+        # Where faulthandler writes the stacks on STACKS_SIGNAL, and how much of it was read.
+        self._dump: Any = None
+        self._dump_lock = threading.Lock()
+        self._dumped = 0
+        self.stacks_at: float | None = None  # when the last dump was put into the channel
+        self.error: str | None = None  # why the rank failed (:meth:`failed`)
 
     # ------------------------------------------------------------------ what the rank says
     def enter(self, phase: str) -> str:
@@ -155,6 +193,8 @@ class RankStatus:
                 "time": now,
                 "seq": self._published,
                 "interval": self.interval,
+                "stacks_at": self.stacks_at,
+                "error": self.error,
             }
 
     # ------------------------------------------------------------------ publishing
@@ -165,24 +205,60 @@ class RankStatus:
 
     def publish(self, interval: float | None = None) -> None:
         """Write the record now and then every ``interval`` seconds (default: the channel's
-        heartbeat interval) until the channel closes. Idempotent. The first write is made
-        here: a failure to write it raises."""
+        heartbeat interval) until the channel closes, and dump the stacks on
+        :data:`STACKS_SIGNAL` (:meth:`dump_stacks_on_signal`). Idempotent. The first write is
+        made here: a failure to write it raises."""
         if self._thread is not None:
             return
         if interval is not None:
             self.interval = interval
         self._write()
+        self.dump_stacks_on_signal()
         self._thread = threading.Thread(target=self._run, name=f"dp-status-r{self._ch.rank}", daemon=True)
         self._thread.start()
 
-    def stop(self, last_phase: str | None = None) -> None:
-        """Stop publishing; with ``last_phase`` write the record once more in it."""
+    def failed(self, error: BaseException) -> None:
+        """What this rank was doing ended in ``error`` (``dp.fit`` raising): its record says
+        so, once more, in the phase ``failed`` with the error, and publishing ends. A reader
+        then tells a rank that failed (because another went wrong) from one gone silent."""
+        self.error = f"{type(error).__name__}: {error}"[:500]
+        if not self._end_publishing():
+            return
+        self.enter("failed")
+        # Written aside, waited for a second at most: the store may be gone with what failed.
+        writer = threading.Thread(target=self._write_quietly, name="dp-status-failed", daemon=True)
+        writer.start()
+        writer.join(timeout=FAILED_WRITE_WITHIN)
+
+    def _end_publishing(self) -> bool:
+        """The publishing thread stopped (waited for, bounded) and the stacks signal given
+        back; False where it was not publishing."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is None:
-            return
+            return False
         if thread is not threading.current_thread():
             thread.join(timeout=2 * self.interval)
+        self._release_dump()
+        return True
+
+    def _release_dump(self) -> None:
+        with self._dump_lock, _SIGNAL_LOCK:
+            if self._dump is not None:
+                if _signal_owner[0] is self:  # not where a newer channel of this process took it over
+                    faulthandler.unregister(STACKS_SIGNAL)
+                    _signal_owner[0] = None
+                self._dump.close()
+                self._dump = None
+
+    def _write_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self._write()
+
+    def stop(self, last_phase: str | None = None) -> None:
+        """Stop publishing; with ``last_phase`` write the record once more in it."""
+        if not self._end_publishing():
+            return
         if last_phase is not None:
             self.enter(last_phase)
             with contextlib.suppress(ControlError):
@@ -195,13 +271,92 @@ class RankStatus:
         self._ch._set(self._ch._scoped(status_key(rank)), json.dumps(self.record()).encode())
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        due = time.monotonic() + self.interval
+        while not self._stop.wait(min(STACKS_LOOK, max(due - time.monotonic(), 0.0))):
             if self._ch.failure is not None:
                 return
             try:
-                self._write()
+                self._publish_stacks()
+                if time.monotonic() >= due:
+                    due = time.monotonic() + self.interval
+                    self._write()
             except Exception as err:  # the liveness thread judges the store; try again
                 log.debug("rank %s: status not written: %s", self._ch.rank, err)
+
+    # ------------------------------------------------------------------ stacks on request
+    def dump_stacks_on_signal(self) -> bool:
+        """From now on (until :meth:`stop`), :data:`STACKS_SIGNAL` makes this process write
+        every thread's Python stack (:func:`faulthandler.register`: from the signal handler
+        in C, wherever the main thread is) to a file, and the publishing thread puts it into
+        the channel. Not where the signal has a handler already, nor off the main thread:
+        False then."""
+        with self._dump_lock, _SIGNAL_LOCK:
+            if self._dump is not None:
+                return True
+            if threading.current_thread() is not threading.main_thread():
+                return False
+            # faulthandler's handler is not Python's: with it registered, this still says SIG_DFL.
+            if signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, None):
+                log.info("rank %s: %s has a handler: no stacks on it", self._ch.rank, STACKS_SIGNAL.name)
+                return False
+            self._dump = tempfile.TemporaryFile()  # closed by stop()
+            self._dumped = 0
+            # The process's newest published channel (an elastic job's next generation) takes it.
+            faulthandler.register(STACKS_SIGNAL, file=self._dump, all_threads=True, chain=False)
+            _signal_owner[0] = self
+            return True
+
+    def dump_stacks(self, why: str) -> None:
+        """Dump every thread's Python stack into the channel now (from any thread), as
+        :data:`STACKS_SIGNAL` would; ``why`` goes into the job's event log."""
+        with tempfile.TemporaryFile() as out:
+            faulthandler.dump_traceback(file=out, all_threads=True)
+            out.seek(0)
+            self._put_stacks(out.read().decode(errors="replace"), why)
+
+    def _publish_stacks(self) -> None:
+        with self._dump_lock:
+            if self._dump is None:
+                return
+            fd = self._dump.fileno()
+            size = os.fstat(fd).st_size
+            if size <= self._dumped:
+                return
+            time.sleep(0.02)  # the handler may be writing still: read once the size holds
+            if os.fstat(fd).st_size != size:
+                return
+            text = os.pread(fd, size - self._dumped, self._dumped).decode(errors="replace")
+            self._dumped = size
+        self._put_stacks(text, f"{STACKS_SIGNAL.name}")
+
+    def _put_stacks(self, text: str, why: str) -> None:
+        rank = self._ch.rank
+        if rank is None:
+            return
+        now = time.time()
+        if len(text) > STACKS_KEEP:
+            text = text[:STACKS_KEEP] + "\n...(cut)\n"
+        dump = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": now, "why": why, "text": text}
+        self._ch._set(self._ch._scoped(stacks_key(rank)), json.dumps(dump).encode())
+        self.stacks_at = now
+        main = _main_thread_stack(text)
+        where = f"; the main thread, innermost first:\n{main}" if main else ""
+        record_event(self._ch, "stacks", f"Python stacks dumped ({why}): `dataparallel status --stacks {rank}`{where}")
+
+
+def _main_thread_stack(text: str, frames: int = 12) -> str:
+    """The main thread's first ``frames`` frames in a dump of :mod:`faulthandler`'s."""
+    ident = threading.main_thread().ident or 0
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(("Thread 0x", "Current thread 0x")) and f"0x{ident:016x}" in line:
+            block = []
+            for frame in lines[i + 1 : i + 1 + frames]:
+                if not frame.startswith("  "):
+                    break
+                block.append(frame.strip())
+            return "\n".join(block)
+    return ""
 
 
 def _own_time(steps: Sequence[tuple[float, dict[str, float]]]) -> float:
@@ -214,7 +369,7 @@ def _own_time(steps: Sequence[tuple[float, dict[str, float]]]) -> float:
 #: A rank whose own time per step is this much of the fastest rank's, or of its own best, or
 #: less (a score), and longer than it by at least :data:`STRAGGLER_FLOOR` seconds, is a
 #: straggler (the floor keeps a millisecond's jitter of a short step from being one).
-STRAGGLER_BELOW, STRAGGLER_FLOOR = 0.75, 0.005
+STRAGGLER_BELOW, STRAGGLER_FLOOR = 0.8, 0.005
 
 
 def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -254,7 +409,8 @@ KEEP_EVENTS = 256
 def record_event(channel: ControlChannel, kind: str, detail: str, rank: int | None = None) -> None:
     """Add an event to the job's log (``kind``: ``join``, ``loss``, ``stall``, ``straggler``,
     ``checkpoint``, ``stop``...; ``rank``: the rank it is about, default the writer's): one
-    ``add`` and one ``set``, and a ``delete`` of the event :data:`KEEP_EVENTS` behind. Never
+    ``add`` and one ``set``, and a ``delete`` of the event :data:`KEEP_EVENTS` behind; and a
+    line in the job's event file where the channel's settings name one (``events``). Never
     raises: an event that cannot be written is left out (logged), the job goes on."""
     event = {
         "time": time.time(),
@@ -264,6 +420,13 @@ def record_event(channel: ControlChannel, kind: str, detail: str, rank: int | No
         "kind": kind,
         "detail": detail,
     }
+    path = getattr(channel.config, "events", None)
+    if path:  # the job's event file (setting ``events``): this rank's own line, whatever the channel does
+        try:
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"job": channel.job, **event}) + "\n")
+        except OSError as err:
+            log.info("job %r: event %s not written to %s: %s", channel.job, kind, path, err)
     try:
         number = channel._add(channel._scoped(f"{_EVENTS}next"), 1) - 1
         channel._set(channel._scoped(f"{_EVENTS}{number}"), json.dumps(event).encode())
@@ -285,6 +448,70 @@ def read_events(channel: ControlChannel, last: int = 20, deadline: float | None 
     first = max(count - min(last, KEEP_EVENTS), 0)
     events = _read_many(channel, [f"{_EVENTS}{n}" for n in range(first, count)], deadline)
     return [e for e in events if e is not None and _is_event(e)]
+
+
+class EventFollower:
+    """Follows a job's event log from outside (a launcher's file of it): each :meth:`new`
+    returns the events recorded since the last call, oldest first. A new run of the job (its
+    count restarted, or another event where the last one seen was) is followed from its first
+    event; events the log no longer keeps are skipped. An event numbered but not yet written
+    (its writer adds, then sets) waits for the next look, for :data:`MISSING_LOOKS` looks at
+    most (a writer that died between the two leaves a gap for good)."""
+
+    MISSING_LOOKS = 3
+
+    def __init__(self) -> None:
+        self.counted = 0  # events numbered so far that were returned (or skipped)
+        self.last_time: float | None = None  # the last returned event's time
+        self._missing: tuple[int, int] = (-1, 0)  # (number, looks) of an event numbered, not there
+
+    def new(self, channel: ControlChannel) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + LOOK_WITHIN
+        if channel.rank is None and not channel._attach_run():
+            return []
+        counter = channel._scoped(f"{_EVENTS}next")
+        raw = channel._get(counter, 1.0) if channel._check([counter]) else None
+        count = int(raw) if raw and raw.isdigit() else 0
+        if count < self.counted:
+            self.counted = 0
+        elif self.counted and self.last_time is not None:
+            (prev,) = _read_many(channel, [f"{_EVENTS}{self.counted - 1}"], deadline)
+            if prev is not None and prev.get("time") != self.last_time:
+                self.counted = 0  # another run, which has recorded as many events already
+        first = max(self.counted, count - KEEP_EVENTS)
+        events = _read_many(channel, [f"{_EVENTS}{n}" for n in range(first, count)], deadline)
+        got = []
+        for i, event in enumerate(events):
+            number = first + i
+            if event is None:
+                looks = self._missing[1] + 1 if self._missing[0] == number else 1
+                if looks < self.MISSING_LOOKS:
+                    self._missing = (number, looks)
+                    break
+                continue  # given up on: a gap
+            if _is_event(event):
+                got.append(event)
+                self.last_time = event["time"]
+            self.counted = number + 1
+        else:
+            self.counted = max(self.counted, count)
+        return got
+
+
+def read_stacks(
+    channel: ControlChannel, ranks: Sequence[int], deadline: float | None = None
+) -> dict[int, dict[str, Any]]:
+    """The last dump of Python stacks of each of ``ranks`` that has one: ``{rank: {"rank",
+    "host", "pid", "time", "why", "text"}}`` (``text`` as :mod:`faulthandler` writes it)."""
+    deadline = time.monotonic() + LOOK_WITHIN if deadline is None else deadline
+    if channel.rank is None and not channel._attach_run():
+        raise ControlError(f"job {channel.job!r} has no run: no rank of it has joined")
+    dumps = _read_many(channel, [stacks_key(r) for r in ranks], deadline)
+    return {
+        r: d
+        for r, d in zip(ranks, dumps, strict=True)
+        if d is not None and isinstance(d.get("text"), str) and isinstance(d.get("time"), int | float)
+    }
 
 
 def _is_event(event: Mapping[str, Any]) -> bool:
@@ -351,6 +578,10 @@ def read_job(
     peers = _read_many(channel, [peer_key(r) for r in range(size)], deadline)
     if channel.failure is not None:
         raise channel.failure
+    # The job's events: a loss the driver declared names its rank at once (its record would
+    # take the silence bound to say it).
+    told = read_events(channel, deadline=deadline) if events else []
+    losses = {e["rank"]: e for e in told if e["kind"] == "loss" and isinstance(e.get("rank"), int)}
     now, mono = time.time(), time.monotonic()
     ranks = []
     for rank in range(size):
@@ -370,6 +601,8 @@ def read_job(
             "own_best_s": None,
             "scores": None,
             "heartbeat_age": None,
+            "stacks_at": None,
+            "error": None,
             "state": "absent",
         }
         if peer is not None:
@@ -383,17 +616,20 @@ def read_job(
                 wall_age = max(now - float(rec.get("time", now)), 0.0)
                 interval = float(rec.get("interval") or 1.0)
                 age = wall_age if watch is None else watch.age(rank, rec.get("seq"), mono, wall_age, interval)
-                keys = ("host", "pid", "device", "phase", "epoch", "step", "step_s", "own_s", "own_best_s")
+                keys = ("host", "pid", "device", "phase", "epoch", "step", "step_s", "own_s", "own_best_s", "stacks_at")
+                entry["error"] = rec.get("error") if isinstance(rec.get("error"), str) else None
                 entry.update({k: rec.get(k) for k in keys})
                 entry["split"] = dict(rec.get("split") or {})
                 entry["phase_s"] = round(float(rec.get("phase_s") or 0.0) + age, 3)
                 entry["heartbeat_age"] = round(age, 3)
-                if rec.get("phase") == "closed":
-                    entry["state"] = "closed"
+                if rec.get("phase") in ("closed", "failed"):
+                    entry["state"] = rec["phase"]
                 else:
                     entry["state"] = "silent" if age > silent_after(rec) else "running"
             except (TypeError, ValueError, AttributeError):  # a record not of this library's making
                 entry["state"] = "joined"
+        if rank in losses and entry["state"] in ("running", "silent", "joined"):
+            entry["state"], entry["error"] = "lost", str(losses[rank]["detail"])
         ranks.append(entry)
     return {
         "job": channel.job,
@@ -402,7 +638,7 @@ def read_job(
         "ranks": ranks,
         "stalls": diagnose(ranks),
         "stragglers": straggler_scores(ranks),
-        "events": read_events(channel, deadline=deadline) if events else [],
+        "events": told,
     }
 
 
@@ -444,11 +680,19 @@ def render(view: Mapping[str, Any]) -> str:
     events = view.get("events") or []
     if events:
         lines.append("events:")
-        lines += [
-            f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} rank {e['rank']} {e['kind']}: {e['detail']}"
-            for e in events[-10:]
-        ]
+        lines += ["  " + line for line in render_events(events[-10:])]
     return "\n".join(lines)
+
+
+def render_events(events: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line an event: its time, job (where it says one), rank, kind and detail."""
+    lines = []
+    for e in events:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e["time"])))
+        job = f"job {e['job']} " if e.get("job") else ""
+        who = f"rank {e['rank']}" if e.get("rank") is not None else str(e.get("by") or "-")
+        lines.append(f"{when} {job}{who} {e.get('kind')}: {e.get('detail')}")
+    return lines
 
 
 def _or_dash(value: object) -> str:
@@ -500,11 +744,14 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
     "cause", "phase", "for_s", "waiting"}`` naming a rank others wait for (``waiting``: the
     running ranks ahead of it), the silent first, then the furthest behind first:
 
+    - a rank declared lost (its state ``lost``: the job's event log says so);
     - a rank gone silent (its record stopped coming: frozen, cut off, or dead);
     - when some ranks have been in one phase past ``threshold`` (default
       :func:`stall_threshold`): every running rank behind the furthest of them (an earlier
       epoch or step, or an earlier phase of the same step: :func:`_position`), with what it
-      is doing.
+      is doing; but not one that itself waits in a collective (:data:`COLLECTIVE_PHASES`)
+      while a rank is further behind, or silent, or lost (an all-reduce's rounds end on some
+      ranks before others: those still in it wait too).
 
     Ranks that all wait at one place with nobody behind (a long validation, a slow first
     step) are no stall: no rank holds the others up. Phases of a loop's own are compared with
@@ -512,6 +759,17 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
     live = [r for r in ranks if r.get("state") in ("running", "silent")]
     stalls: list[dict[str, Any]] = []
     running = [r for r in live if r.get("state") == "running"]
+    for r in ranks:
+        if r.get("state") == "lost":
+            stalls.append(
+                {
+                    "rank": r["rank"],
+                    "cause": f"lost: {r.get('error')} (last seen in {r.get('phase')!r}{_at(r)})",
+                    "phase": r.get("phase"),
+                    "for_s": r.get("heartbeat_age"),
+                    "waiting": [w["rank"] for w in running],
+                }
+            )
     for r in live:
         if r.get("state") == "silent":
             stalls.append(
@@ -538,7 +796,13 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
     waited = max(float(r.get("phase_s") or 0.0) for r, p in waiters if p == furthest)
     where = next(f"{r['phase']!r}{_at(r)}" for r, p in waiters if p == furthest)
     behind = sorted(((r, p) for r, p in placed if p is not None and p < furthest), key=lambda rp: rp[1])
+    silent = any(r.get("state") in ("silent", "lost") for r in ranks)
     for r, p in behind:
+        # A rank behind that itself waits in a collective (DDP's all-reduce, whose rounds end
+        # on different ranks at different times) waits for someone: for a rank further behind,
+        # or one gone silent; it holds the others up only where there is none.
+        if r.get("phase") in COLLECTIVE_PHASES and (silent or p > behind[0][1]):
+            continue
         others = sorted(a["rank"] for a, q in placed if q is not None and q > p)
         stalls.append(
             {
@@ -564,27 +828,53 @@ def _at(entry: Mapping[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+#: Keys one request of :func:`_read_many` asks for at once.
+READ_CHUNK = 256
+
+
 def _read_many(channel: ControlChannel, keys: Sequence[str], deadline: float) -> list[dict[str, Any] | None]:
-    """The JSON objects at ``keys`` in the run (None where absent or not JSON), read one by
-    one until ``deadline`` (those left then: None)."""
+    """The JSON objects at ``keys`` in the run (None where absent or not JSON), until
+    ``deadline`` (those left then: None). Read :data:`READ_CHUNK` at a time in one request
+    (``_multi_get``, one round trip on every built-in transport) where all of a chunk exist,
+    else one by one."""
     out: list[dict[str, Any] | None] = []
-    for key in keys:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            out.append(None)
+    for start in range(0, len(keys), READ_CHUNK):
+        chunk = keys[start : start + READ_CHUNK]
+        if deadline - time.monotonic() <= 0:
+            out += [None] * len(chunk)
             continue
-        scoped = channel._scoped(key)
         try:
-            raw = channel._get(scoped, min(1.0, left)) if channel._check([scoped]) else None
-            value = json.loads(raw) if raw else None
+            raws = channel._multi_get([channel._scoped(k) for k in chunk], 0.001)
         except ControlError:
             if channel.failure is not None:
                 raise
-            value = None
-        except ValueError:
-            value = None
-        out.append(value if isinstance(value, dict) else None)
+            raws = None
+        if raws is not None and len(raws) == len(chunk):
+            out += [_parse(raw) for raw in raws]
+        else:  # some absent (a rank not joined, or not published yet): one by one
+            out += [_read_one(channel, key, deadline) for key in chunk]
     return out
+
+
+def _parse(raw: bytes | None) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _read_one(channel: ControlChannel, key: str, deadline: float) -> dict[str, Any] | None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None
+    scoped = channel._scoped(key)
+    try:
+        return _parse(channel._get(scoped, min(1.0, left)) if channel._check([scoped]) else None)
+    except ControlError:
+        if channel.failure is not None:
+            raise
+        return None
 
 
 def _world_size(channel: ControlChannel, deadline: float) -> int:

@@ -15,7 +15,9 @@ every request carries it, as a bearer token (``Authorization: Bearer TOKEN``, as
 links keep it). Looks at the job at most once a second, however many requests come.
 
 Behind ``dataparallel status --http`` (any transport, from any machine with the URL and
-token) and ``TrainOptions.status_http`` (on the driver).
+token) and ``TrainOptions.status_http`` (on the driver). On ``dataparallel serve --http``
+it serves every job of the coordinator: ``/`` lists them, ``/job/NAME/`` is a job's page
+(and ``/job/NAME/status.json``), ``/metrics`` holds every job's ranks (label ``job``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from ..errors import ConfigError, ControlError
+from .status import render_events
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +60,66 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", number
 
 
+class _JobView:
+    """One job's last look (read again once older than :data:`FRESH_FOR`), its step times
+    over the last minutes and the last look's failure."""
+
+    def __init__(self, look: Callable[[], dict[str, Any]]) -> None:
+        self.look = look
+        self.lock = threading.Lock()
+        self.view: dict[str, Any] | None = None
+        self.at = 0.0
+        self.error: str | None = None
+        self.history: dict[int, deque[tuple[float, float]]] = {}
+
+    def current(self) -> dict[str, Any]:
+        with self.lock:
+            now = time.monotonic()
+            if self.view is None or now - self.at >= FRESH_FOR:
+                try:
+                    view = self.look()
+                except ControlError as err:  # shown on the page; the next look tries again
+                    self.error = f"{type(err).__name__}: {err}"
+                    self.at = time.monotonic()
+                    if self.view is None:
+                        raise
+                else:
+                    self.view, self.at, self.error = view, time.monotonic(), None
+                    self._remember(view)
+            assert self.view is not None
+            return self.view
+
+    def _remember(self, view: Mapping[str, Any]) -> None:
+        cutoff = view["time"] - HISTORY_S
+        for r in view["ranks"]:
+            points = self.history.setdefault(r["rank"], deque())
+            if r.get("step_s"):
+                points.append((view["time"], float(r["step_s"])))
+            while points and points[0][0] < cutoff:
+                points.popleft()
+
+
 class StatusServer:
-    """Serves ``look()`` (a :func:`read_job` view) over HTTP; see the module's docstring."""
+    """Serves ``look()`` (a :func:`read_job` view) over HTTP; see the module's docstring.
+    With ``jobs`` (the names of the jobs there are) and ``look_job`` (a job's view), every
+    job instead, each under ``/job/NAME/``."""
 
     def __init__(
         self,
-        look: Callable[[], dict[str, Any]],
+        look: Callable[[], dict[str, Any]] | None = None,
         address: tuple[str, int] = ("127.0.0.1", 0),
         token: str | None = None,
+        *,
+        jobs: Callable[[], list[str]] | None = None,
+        look_job: Callable[[str], dict[str, Any]] | None = None,
     ) -> None:
-        self._look = look
+        if (look is None) == (jobs is None or look_job is None):
+            raise ValueError("StatusServer serves one job (look) or every job (jobs and look_job)")
         self._token = token
-        self._lock = threading.Lock()
-        self._view: dict[str, Any] | None = None
-        self._at = 0.0
-        self._error: str | None = None
-        self._history: dict[int, deque[tuple[float, float]]] = {}
+        self._one = None if look is None else _JobView(look)
+        self._jobs, self._look_job = jobs, look_job
+        self._views: dict[str, _JobView] = {}
+        self._views_lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -121,32 +168,20 @@ class StatusServer:
         self.close()
 
     # ------------------------------------------------------------------ the view
-    def view(self) -> dict[str, Any]:
-        """The job's view, read again where the last look is older than :data:`FRESH_FOR`."""
-        with self._lock:
-            now = time.monotonic()
-            if self._view is None or now - self._at >= FRESH_FOR:
-                try:
-                    view = self._look()
-                except ControlError as err:  # shown on the page; the next look tries again
-                    self._error = f"{type(err).__name__}: {err}"
-                    self._at = time.monotonic()
-                    if self._view is None:
-                        raise
-                else:
-                    self._view, self._at, self._error = view, time.monotonic(), None
-                    self._remember(view)
-            assert self._view is not None
-            return self._view
+    def view(self, job: str | None = None) -> dict[str, Any]:
+        """The job's view, read again where the last look is older than :data:`FRESH_FOR`
+        (``job``: which, where this server serves every job)."""
+        return self._job(job).current()
 
-    def _remember(self, view: Mapping[str, Any]) -> None:
-        cutoff = view["time"] - HISTORY_S
-        for r in view["ranks"]:
-            points = self._history.setdefault(r["rank"], deque())
-            if r.get("step_s"):
-                points.append((view["time"], float(r["step_s"])))
-            while points and points[0][0] < cutoff:
-                points.popleft()
+    def _job(self, job: str | None) -> _JobView:
+        if self._one is not None:
+            return self._one
+        assert job is not None and self._look_job is not None
+        look_job = self._look_job
+        with self._views_lock:
+            if job not in self._views:
+                self._views[job] = _JobView(lambda: look_job(job))
+            return self._views[job]
 
     # ------------------------------------------------------------------ requests
     def _answer(self, request: BaseHTTPRequestHandler) -> None:
@@ -157,25 +192,68 @@ class StatusServer:
                 request, HTTPStatus.UNAUTHORIZED, "text/plain", b"a token is needed: Authorization: Bearer TOKEN\n"
             )
             return
+        token = query.get("token", [""])[0]
+        path = parts.path
+        if self._one is None:  # every job: / lists them, /job/NAME/... is one's, /metrics all
+            if path == "/":
+                self._send(request, HTTPStatus.OK, "text/html; charset=utf-8", self._index(token).encode())
+                return
+            if path == "/metrics":
+                self._metrics_of_all(request)
+                return
+            name, sep, rest = path.removeprefix("/job/").partition("/")
+            if not path.startswith("/job/") or not sep or not name:
+                self._send(request, HTTPStatus.NOT_FOUND, "text/plain", b"not found: try /, /job/NAME/ or /metrics\n")
+                return
+            self._answer_job(request, unquote(name), "/" + rest, token)
+            return
+        self._answer_job(request, None, path, token)
+
+    def _answer_job(self, request: BaseHTTPRequestHandler, job: str | None, path: str, token: str) -> None:
+        state = self._job(job)
         try:
-            view = self.view()
+            view = state.current()
         except ControlError as err:
             self._send(request, HTTPStatus.SERVICE_UNAVAILABLE, "text/plain", f"{err}\n".encode())
             return
-        if parts.path == "/":
-            token = query.get("token", [""])[0]
-            self._send(request, HTTPStatus.OK, "text/html; charset=utf-8", self._page(view, token).encode())
-        elif parts.path in ("/status.json", "/metrics") and self._error is not None:
+        if path == "/":
+            self._send(request, HTTPStatus.OK, "text/html; charset=utf-8", self._page(state, view, token).encode())
+        elif path in ("/status.json", "/metrics") and state.error is not None:
             # The last look failed: no stale figures a scraper would take for current ones.
-            self._send(request, HTTPStatus.SERVICE_UNAVAILABLE, "text/plain", f"{self._error}\n".encode())
-        elif parts.path == "/status.json":
+            self._send(request, HTTPStatus.SERVICE_UNAVAILABLE, "text/plain", f"{state.error}\n".encode())
+        elif path == "/status.json":
             self._send(request, HTTPStatus.OK, "application/json", json.dumps(view).encode())
-        elif parts.path == "/metrics":
+        elif path == "/metrics":
             from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
             self._send(request, HTTPStatus.OK, CONTENT_TYPE_LATEST, metrics_text(view))
         else:
             self._send(request, HTTPStatus.NOT_FOUND, "text/plain", b"not found: try /, /status.json or /metrics\n")
+
+    def _metrics_of_all(self, request: BaseHTTPRequestHandler) -> None:
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+        assert self._jobs is not None
+        views = []
+        for job in self._jobs():
+            state = self._job(job)
+            try:
+                view = state.current()
+            except ControlError:
+                continue  # a job between runs: left out, not shown stale
+            if state.error is None:
+                views.append(view)
+        self._send(request, HTTPStatus.OK, CONTENT_TYPE_LATEST, metrics_text(*views))
+
+    def _index(self, token: str) -> str:
+        assert self._jobs is not None
+        e = html.escape
+        keep = f"?token={quote(token)}" if token else ""
+        names = sorted(self._jobs())
+        items = "".join(f'<li><a href="job/{quote(n, safe="")}/{keep}">{e(n)}</a></li>' for n in names)
+        return INDEX.format(
+            jobs=f'<ul id="jobs">{items}</ul>' if items else '<p id="jobs">no job</p>', metrics=f"metrics{keep}"
+        )
 
     def _allowed(self, request: BaseHTTPRequestHandler, query: Mapping[str, list[str]]) -> bool:
         if self._token is None:
@@ -195,7 +273,7 @@ class StatusServer:
         request.end_headers()
         request.wfile.write(body)
 
-    def _page(self, view: Mapping[str, Any], token: str) -> str:
+    def _page(self, state: _JobView, view: Mapping[str, Any], token: str) -> str:
         e = html.escape
         stalled = {s["rank"] for s in view["stalls"]}
         slow = {s["rank"] for s in view.get("stragglers") or []}
@@ -209,11 +287,12 @@ class StatusServer:
                 f"<td>{e(str(r['pid'] or '-'))}</td><td>{_cell(r['epoch'])}</td><td>{_cell(r['step'])}</td>"
                 f"<td>{e(str(r['phase'] or '-'))}</td><td>{_seconds(r['phase_s'])}</td>"
                 f"<td>{step_time}</td><td>{split or '-'}</td>"
-                f"<td>{_seconds(r['heartbeat_age'])}</td><td>{self._sparkline(r['rank'])}</td></tr>"
+                f"<td>{_seconds(r['heartbeat_age'])}</td><td>{_sparkline(state, r['rank'])}</td></tr>"
             )
         stalls = "".join(f"<li>rank {s['rank']}: {e(s['cause'])}</li>" for s in view["stalls"])
         stragglers = "".join(f"<li>rank {s['rank']}: {e(s['cause'])}</li>" for s in view.get("stragglers") or [])
-        error = f'<p class="error">last look failed: {e(self._error)}</p>' if self._error else ""
+        error = f'<p class="error">last look failed: {e(state.error)}</p>' if state.error else ""
+        events = "".join(f"<li>{e(line)}</li>" for line in reversed(render_events(view.get("events") or [])))
         keep = f"?token={quote(token)}" if token else ""
         return PAGE.format(
             job=e(view["job"]),
@@ -225,22 +304,24 @@ class StatusServer:
                 f'<ul id="stragglers">{stragglers}</ul>' if stragglers else '<p id="stragglers">no straggler</p>'
             ),
             error=error,
+            events=f'<ul id="events">{events}</ul>' if events else '<p id="events">no event</p>',
             json=f"status.json{keep}",
             metrics=f"metrics{keep}",
         )
 
-    def _sparkline(self, rank: int) -> str:
-        points = list(self._history.get(rank, ()))
-        if len(points) < 2:
-            return ""
-        t0, t1 = points[0][0], points[-1][0]
-        top = max(v for _, v in points) or 1.0
-        coords = " ".join(f"{(t - t0) / max(t1 - t0, 1e-9) * 160:.1f},{30 - v / top * 28:.1f}" for t, v in points)
-        title = f"step time, last {t1 - t0:.0f}s: max {top * 1000:.1f} ms"
-        return (
-            f'<svg width="160" height="32" role="img"><title>{title}</title>'
-            f'<polyline fill="none" stroke="#36c" stroke-width="1.5" points="{coords}"/></svg>'
-        )
+
+def _sparkline(state: _JobView, rank: int) -> str:
+    points = list(state.history.get(rank, ()))
+    if len(points) < 2:
+        return ""
+    t0, t1 = points[0][0], points[-1][0]
+    top = max(v for _, v in points) or 1.0
+    coords = " ".join(f"{(t - t0) / max(t1 - t0, 1e-9) * 160:.1f},{30 - v / top * 28:.1f}" for t, v in points)
+    title = f"step time, last {t1 - t0:.0f}s: max {top * 1000:.1f} ms"
+    return (
+        f'<svg width="160" height="32" role="img"><title>{title}</title>'
+        f'<polyline fill="none" stroke="#36c" stroke-width="1.5" points="{coords}"/></svg>'
+    )
 
 
 def _cell(value: object) -> str:
@@ -259,7 +340,7 @@ body {{ font: 14px system-ui, sans-serif; margin: 1.5em; }}
 table {{ border-collapse: collapse; }}
 th, td {{ padding: 0.25em 0.6em; border-bottom: 1px solid #ddd; text-align: left; white-space: nowrap; }}
 tr.stalled {{ background: #fdd; }} tr.silent {{ background: #fec; }} tr.straggler {{ background: #ffd; }}
-tr.closed {{ color: #888; }}
+tr.closed {{ color: #888; }} tr.failed {{ background: #eee; color: #a00; }}
 .error {{ color: #a00; }}
 </style></head>
 <body>
@@ -276,30 +357,42 @@ tr.closed {{ color: #888; }}
 {stalls}
 <h2>stragglers</h2>
 {stragglers}
+<h2>events</h2>
+{events}
+</body></html>
+"""
+
+INDEX = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
+<title>dataparallel: jobs</title>
+<style>body {{ font: 14px system-ui, sans-serif; margin: 1.5em; }}</style></head>
+<body>
+<h1>jobs on this coordinator</h1>
+{jobs}
+<p><a href="{metrics}">metrics</a> (every job's ranks)</p>
 </body></html>
 """
 
 
-def metrics_text(view: Mapping[str, Any]) -> bytes:
-    """``view`` in Prometheus' text format, through ``prometheus_client``."""
+def metrics_text(*views: Mapping[str, Any]) -> bytes:
+    """``views`` (jobs' views) in Prometheus' text format, through ``prometheus_client``."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.exposition import generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(view))
+    registry.register(_Collector(views))
     return generate_latest(registry)
 
 
 class _Collector:
-    """The metrics of one view (prometheus_client's custom collector protocol)."""
+    """The metrics of views (prometheus_client's custom collector protocol)."""
 
-    def __init__(self, view: Mapping[str, Any]) -> None:
-        self._view = view
+    def __init__(self, views: Sequence[Mapping[str, Any]]) -> None:
+        self._views = views
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        job = str(self._view["job"])
         labels = ["job", "rank", "host"]
 
         def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
@@ -319,8 +412,16 @@ class _Collector:
             "the rank's own time per step against the fastest rank's or its own best (1: as fast)",
             ["against"],
         )
-        stalls_for = {s["rank"]: s for s in self._view["stalls"]}
-        for r in self._view["ranks"]:
+        for view in self._views:
+            self._add(view, running, state, step, epoch, phase, step_s, split, age, stalled, score)
+        yield from (running, state, step, epoch, phase, step_s, split, age, stalled, score)
+
+    @staticmethod
+    def _add(view: Mapping[str, Any], *families: Any) -> None:
+        running, state, step, epoch, phase, step_s, split, age, stalled, score = families
+        job = str(view["job"])
+        stalls_for = {s["rank"]: s for s in view["stalls"]}
+        for r in view["ranks"]:
             base = [job, str(r["rank"]), str(r["host"] or "")]
             running.add_metric(base, 1.0 if r["state"] == "running" else 0.0)
             state.add_metric([*base, str(r["state"])], 1.0)
@@ -341,4 +442,3 @@ class _Collector:
             for against, value in (r.get("scores") or {}).items():
                 if value is not None:
                     score.add_metric([*base, against.removeprefix("vs_")], float(value))
-        yield from (running, state, step, epoch, phase, step_s, split, age, stalled, score)

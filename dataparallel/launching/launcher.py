@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from ..config import CLUSTER, JobConfig
 from ..control.registry import locate, mask_url, resolve
 from ..errors import ConfigError
+from .events import EventFile
 from .relay import RelayHost
 from .ssh import SshOptions, launch_hosts
 from .supervisor import DEFAULT_GRACE, JsonLines, Log, Supervisor, Worker, handling_signals
@@ -111,13 +112,25 @@ def launch(
     file descriptor whose end stops the workers as SIGTERM does (a host's launcher started
     over ssh reads its stdin: when the connection to the launcher that started it goes, so
     do its workers).
+
+    With ``config.events``, the job's event log is appended to that file, one JSON object a
+    line (:class:`~dataparallel.launching.events.EventFile`): each worker of the node writes
+    its own events there, the launcher its own (exits, restarts, signals) and the other
+    nodes' ranks' as it reads them in the channel.
     """
+    events = config.events
     if config.hosts and lifeline is None:
-        return launch_hosts(command, config, grace=grace, prefix=prefix, log=log, ssh=ssh)
+        if events is None:
+            return launch_hosts(command, config, grace=grace, prefix=prefix, log=log, ssh=ssh)
+        with EventFile(events, config, config.require("url")):
+            return launch_hosts(command, config, grace=grace, prefix=prefix, log=log, ssh=ssh)
     node = _NodeLaunch(command, config, grace=grace, prefix=prefix, log=log, first_rank=first_rank)
     if lifeline is not None:
         threading.Thread(target=_on_end, args=(lifeline,), daemon=True).start()
-    return node.run(own_stdin=lifeline is None)
+    if events is None:
+        return node.run(own_stdin=lifeline is None)
+    with EventFile(events, config, node.url) as node.events:
+        return node.run(own_stdin=lifeline is None)
 
 
 class _NodeLaunch:
@@ -149,6 +162,12 @@ class _NodeLaunch:
         #: ``max_restarts``.
         self.attempt, self.replaced = 0, 0
         self.stdin: int | None = None
+        self.events: EventFile | None = None  # the job's event log in a file (launch --events)
+
+    def note(self, kind: str, detail: str, rank: int | None = None) -> None:
+        """An event of the launcher's own, into the event file if there is one."""
+        if self.events is not None:
+            self.events.note(kind, detail, rank)
 
     def environment(self) -> dict[str, str]:
         """What every worker of the node finds in its environment, besides its ranks."""
@@ -172,6 +191,8 @@ class _NodeLaunch:
         )
         if config.token:
             env["DP_TOKEN"] = config.token
+        if config.events:  # each worker appends its own events there
+            env["DP_EVENTS"] = os.path.abspath(config.events)
         if config.elastic:
             env["DP_ELASTIC"] = "1"
         for bound in ("min_world_size", "max_world_size"):  # the workers' settings, as dp.connect reads them
@@ -226,8 +247,15 @@ class _NodeLaunch:
                 # A new job name: the restarted group never meets the failed group's keys.
                 env["DP_JOB"] = f"{self.config.job}.attempt{self.attempt}"
                 env["DP_RESTART_COUNT"] = str(self.attempt)
+                if self.events is not None:
+                    self.events.follow(env["DP_JOB"])
             supervisor = Supervisor(
-                self.grace, self.log, tolerate=self.config.elastic, as_json=self.as_json, replace=self.replace
+                self.grace,
+                self.log,
+                tolerate=self.config.elastic,
+                as_json=self.as_json,
+                replace=self.replace,
+                note=self.note,
             )
             with contextlib.ExitStack() as stack:
                 if relays is not None:  # joined upstream before any worker starts; closed after the last ends
@@ -240,6 +268,11 @@ class _NodeLaunch:
                 return code
             self.attempt += 1
             self.say(f"worker group failed (exit code {code}); restarting it, attempt {self.attempt} of {restarts}")
+            self.note(
+                "restart",
+                f"the worker group failed (exit code {code}): restarted as job "
+                f"{self.config.job}.attempt{self.attempt} ({self.attempt} of {restarts})",
+            )
 
     def start(self, supervisor: Supervisor, rank: int, local: int) -> None:
         ranks = {"DP_RANK": str(rank), "DP_LOCAL_RANK": str(local), "RANK": str(rank), "LOCAL_RANK": str(local)}
@@ -254,6 +287,11 @@ class _NodeLaunch:
         if any(w.rank == 0 and w.proc.returncode not in (None, 0) for w in supervisor.workers):
             return False  # the job may have ended with its driver (a coordinator hosted by it): nothing to join
         self.replaced += 1
+        self.note(
+            "restart",
+            f"{lost.label} started again ({self.replaced} of {restarts}): it joins at an epoch boundary",
+            lost.rank,
+        )
         self.say(
             f"starting {lost.label} again (restart {self.replaced} of {restarts}): it joins the job "
             "at its next epoch boundary (elastic)"

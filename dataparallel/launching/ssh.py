@@ -229,7 +229,14 @@ def launch_hosts(
                 command, config, node, first, count, world, grace=grace, ssh=ssh, prefix=prefix, cwd=cwd
             )
             worker = supervisor.start(
-                node, 0, ssh.argv(host, remote), own_dropped, prefix, label=address_of(host), stdin=subprocess.PIPE
+                node,
+                0,
+                ssh.argv(host, remote),
+                own_dropped,
+                prefix,
+                label=address_of(host),
+                stdin=subprocess.PIPE,
+                pass_on=False,  # SIGUSR1 would end ssh; the host's launcher passes it on there
             )
             assert worker.proc.stdin is not None
             # An ssh that ended at once, or one stopped meanwhile (stdin closed): wait() tells.

@@ -30,16 +30,24 @@ DEFAULT_GRACE = 5.0
 #: stops at a step and writes it first); a second SIGINT or SIGTERM kills at once.
 SIGNALLED_GRACE = 60.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Passed on to every worker and nothing more: a rank of dp.fit dumps its Python stacks on it
+#: (:data:`dataparallel.control.status.STACKS_SIGNAL`).
+_PASSED_ON = signal.SIGUSR1
 
 
 @contextlib.contextmanager
-def handling_signals(handler: Callable[[int, Any], None]) -> Iterator[bool]:
-    """The :data:`_FORWARDED` signals go to ``handler`` while inside, the previous handlers
-    after; yields False, changing nothing, off the main thread (where Python cannot set them)."""
+def handling_signals(
+    handler: Callable[[int, Any], None], pass_on: Callable[[int, Any], None] | None = None
+) -> Iterator[bool]:
+    """The :data:`_FORWARDED` signals go to ``handler`` while inside (and :data:`_PASSED_ON`
+    to ``pass_on``), the previous handlers after; yields False, changing nothing, off the main
+    thread (where Python cannot set them)."""
     if threading.current_thread() is not threading.main_thread():
         yield False
         return
     previous = {sig: signal.signal(sig, handler) for sig in _FORWARDED}
+    if pass_on is not None:
+        previous[_PASSED_ON] = signal.signal(_PASSED_ON, pass_on)
     try:
         yield True
     finally:
@@ -60,6 +68,7 @@ class Worker:
     local_rank: int
     proc: subprocess.Popen
     label: str = ""  # how output and messages name it: "rank 3", or a host
+    pass_on: bool = True  # a rank's own process: SIGUSR1 to the launcher is passed on to it
 
     def __post_init__(self) -> None:
         self.label = self.label or f"rank {self.rank}"
@@ -77,6 +86,7 @@ class Supervisor:
         tolerate: bool = False,
         as_json: bool = False,
         replace: Callable[[Supervisor, Worker], bool] | None = None,
+        note: Callable[[str, str, int | None], None] | None = None,
     ) -> None:
         self.grace = grace
         self.as_json = as_json
@@ -84,6 +94,8 @@ class Supervisor:
         self.tolerate = tolerate  # elastic: a failed follower stops nothing
         #: Elastic: start a failed follower again (False where no restart is left).
         self.replace = replace
+        #: Where the launcher's own events go (its event file): ``note(kind, detail, rank)``.
+        self.note = note or (lambda kind, detail, rank: None)
         self.replacements: list[Worker] = []
         self.tolerated: list[Worker] = []
         self.workers: list[Worker] = []
@@ -94,12 +106,18 @@ class Supervisor:
 
     @contextlib.contextmanager
     def forwarding_signals(self):
-        with handling_signals(self._on_signal) as handled:
+        with handling_signals(self._on_signal, self._pass_on) as handled:
             try:
                 yield
             finally:
                 if handled:
                     self.stop(signal.SIGKILL, quiet=True)  # nothing outlives the launcher
+
+    def _pass_on(self, signum: int, frame: object) -> None:
+        for w in self.workers:
+            if w.pass_on and w.proc.poll() is None:  # the process alone: not its data loaders
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signum)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signalled is None:
@@ -119,6 +137,7 @@ class Supervisor:
         *,
         label: str = "",
         stdin: int | None = None,
+        pass_on: bool = True,
     ) -> Worker:
         """Start one process of the group. Its output lines get ``[LABEL] `` in front (``[rank
         R] ``), or, in JSON, the label's field (``rank``, or ``host`` for a host's launcher
@@ -128,7 +147,7 @@ class Supervisor:
             proc = subprocess.Popen(command, env=env, stdin=stdin, stdout=pipe, stderr=pipe, start_new_session=True)
         except OSError as err:
             raise ConfigError(f"cannot start {command[0]!r}: {err.strerror}") from None
-        worker = Worker(rank, local, proc, label)
+        worker = Worker(rank, local, proc, label, pass_on)
         self.workers.append(worker)
         if prefix:
             tag = {"rank": rank} if not label else {"host": label}
@@ -188,6 +207,7 @@ class Supervisor:
             if failed is not None and self.tolerate and (running or late):
                 self.tolerated.append(failed)
                 why = "the job had ended" if late else "the others carry on without it"
+                self.note("exit", f"exited with {_describe(failed.proc.returncode)}; {why} (elastic)", failed.rank)
                 print(
                     f"[launch] {failed.label} exited with {_describe(failed.proc.returncode)}; {why} (elastic)",
                     file=self.log,
@@ -210,8 +230,12 @@ class Supervisor:
                     self.tolerated.extend(running)
                     break
             time.sleep(0.05)
+        if self.signalled is not None:
+            name = signal.Signals(self.signalled).name
+            self.note("signal", f"the launcher got {name}: passed on to the workers, which stop", None)
         if failed is not None:
             others = [w for w in self.workers if w.proc.poll() is None]
+            self.note("exit", f"exited with {_describe(failed.proc.returncode)}; the group stops", failed.rank)
             print(
                 f"[launch] {failed.label} exited with {_describe(failed.proc.returncode)}"
                 + (f"; stopping {_names(others)}" if others else ""),

@@ -21,6 +21,7 @@ from ..connect import reopen
 from ..control import membership
 from ..control.channel import ControlChannel
 from ..control.process_group import init_process_group
+from ..control.status import record_event
 from ..errors import ControlError, PeerLeft, PeerLost
 from .data import on_cpu
 from .options import Regroup
@@ -275,6 +276,11 @@ class ElasticState:
         epoch = int(snapshot["epoch"])
         seconds = time.monotonic() - started
         t.history.regroups.append(Regroup(epoch, lost, len(members), generation, seconds))
+        if t.rank == 0:
+            detail = (
+                f"generation {generation}: {len(members)} rank(s) carry on without rank(s) {lost} from epoch {epoch}"
+            )
+            record_event(new, "regroup", detail)
         where = f"the start of epoch {epoch}"
         if t.base is not None:
             where = f"epoch {epoch} after {position.batches if position else 0} batches ({len(t.base)} samples left)"
@@ -304,6 +310,7 @@ class ElasticState:
         joined = list(range(old.world_size, size))
         t.history.regroups.append(Regroup(epoch, [], size, generation, seconds, joined))
         if t.rank == 0:
+            record_event(new, "regroup", f"generation {generation}: newcomer(s) {joined} joined, {size} ranks")
             log.warning(
                 "generation %d: newcomer(s) %s joined; %d ranks from epoch %d (in %.2fs)",
                 generation, joined, size, epoch, seconds,

@@ -195,13 +195,17 @@ class Trainer:
         except KeyboardInterrupt as err:
             if self.watchdog.verdict is None:
                 self.strategy.failed(err)
+                self.ch.status.failed(err)
                 raise
             # The job stalled on this rank: its watchdog interrupted it where it stood.
             self.watchdog.await_verdict_seen()
             self.strategy.failed(self.watchdog.verdict)
+            self.ch.status.failed(self.watchdog.verdict)
             raise self.watchdog.verdict from None
         except BaseException as err:
             self.strategy.failed(err)
+            if not isinstance(err, Preempted):  # an agreed stop is no failure: the rank closes
+                self.ch.status.failed(err)
             raise
         finally:
             try:

@@ -9,7 +9,8 @@ With ``TrainOptions.stall_timeout``, the driver's watchdog also reads every rank
 once a second and, once a stall (:func:`~dataparallel.control.status.diagnose`) has lasted
 that long, records its verdict under the job's reserved key ``__dp/stall/verdict``; every
 rank's watchdog looks for it as often, aborts the process group when it is there, and the
-rank it names is interrupted where it stands: ``fit`` raises :class:`~dataparallel.Stalled`."""
+rank it names dumps its Python stacks into the channel (and the job's event log) and is
+interrupted where it stands: ``fit`` raises :class:`~dataparallel.Stalled`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import logging
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..control.process_group import abort_process_group
 from ..control.status import JobWatch, read_job, record_event
@@ -45,6 +46,7 @@ class Watchdog:
         # Held while this rank may be interrupted (inside fit's loop, the watchdog running).
         self._interrupt_lock = threading.Lock()
         self._interruptible = False
+        self._losses_recorded: set[tuple[str, int]] = set()  # the peers whose loss the event log holds
 
     def start(self) -> None:
         self.lost = None
@@ -55,8 +57,9 @@ class Watchdog:
         self._thread.start()
         self._judge = None
         opts = self.t.opts
-        # The driver also notes stragglers where it looks at the job anyway (its page).
-        if opts.stall_timeout is not None or (self.t.rank == 0 and opts.status_http is not None):
+        # The driver looks at the job (stalls and stragglers into its event log); with
+        # stall_timeout every rank also looks for the driver's verdict.
+        if opts.stall_timeout is not None or self.t.rank == 0:
             self._judge = threading.Thread(
                 target=self._judge_stalls, args=(self._stop,), name="dp-train-stalls", daemon=True
             )
@@ -91,31 +94,40 @@ class Watchdog:
                 log.error("rank %d: %s; aborting the process group", t.rank, self.lost)
                 abort_process_group(t.pg)
                 t.strategy.abort()
-                if t.rank == 0:
-                    record_event(t.ch, "loss", str(self.lost), rank=self.lost.rank)
+                self.record_loss(self.lost)
                 return
+
+    def record_loss(self, lost: PeerLost) -> None:
+        """On the driver, the loss of ``lost`` in the job's event log (once a peer)."""
+        key = (self.t.ch.job, lost.rank)  # an elastic job's generations number their ranks anew
+        if self.t.rank == 0 and key not in self._losses_recorded:
+            self._losses_recorded.add(key)
+            record_event(self.t.ch, "loss", str(lost), rank=lost.rank)
 
     def _judge_stalls(self, stop: threading.Event) -> None:
         """With ``stall_timeout``, once a second: the driver names a stall that has lasted that
         long (measured on its own clock: :class:`~dataparallel.control.status.JobWatch`); every
         rank acts on the verdict once it is there (the process group aborted, the named rank
-        interrupted). The driver also records in the job's event log each rank that becomes a
-        straggler (every :data:`STRAGGLERS_LOOK` seconds without ``stall_timeout``)."""
+        interrupted). The driver also records in the job's event log, once each, every stall
+        it sees (a rank gone silent, a rank others wait for past the stall threshold) and each
+        rank that becomes a straggler (every :data:`STRAGGLERS_LOOK` seconds without
+        ``stall_timeout``)."""
         watch = JobWatch()
         every = STALL_LOOK if self.t.opts.stall_timeout is not None else STRAGGLERS_LOOK
         slow: set[int] = set()
+        stalled: set[tuple[int, str]] = set()
         said = False
         while not stop.wait(every):
             if self.lost is not None:
                 return
             try:
-                if self._judged(watch, slow):
+                if self._judged(watch, slow, stalled):
                     return
             except Exception as err:  # a store that does not answer is the liveness thread's to judge
                 (log.debug if said else log.warning)("rank %d: the job's stalls not judged: %s", self.t.rank, err)
                 said = True
 
-    def _judged(self, watch: JobWatch, slow: set[int]) -> bool:
+    def _judged(self, watch: JobWatch, slow: set[int], stalled: set[tuple[int, str]]) -> bool:
         t = self.t
         timeout = t.opts.stall_timeout
         verdicts = t.ch.reserved("stall")
@@ -126,13 +138,22 @@ class Watchdog:
                     record_event(t.ch, "straggler", straggler["cause"], rank=straggler["rank"])
             slow.clear()
             slow.update(s["rank"] for s in view["stragglers"])
+            seen = {
+                (s["rank"], "silent" if s["cause"].startswith("silent") else str(s["phase"])) for s in view["stalls"]
+            }
+            for stall in view["stalls"]:  # once a stall: logged as it begins, again only once it ended
+                key = (stall["rank"], "silent" if stall["cause"].startswith("silent") else str(stall["phase"]))
+                if key not in stalled:
+                    record_event(t.ch, "stall", stall["cause"], rank=stall["rank"])
+            stalled.clear()
+            stalled.update(seen)
             for stall in view["stalls"]:  # the silent first, then the furthest behind
                 if stall["cause"].startswith("silent") and t.settings.elastic:
                     continue  # a rank gone silent is for liveness to declare lost: the others regroup
                 if timeout is not None and (stall.get("for_s") or 0.0) >= timeout:
                     said = json.dumps({k: stall.get(k) for k in ("rank", "phase", "cause")}).encode()
                     if verdicts.compare_set("verdict", b"", said) == said:
-                        record_event(t.ch, "stall", f"{stall['cause']} (stall_timeout {timeout:g}s)", stall["rank"])
+                        record_event(t.ch, "verdict", f"{stall['cause']} (stall_timeout {timeout:g}s)", stall["rank"])
                     break
         if timeout is None:
             return False
@@ -141,6 +162,11 @@ class Watchdog:
             return False
         said = json.loads(raw)
         verdict = Stalled(int(said["rank"]), said.get("phase"), str(said.get("cause")), timeout)
+        if verdict.rank == t.rank and self._interruptible:  # where it stands, for the job's log
+            try:
+                t.ch.status.dump_stacks("stall verdict")
+            except Exception as err:
+                log.info("rank %d: stacks not dumped: %s", t.rank, err)
         with self._interrupt_lock:
             if not self._interruptible:  # fit is ending already
                 return True
@@ -184,6 +210,11 @@ class Watchdog:
             time.sleep(0.05)
 
 
+def _stall_key(stall: dict[str, Any]) -> tuple[int, str]:
+    """What makes a stall the same one from look to look: its rank, and silence or the phase."""
+    return int(stall["rank"]), "silent" if str(stall["cause"]).startswith("silent") else str(stall["phase"])
+
+
 #: Seconds between two looks for a stall (stall_timeout), and the longest the driver waits for
 #: every rank to have seen its verdict; between two looks for stragglers without stall_timeout.
 STALL_LOOK, STALL_SEEN_WITHIN, STRAGGLERS_LOOK = 1.0, 5.0, 5.0
@@ -199,6 +230,7 @@ def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
     if isinstance(err, PeerLeft):  # not a loss: that rank closed its channel
         return err
     if isinstance(err, PeerLost):
+        t.watchdog.record_loss(err)
         return PeerLost(err.rank, err.last_seen, err.reason, during=f"epoch {epoch}")
     own = t.strategy.explain(err)
     if own is not None:
@@ -214,6 +246,7 @@ def explain(t: Trainer, err: Exception, epoch: int) -> Exception:
         return stalled
     lost = watchdog.lost or next(iter(t.ch.lost_peers().values()), None)
     if lost is not None:
+        watchdog.record_loss(lost)
         return PeerLost(lost.rank, lost.last_seen, lost.reason, during=f"epoch {epoch}")
     if watchdog.stalled:
         return ChannelClosed(

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import grpc
 
 from dataparallel.control.check import tls_diagnosis
+from dataparallel.control.coordinator import Coordinator
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.remote import RemoteChannel
 from dataparallel.control.wire import pb, purpose_key, seal
@@ -134,7 +135,16 @@ class GrpcChannel(RemoteChannel):
         )
 
     @classmethod
-    def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
-        """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
+    def serve(
+        cls,
+        url: ChannelURL,
+        token: str | None,
+        ready: Callable[[int], None] = lambda port: None,
+        coordinator: Callable[[Coordinator], None] | None = None,
+    ) -> None:
+        """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens,
+        after ``coordinator(it)`` (what ``serve --http`` lists the jobs of)."""
         server = GrpcCoordinatorServer(url.host, url.require_port(), frame_key(token), server_credentials(url))
+        if coordinator is not None:
+            coordinator(server.coordinator)
         server.serve(ready)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import zmq
 import zmq.utils.monitor
 
+from dataparallel.control.coordinator import Coordinator
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.remote import Exchange, RemoteChannel, binding
 from dataparallel.control.wire import pb, seal, token_key
@@ -145,9 +146,18 @@ class ZmqChannel(RemoteChannel):
         return []
 
     @classmethod
-    def serve(cls, url: ChannelURL, token: str | None, ready: Callable[[int], None] = lambda port: None) -> None:
-        """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens."""
+    def serve(
+        cls,
+        url: ChannelURL,
+        token: str | None,
+        ready: Callable[[int], None] = lambda port: None,
+        coordinator: Callable[[Coordinator], None] | None = None,
+    ) -> None:
+        """Run a standalone coordinator until interrupted; ``ready(port)`` once it listens,
+        after ``coordinator(it)`` (what ``serve --http`` lists the jobs of)."""
         server = ZmqCoordinatorServer(url.host, url.require_port(), token, url.flag("curve"))
+        if coordinator is not None:
+            coordinator(server.coordinator)
         ready(server.port)
         try:
             server.serve()

@@ -57,3 +57,27 @@ def test_the_swarm_runs_node_shapes_through_relays_and_keys_them_by_shape(tmp_pa
             run = result["result"][kind]["2x2"]
             assert "error" not in run, run
             assert run["rendezvous_s"] > 0 and run["barrier_ms"] > 0, run
+
+
+def test_the_fault_matrix_names_the_rank_each_fault_hit(tmp_path):
+    """``benchmarks.fault_matrix``, one trial of three faults on zmq (four ranks on three
+    hosts of a private network, an observer on a fourth): each names the rank it hit, with
+    its cause, within 5 s, and no other; the result is keyed by transport, then fault."""
+    import json
+    import subprocess
+    import sys
+
+    from netns import require_netns
+
+    require_netns()
+    out = tmp_path / "matrix.json"
+    argv = ["--kinds", "zmq", "--faults", "sigstop", "data", "kill", "--trials", "1", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fault_matrix", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    faults = json.loads(out.read_text())["kinds"]["zmq"]["faults"]
+    assert list(faults) == ["sigstop", "data", "kill"], faults
+    for fault, result in faults.items():
+        (trial,) = result["trials"]
+        assert trial["ok"] and trial["seconds"] <= 5.0 and not trial["wrong"], (fault, trial)

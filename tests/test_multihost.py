@@ -38,6 +38,33 @@ def net():
         yield network
 
 
+def test_a_private_network_is_made_cut_healed_and_deleted():
+    """The private network the multi-host tests and the fault matrix run on: each host has
+    its address and reaches another's; a cut host reaches nobody until healed; closed, its
+    namespaces are gone (the host's own network untouched throughout)."""
+    require_netns()
+    reach = [sys.executable, "-c", "import socket; socket.create_connection(('10.77.0.2', 9), timeout=1)"]
+    with PrivateNetwork(hosts=2) as net:
+        names = [net.ns(1), net.ns(2), net.switch]
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        assert all(n in listed for n in names), listed
+        shown = net.run(
+            1, ["ip", "-o", "-4", "addr", "show", net.interface(1)], timeout=30, capture_output=True, text=True
+        )
+        assert "10.77.0.1/24" in shown.stdout, shown.stdout
+        # Port 9 on host 2 refuses (nothing listens): refused, not timed out, is reached.
+        refused = net.run(1, reach, timeout=30, capture_output=True, text=True)
+        assert "ConnectionRefusedError" in refused.stderr, refused.stderr
+        net.cut(2)
+        cut = net.run(1, reach, timeout=30, capture_output=True, text=True)
+        assert "ConnectionRefusedError" not in cut.stderr and cut.returncode != 0, cut.stderr
+        net.heal(2)
+        healed = net.run(1, reach, timeout=30, capture_output=True, text=True)
+        assert "ConnectionRefusedError" in healed.stderr, healed.stderr
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not any(n in listed for n in names), listed
+
+
 #: One intra-op thread per rank in both layouts: launch gives each worker its node's cores
 #: divided by the node's workers (2 on a one-worker "host" here, 1 for three on one host),
 #: and float sums over another thread count differ in the last bits.

@@ -3,9 +3,9 @@ test but those named here, which take more than about three seconds each on 2 co
 with ``--durations=0``), and but the files marked serial in ``conftest.py`` (judged by
 liveness timeouts; one of each kind stays, in ``FAST_SERIAL``). ``pytest --full`` runs
 everything, as CI does. The fast tier keeps a training run per strategy, the main example and
-the cheap tests of every other file (those of ``test_multihost.py`` and
-``test_third_party_transport.py`` all take a minute or more), so every module of the
-package runs in it.
+the cheap tests of every other file (those of ``test_multihost.py`` but its private
+network's own check, and ``test_third_party_transport.py``'s, take a minute or more), so every
+module of the package runs in it.
 
 A test named here is a test function or class method (every parametrisation of it).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 FULL_ONLY: dict[str, set[str]] = {
     "test_bench_verdicts.py": {
         "test_the_swarm_runs_node_shapes_through_relays_and_keys_them_by_shape",
+        "test_the_fault_matrix_names_the_rank_each_fault_hit",
     },
     "test_check.py": {
         "test_tcpstore_and_cli_exit_codes",

@@ -135,7 +135,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     def listening(at: int) -> None:
         observers.port = at
-        web = StatusServer(address=parse_address(args.http), token=token, jobs=jobs[0], look_job=observers.look)
+
+        def listed() -> list[str]:
+            names = jobs[0]()
+            observers.prune(names)  # and the page its views of them (StatusServer)
+            return names
+
+        web = StatusServer(address=parse_address(args.http), token=token, jobs=listed, look_job=observers.look)
         stack.enter_context(web)
         ready(at)
         print(f"status of its jobs at {web.url} (/, /job/NAME/, /metrics)", flush=True)
@@ -157,6 +163,13 @@ class _Observers:
         self.url, self.token, self.port = url, token, 0
         self._open: dict[str, tuple[ControlChannel, JobWatch]] = {}
         self._lock = threading.Lock()
+
+    def prune(self, jobs: list[str]) -> None:
+        """Close the observers of jobs no longer there."""
+        with self._lock:
+            for job in [j for j in self._open if j not in jobs]:
+                with contextlib.suppress(ControlError):
+                    self._open.pop(job)[0].close()
 
     def look(self, job: str) -> dict[str, Any]:
         from .connect import observe
@@ -317,30 +330,42 @@ def _clock(at: float) -> str:
 
 def _stacks(observer: _Observer, view: dict[str, Any], asked: list[int]) -> dict[int, dict[str, Any]]:
     """``status --stacks``: the ranks asked for (none: the stalled ranks, else every rank) dump
-    their Python stacks where this process can signal them (on this host), and each one's
-    last dump is read from the channel; where a rank is elsewhere, how to ask it is said."""
+    their Python stacks where this process can signal them (their pids in this process's PID
+    namespace, each catching the signal: one that does not would end), and each one's last
+    dump is read from the channel; for a rank elsewhere, how to ask it is said."""
     import time
 
+    from .control.procinfo import catches, same_pids
     from .control.status import STACKS_SIGNAL, read_stacks
 
     ranks = asked or [s["rank"] for s in view["stalls"]] or [r["rank"] for r in view["ranks"]]
     entries = {r["rank"]: r for r in view["ranks"]}
     if unknown := [r for r in ranks if r not in entries]:
         raise ConfigError(f"no rank {unknown[0]} in job {view['job']!r} of {view['world_size']} rank(s)")
-    here, signalled, since = socket.gethostname(), [], time.time()
+    signal_name, signalled, since = STACKS_SIGNAL.name, [], time.time()
     for rank in ranks:
         entry = entries[rank]
-        pid, host = entry.get("pid"), entry.get("host")
-        if entry["state"] not in ("running", "silent") or not isinstance(pid, int):
+        pid, host, ident = entry.get("pid"), entry.get("host"), entry.get("identity")
+        if entry["state"] not in ("running", "silent") or not isinstance(pid, int) or pid <= 1:
             continue
-        if host == here:
+        if entry.get("stacks_signal") != signal_name:
+            print(
+                f"rank {rank}: it dumps no stacks on {signal_name} (the signal is its own, or not published)",
+                file=sys.stderr,
+            )
+            continue
+        here = isinstance(ident, list) and len(ident) == 2 and same_pids(str(ident[0]), int(ident[1] or 0))
+        if here and catches(pid, STACKS_SIGNAL):
             try:
                 os.kill(pid, STACKS_SIGNAL)
                 signalled.append(rank)
                 continue
             except (ProcessLookupError, PermissionError) as err:
                 print(f"rank {rank}: pid {pid} not signalled: {err}", file=sys.stderr)
-        how = f"`kill -{STACKS_SIGNAL.name[3:]} {pid}` (or to its launcher)"
+        elif here:
+            print(f"rank {rank}: pid {pid} does not catch {signal_name} now: not signalled", file=sys.stderr)
+            continue
+        how = f"`kill -{signal_name[3:]} {pid}` (or to its launcher)"
         print(f"rank {rank} runs on {host}: there, {how} makes it dump its stacks", file=sys.stderr)
     deadline = time.monotonic() + 5.0
     while True:  # until every rank signalled has put a dump newer than the signal (at most 5 s)
@@ -348,10 +373,9 @@ def _stacks(observer: _Observer, view: dict[str, Any], asked: list[int]) -> dict
         late = [r for r in signalled if r not in dumps or dumps[r]["time"] < since]
         if not late or time.monotonic() > deadline:
             break
-        time.sleep(0.1)
+        time.sleep(0.25)
     for rank in late:
-        why = "not a dp.fit rank, or its status not published"
-        print(f"rank {rank}: no stacks within 5 s of the signal ({why})", file=sys.stderr)
+        print(f"rank {rank}: no stacks within 5 s of the signal (its main thread holds the GIL?)", file=sys.stderr)
     return dumps
 
 
@@ -490,9 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RANK",
         type=int,
         nargs="*",
-        help="also each rank's Python stacks (all threads), dumped on SIGUSR1: the ranks given, else the "
+        help="also each rank's Python stacks (all threads), dumped on SIGUSR2: the ranks given, else the "
         "stalled ones, else all; those on this host are signalled, for the others the command to run there is "
-        "printed (a rank's launcher passes SIGUSR1 on to its workers too)",
+        "printed (a rank's launcher passes SIGUSR2 on to its workers too)",
     )
     status.add_argument(
         "--http",

@@ -141,15 +141,17 @@ def test_status_names_the_rank_whose_data_loading_stalls_and_what_the_others_do(
 
 
 @pytest.mark.timeout(180)
-def test_a_rank_dumps_its_python_stacks_on_sigusr1_to_its_launcher_and_status_shows_them(tmp_path: Path) -> None:
+def test_a_rank_dumps_its_python_stacks_on_sigusr2_to_its_launcher_and_status_shows_them(tmp_path: Path) -> None:
     """Two ranks under ``dataparallel launch``; rank 1's data loader stalls. ``status
     --stacks`` (no rank: the stalled one) signals rank 1 (on this host) and prints its Python
     stacks, read back through the channel: the main thread inside the stalling loader's
-    ``__getitem__``, the others too. SIGUSR1 to the launcher makes both its workers dump
-    theirs (each rank's record says when); the launcher and the job go on, and end well."""
+    ``__getitem__``, the others too. SIGUSR2 to the launcher makes both its workers dump
+    theirs (each rank's record says when); the launcher and the job go on, and end well
+    (with a checkpoint set, SIGUSR1 would have been a stop: the stacks' signal is another)."""
     url = f"zmq://127.0.0.1:{free_port()}"
     release = tmp_path / "release"
     cfg = {"launched": True, "out": str(tmp_path / "out.pt"), "epochs": 2, "stall_data": [1, 45, str(release)]}
+    cfg["checkpoint"] = str(tmp_path / "ckpt")  # stop signals caught: SIGTERM, SIGUSR1
     launch = [sys.executable, "-m", "dataparallel", "launch", "--nprocs", "2", "--url", url, "--job", JOB]
     proc = subprocess.Popen(
         [*launch, str(Path(__file__).with_name("loop_worker.py")), json.dumps(cfg)],
@@ -166,15 +168,15 @@ def test_a_rank_dumps_its_python_stacks_on_sigusr1_to_its_launcher_and_status_sh
         stacks = json.loads(said.stdout)["stacks"]
         assert list(stacks) == ["1"], stacks.keys()
         dump = stacks["1"]
-        assert dump["why"] == "SIGUSR1" and dump["host"] == socket.gethostname(), dump
+        assert dump["why"] == "SIGUSR2" and dump["host"] == socket.gethostname(), dump
         main = dump["text"].split("\n\n")  # one block per thread; the main thread's is the one in the loader
         assert any("in __getitem__" in block and "loop_worker.py" in block for block in main), dump["text"]
         assert "dp-status-r1" in dump["text"] or dump["text"].count("Thread 0x") >= 2, dump["text"]
         text = subprocess.run(cli, capture_output=True, text=True, timeout=60).stdout
         assert "rank 1 (" in text and "Python stacks of" in text and "in __getitem__" in text, text
-        # SIGUSR1 to the launcher: passed on to both workers, each dumps, nothing ends.
+        # SIGUSR2 to the launcher: passed on to both workers, each dumps, nothing ends.
         before = time.time()
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR2)
         view, _ = _until(
             url, lambda v: all((r["stacks_at"] or 0) > before for r in v["ranks"]), "both ranks' stacks", within=10
         )
@@ -183,7 +185,7 @@ def test_a_rank_dumps_its_python_stacks_on_sigusr1_to_its_launcher_and_status_sh
         assert sorted(dumps) == [0, 1] and all(d["time"] > before for d in dumps.values()), dumps
         assert "in __getitem__" in dumps[1]["text"] and "in __getitem__" not in dumps[0]["text"], dumps
         assert [e["kind"] for e in view["events"]].count("stacks") >= 2, view["events"]
-        assert proc.poll() is None, "SIGUSR1 ended the launcher"
+        assert proc.poll() is None, "SIGUSR2 ended the launcher"
     finally:
         release.touch()
     output = proc.communicate(timeout=120)[0]
@@ -394,6 +396,14 @@ def test_the_http_view_serves_a_page_json_and_metrics_only_to_the_token(tmp_path
             except urllib.error.HTTPError as err:
                 return err.code, err.read().decode()
 
+        with StatusServer(lambda: dp.read_job(observer)) as open_server:  # no token: requests naming it only
+            for host, code in (("rebound.example", 403), (f"127.0.0.1:{open_server.address[1]}", 200)):
+                request = urllib.request.Request(open_server.url + "status.json", headers={"Host": host})
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as answer:
+                        assert answer.status == code == 200
+                except urllib.error.HTTPError as err:
+                    assert err.code == code == 403, (host, err.code)
         with StatusServer(look, token=token) as server:
             assert server.address[0] == "127.0.0.1", server.address
             assert get("/")[0] == 401 and get("/metrics", bearer="another")[0] == 401
@@ -543,6 +553,71 @@ def test_diagnose_names_only_ranks_that_hold_others_up() -> None:
     assert [s["rank"] for s in diagnose([*waiting[:2], frozen, waiting[2]])] == [2]
     # With nobody further behind, ranks left in an all-reduce's round are what the others wait for.
     assert [s["rank"] for s in diagnose(waiting)] == [1, 3]
+    # A rank whose fit raised (its process still there) while the others wait: named. Not
+    # where the one waiting is a record aging into silence (a rank just killed, whose death
+    # failed the others).
+    failed = _entry(1, "failed", state="failed", error="OutOfMemoryError: ...", phase_before="forward")
+    (named,) = diagnose([_entry(0, "backward"), failed, _entry(2, "backward")])
+    assert named["rank"] == 1 and named["cause"].startswith("failed: OutOfMemoryError") and named["waiting"] == [0, 2]
+    dying = _entry(0, "backward", heartbeat_age=2.5)
+    assert diagnose([dying, failed, {**failed, "rank": 2}]) == []
+
+
+def test_records_and_events_not_of_this_librarys_making_are_shown_as_such_never_a_crash(tmp_path: Path) -> None:
+    """A token holder writes records and events of the wrong shapes (times out of range or
+    not numbers, a split of text, an unhashable writer, lines that are not JSON): a look
+    reads those ranks as ``joined``, drops such events, renders the rest; the launcher's
+    event file reader and its dedupe skip such lines; nothing raises."""
+    from dataparallel.control.status import read_job, render, render_events, status_key
+    from dataparallel.launching.events import EventFile, read_event_file
+
+    url = f"memory://malformed-{os.getpid()}"
+    chs = [dp.connect(url, rank=r, world_size=3, job=JOB, timeout=10) for r in range(1)]
+    chs += [dp.connect(url, rank=r, world_size=3, job=JOB, timeout=10) for r in (1, 2)]
+    observer = dp.observe(url, job=JOB, timeout=10)
+    try:
+        chs[0].status.publish(interval=0.2)
+        bad = [
+            {"time": 1e300, "phase": "data", "seq": 1, "world_size": 3},
+            {"time": time.time(), "phase": "data", "split": {"data": "slow"}, "world_size": 3},
+        ]
+        for rank, record in zip((1, 2), bad, strict=True):
+            chs[rank]._set(chs[rank]._scoped(status_key(rank)), json.dumps(record).encode())
+        for event in (
+            {"time": float("nan"), "kind": "x", "detail": ""},
+            {"time": 1.0, "kind": "x", "detail": "", "by": [1]},
+        ):
+            number = chs[1]._add(chs[1]._scoped("__dp/events/next"), 1) - 1
+            chs[1]._set(chs[1]._scoped(f"__dp/events/{number}"), json.dumps(event).encode())
+        dp.control.status.record_event(chs[0], "checkpoint", "a good one")
+        view = read_job(observer)
+        assert [r["state"] for r in view["ranks"]] == ["running", "joined", "joined"], view["ranks"]
+        assert [e["kind"] for e in view["events"]] == ["checkpoint"], view["events"]
+        assert "job 'loop': 3 rank(s)" in render(view)
+        assert "(time 1e+300)" in render_events([{"time": 1e300, "kind": "x", "detail": ""}])[0]
+    finally:
+        observer.close()
+        for ch in chs:
+            ch.close()
+    lines = tmp_path / "events.jsonl"
+    lines.write_text(
+        "not json\n[1, 2]\n"
+        + json.dumps({"time": 1.0, "by": [1], "kind": "x", "detail": ""})
+        + "\n"
+        + json.dumps({"time": 2.0, "by": 0, "rank": 0, "kind": "join", "detail": "ok"})
+        + "\n"
+    )
+    assert [e["kind"] for e in read_event_file(lines)] == ["join"]
+    config = dp.config.load_config({"url": url, "job": JOB}, env={})
+    keeper = EventFile(lines, config, url)  # its dedupe reads every line, those included
+    try:
+        keeper.note("signal", "a test's")
+    finally:
+        keeper.close()
+    assert [e["kind"] for e in read_event_file(lines)] == ["join", "signal"]
+    fresh = EventFile(tmp_path / "fresh.jsonl", config, url)  # made by the launcher: its user's only
+    fresh.close()
+    assert (tmp_path / "fresh.jsonl").stat().st_mode & 0o777 == 0o600
 
 
 def test_a_watched_record_ages_on_the_readers_clock_whatever_the_writers_says() -> None:

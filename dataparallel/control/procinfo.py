@@ -45,3 +45,18 @@ def exited(pid: int) -> bool:
     except (OSError, IndexError):
         return not os.path.exists(f"/proc/{pid}")
     return state in ("Z", "X")
+
+
+def catches(pid: int, signum: int) -> bool:
+    """True if ``pid`` (in this PID namespace) has a handler of its own for ``signum`` now
+    (``SigCgt`` in ``/proc/PID/status``): a signal whose default would end it does not."""
+    if pid <= 1:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False

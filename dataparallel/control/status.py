@@ -9,11 +9,13 @@ writes the rank's record, a small JSON object, under ``__dp/status/RANK`` in the
 every ``interval`` seconds (the channel's heartbeat interval): one ``set`` a second per rank,
 on every transport, batched with its node's others behind a node relay.
 
-A published rank also dumps every thread's Python stack when it receives SIGUSR1
-(:data:`STACKS_SIGNAL`, through :mod:`faulthandler`, so wherever its main thread is: in a
-collective, a blocking read, a Python loop), and its publishing thread puts the dump under
-``__dp/stacks/RANK`` within a quarter of a second (:func:`read_stacks`; ``dataparallel status
---stacks``). A launcher passes the signal on to the workers of its node.
+A published rank also dumps every thread's Python stack when it receives SIGUSR2
+(:data:`STACKS_SIGNAL`, through :mod:`faulthandler`, from C, so wherever its main thread is:
+in a collective, a blocking read, a Python loop), and its publishing thread puts the dump
+under ``__dp/stacks/RANK`` within a quarter of a second, once it holds the GIL
+(:func:`read_stacks`; ``dataparallel status --stacks``). Not SIGUSR1: that is a stop signal
+(``TrainOptions.stop_signals``). A launcher passes the signal on to the workers of its node
+that catch it.
 
 Anyone holding the job's URL and token reads the records (:func:`read_job`, behind
 ``dataparallel status``) without joining the job, and :func:`diagnose` names the ranks a
@@ -30,6 +32,7 @@ import contextlib
 import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -63,11 +66,13 @@ STALL_STEPS, STALL_FLOOR = 5.0, 2.0
 #: A record older than this many publishing intervals (at least :data:`SILENT_FLOOR`
 #: seconds) is a rank gone silent: frozen, cut off, or dead.
 SILENT_INTERVALS, SILENT_FLOOR = 3.0, 2.0
+#: A record this young (seconds) says what its rank does now: a rank publishes once a second.
+FRESH_WITHIN = 1.5
 
 
 _STACKS = f"{RESERVED_PREFIX}stacks/"
 #: The signal that makes a published rank dump its threads' Python stacks into the channel.
-STACKS_SIGNAL = signal.SIGUSR1
+STACKS_SIGNAL = signal.SIGUSR2
 #: How often the publishing thread looks for a new dump (a file size), seconds.
 STACKS_LOOK = 0.25
 #: Seconds a failing rank waits for its last record (``failed``) to be written.
@@ -76,9 +81,29 @@ FAILED_WRITE_WITHIN = 1.0
 STACKS_KEEP = 64_000
 
 
-#: Which RankStatus of this process the stacks signal writes for, under its lock.
+#: The process's dump file for the stacks signal (registered once, never taken back: a
+#: signal that once dumped stacks never ends the process), and the RankStatus that
+#: publishes what is written there: the newest to publish (an elastic job's newest
+#: generation). Under the lock.
 _SIGNAL_LOCK = threading.Lock()
+_dump_file: list[Any] = [None]
 _signal_owner: list[RankStatus | None] = [None]
+
+
+def _identity() -> tuple[str, int]:
+    from .procinfo import identity
+
+    return identity()
+
+
+def _catches_stacks_signal_already() -> bool:
+    """Whether this process handles the stacks signal already, by Python or in C (a
+    ``faulthandler.register`` of someone else's: Python's table says SIG_DFL then)."""
+    if signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, None):
+        return True
+    from .procinfo import catches
+
+    return catches(os.getpid(), STACKS_SIGNAL)
 
 
 def status_key(rank: int) -> str:
@@ -110,12 +135,14 @@ class RankStatus:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.interval = channel.heartbeat_interval
-        # Where faulthandler writes the stacks on STACKS_SIGNAL, and how much of it was read.
-        self._dump: Any = None
+        # Whether this rank publishes the stacks STACKS_SIGNAL dumps, and how much of the
+        # process's dump file it has read.
+        self._dumps = False
         self._dump_lock = threading.Lock()
         self._dumped = 0
         self.stacks_at: float | None = None  # when the last dump was put into the channel
         self.error: str | None = None  # why the rank failed (:meth:`failed`)
+        self.phase_before: str | None = None  # the phase it failed in
 
     # ------------------------------------------------------------------ what the rank says
     def enter(self, phase: str) -> str:
@@ -194,6 +221,9 @@ class RankStatus:
                 "seq": self._published,
                 "interval": self.interval,
                 "stacks_at": self.stacks_at,
+                "stacks_signal": STACKS_SIGNAL.name if self._dumps else None,
+                "phase_before": self.phase_before,
+                "identity": list(_identity()),
                 "error": self.error,
             }
 
@@ -224,15 +254,15 @@ class RankStatus:
         self.error = f"{type(error).__name__}: {error}"[:500]
         if not self._end_publishing():
             return
-        self.enter("failed")
+        self.phase_before = self.enter("failed")
         # Written aside, waited for a second at most: the store may be gone with what failed.
         writer = threading.Thread(target=self._write_quietly, name="dp-status-failed", daemon=True)
         writer.start()
         writer.join(timeout=FAILED_WRITE_WITHIN)
 
     def _end_publishing(self) -> bool:
-        """The publishing thread stopped (waited for, bounded) and the stacks signal given
-        back; False where it was not publishing."""
+        """The publishing thread stopped (waited for, bounded), and the stacks the signal
+        dumps no longer this rank's to publish; False where it was not publishing."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is None:
@@ -244,12 +274,9 @@ class RankStatus:
 
     def _release_dump(self) -> None:
         with self._dump_lock, _SIGNAL_LOCK:
-            if self._dump is not None:
-                if _signal_owner[0] is self:  # not where a newer channel of this process took it over
-                    faulthandler.unregister(STACKS_SIGNAL)
-                    _signal_owner[0] = None
-                self._dump.close()
-                self._dump = None
+            self._dumps = False
+            if _signal_owner[0] is self:  # the signal stays registered: its dumps wait unread
+                _signal_owner[0] = None
 
     def _write_quietly(self) -> None:
         with contextlib.suppress(Exception):
@@ -288,21 +315,24 @@ class RankStatus:
         """From now on (until :meth:`stop`), :data:`STACKS_SIGNAL` makes this process write
         every thread's Python stack (:func:`faulthandler.register`: from the signal handler
         in C, wherever the main thread is) to a file, and the publishing thread puts it into
-        the channel. Not where the signal has a handler already, nor off the main thread:
-        False then."""
+        the channel. The signal stays registered for the process's life once registered (a
+        later channel of the process takes its dumps over). Not where the process handles the
+        signal already (a stop signal of ``dp.fit``'s, a handler of yours), nor off the main
+        thread: False then."""
         with self._dump_lock, _SIGNAL_LOCK:
-            if self._dump is not None:
+            if self._dumps:
                 return True
-            if threading.current_thread() is not threading.main_thread():
-                return False
-            # faulthandler's handler is not Python's: with it registered, this still says SIG_DFL.
-            if signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, None):
-                log.info("rank %s: %s has a handler: no stacks on it", self._ch.rank, STACKS_SIGNAL.name)
-                return False
-            self._dump = tempfile.TemporaryFile()  # closed by stop()
-            self._dumped = 0
-            # The process's newest published channel (an elastic job's next generation) takes it.
-            faulthandler.register(STACKS_SIGNAL, file=self._dump, all_threads=True, chain=False)
+            if _dump_file[0] is None:
+                if threading.current_thread() is not threading.main_thread():
+                    return False
+                if _catches_stacks_signal_already():
+                    log.info("rank %s: %s has a handler: no stacks on it", self._ch.rank, STACKS_SIGNAL.name)
+                    return False
+                dump = tempfile.TemporaryFile()  # for the process's life, as the registration
+                faulthandler.register(STACKS_SIGNAL, file=dump, all_threads=True, chain=False)
+                _dump_file[0] = dump
+            self._dumps = True
+            self._dumped = os.fstat(_dump_file[0].fileno()).st_size  # earlier dumps were another's
             _signal_owner[0] = self
             return True
 
@@ -316,9 +346,9 @@ class RankStatus:
 
     def _publish_stacks(self) -> None:
         with self._dump_lock:
-            if self._dump is None:
+            if not self._dumps or _signal_owner[0] is not self or _dump_file[0] is None:
                 return
-            fd = self._dump.fileno()
+            fd = _dump_file[0].fileno()
             size = os.fstat(fd).st_size
             if size <= self._dumped:
                 return
@@ -422,8 +452,8 @@ def record_event(channel: ControlChannel, kind: str, detail: str, rank: int | No
     }
     path = getattr(channel.config, "events", None)
     if path:  # the job's event file (setting ``events``): this rank's own line, whatever the channel does
-        try:
-            with open(path, "a", encoding="utf-8") as out:
+        try:  # the job's user only: errors and stack frames may say more than others should read
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8") as out:
                 out.write(json.dumps({"job": channel.job, **event}) + "\n")
         except OSError as err:
             log.info("job %r: event %s not written to %s: %s", channel.job, kind, path, err)
@@ -484,6 +514,8 @@ class EventFollower:
         for i, event in enumerate(events):
             number = first + i
             if event is None:
+                if time.monotonic() >= deadline:
+                    break  # not read (the look ran out of time): no give-up counted
                 looks = self._missing[1] + 1 if self._missing[0] == number else 1
                 if looks < self.MISSING_LOOKS:
                     self._missing = (number, looks)
@@ -517,11 +549,22 @@ def read_stacks(
 def _is_event(event: Mapping[str, Any]) -> bool:
     """Whether ``event`` has the fields an event of :func:`record_event`'s has, of their types."""
     return (
-        isinstance(event.get("time"), int | float)
+        _seconds_since_epoch(event.get("time"))
         and isinstance(event.get("kind"), str)
         and isinstance(event.get("detail"), str)
-        and (event.get("rank") is None or isinstance(event.get("rank"), int))
+        and (event.get("rank") is None or type(event.get("rank")) is int)
+        and (event.get("by") is None or type(event.get("by")) in (int, str))
     )
+
+
+def _seconds_since_epoch(value: object) -> bool:
+    """Whether ``value`` is a time a record or event may carry (a finite number, within the
+    years a clock shows: not one that breaks ``time.localtime``)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value < 1e11
+
+
+def _number_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value))
 
 
 # ---------------------------------------------------------------------- reading the job
@@ -548,6 +591,8 @@ class JobWatch:
 
 #: Longest one look at a job takes (every rank's record and process read), seconds.
 LOOK_WITHIN = 5.0
+#: Events a look shows; events it reads for losses (a loss further back is not seen).
+SHOWN_EVENTS, LOSSES_WITHIN = 20, 64
 
 
 def read_job(
@@ -580,8 +625,9 @@ def read_job(
         raise channel.failure
     # The job's events: a loss the driver declared names its rank at once (its record would
     # take the silence bound to say it).
-    told = read_events(channel, deadline=deadline) if events else []
+    told = read_events(channel, last=LOSSES_WITHIN, deadline=deadline) if events else []
     losses = {e["rank"]: e for e in told if e["kind"] == "loss" and isinstance(e.get("rank"), int)}
+    told = told[-SHOWN_EVENTS:]
     now, mono = time.time(), time.monotonic()
     ranks = []
     for rank in range(size):
@@ -602,7 +648,10 @@ def read_job(
             "scores": None,
             "heartbeat_age": None,
             "stacks_at": None,
+            "stacks_signal": None,
+            "identity": None,
             "error": None,
+            "phase_before": None,
             "state": "absent",
         }
         if peer is not None:
@@ -613,11 +662,27 @@ def read_job(
                     raise ValueError(f"rank {rank}'s record: epoch and step must be integers")
                 if not isinstance(rec.get("phase"), str | None):
                     raise ValueError(f"rank {rank}'s record: its phase must be text")
+                numbers = ("step_s", "own_s", "own_best_s", "stacks_at", "phase_s", "interval")
+                if not (_seconds_since_epoch(rec.get("time")) and all(_number_or_none(rec.get(k)) for k in numbers)):
+                    raise ValueError(f"rank {rank}'s record: its times must be numbers")
+                split = rec.get("split") or {}
+                if not isinstance(split, dict) or not all(
+                    isinstance(k, str) and _number_or_none(v) and v is not None for k, v in split.items()
+                ):
+                    raise ValueError(f"rank {rank}'s record: its split must map phases to seconds")
+                if not (rec.get("pid") is None or type(rec.get("pid")) is int) or not isinstance(
+                    rec.get("host"), str | None
+                ):
+                    raise ValueError(f"rank {rank}'s record: its host and pid must be text and a number")
                 wall_age = max(now - float(rec.get("time", now)), 0.0)
                 interval = float(rec.get("interval") or 1.0)
                 age = wall_age if watch is None else watch.age(rank, rec.get("seq"), mono, wall_age, interval)
                 keys = ("host", "pid", "device", "phase", "epoch", "step", "step_s", "own_s", "own_best_s", "stacks_at")
                 entry["error"] = rec.get("error") if isinstance(rec.get("error"), str) else None
+                entry["phase_before"] = rec.get("phase_before") if isinstance(rec.get("phase_before"), str) else None
+                entry["stacks_signal"] = rec.get("stacks_signal") if isinstance(rec.get("stacks_signal"), str) else None
+                ident = rec.get("identity")
+                entry["identity"] = ident if isinstance(ident, list) and len(ident) == 2 else None
                 entry.update({k: rec.get(k) for k in keys})
                 entry["split"] = dict(rec.get("split") or {})
                 entry["phase_s"] = round(float(rec.get("phase_s") or 0.0) + age, 3)
@@ -688,7 +753,10 @@ def render_events(events: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line an event: its time, job (where it says one), rank, kind and detail."""
     lines = []
     for e in events:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e["time"])))
+        try:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e["time"])))
+        except (TypeError, ValueError, OverflowError, OSError):  # not a time: shown as such
+            when = f"(time {e.get('time')!r})"
         job = f"job {e['job']} " if e.get("job") else ""
         who = f"rank {e['rank']}" if e.get("rank") is not None else str(e.get("by") or "-")
         lines.append(f"{when} {job}{who} {e.get('kind')}: {e.get('detail')}")
@@ -789,6 +857,21 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
     waiters = [(r, p) for r, p in placed if p is not None and (r.get("phase_s") or 0.0) > limit]
     if not waiters:
         return stalls
+    gone = any(r.get("state") in ("silent", "lost") for r in ranks)
+    # Ranks that wait and say so now (a record of the last publishing or so: not one of a rank
+    # just killed, whose record has not aged into silence yet).
+    fresh = [w for w, _ in waiters if (w.get("heartbeat_age") or 0.0) <= FRESH_WITHIN]
+    for r in ranks:  # a rank whose fit raised, still there, that the others wait for
+        if r.get("state") == "failed" and not gone and fresh:
+            stalls.append(
+                {
+                    "rank": r["rank"],
+                    "cause": f"failed: {r.get('error')} (in {r.get('phase_before')!r}{_at(r)}) while others wait",
+                    "phase": r.get("phase_before"),
+                    "for_s": round(max(float(w.get("phase_s") or 0.0) for w in fresh), 3),
+                    "waiting": [w["rank"] for w in fresh],
+                }
+            )
     furthest = max(p for _, p in waiters)
     ahead = [r["rank"] for r, p in waiters if p == furthest]
     # How long the others have waited: a rank behind is stalling them that long, not as long
@@ -796,7 +879,7 @@ def diagnose(ranks: Sequence[Mapping[str, Any]], threshold: float | None = None)
     waited = max(float(r.get("phase_s") or 0.0) for r, p in waiters if p == furthest)
     where = next(f"{r['phase']!r}{_at(r)}" for r, p in waiters if p == furthest)
     behind = sorted(((r, p) for r, p in placed if p is not None and p < furthest), key=lambda rp: rp[1])
-    silent = any(r.get("state") in ("silent", "lost") for r in ranks)
+    silent = any(r.get("state") in ("silent", "lost", "failed") for r in ranks)
     for r, p in behind:
         # A rank behind that itself waits in a collective (DDP's all-reduce, whose rounds end
         # on different ranks at different times) waits for someone: for a rank further behind,
@@ -836,24 +919,34 @@ def _read_many(channel: ControlChannel, keys: Sequence[str], deadline: float) ->
     """The JSON objects at ``keys`` in the run (None where absent or not JSON), until
     ``deadline`` (those left then: None). Read :data:`READ_CHUNK` at a time in one request
     (``_multi_get``, one round trip on every built-in transport) where all of a chunk exist,
-    else one by one."""
+    else in halves (:func:`_read_chunk`)."""
     out: list[dict[str, Any] | None] = []
     for start in range(0, len(keys), READ_CHUNK):
         chunk = keys[start : start + READ_CHUNK]
         if deadline - time.monotonic() <= 0:
             out += [None] * len(chunk)
             continue
-        try:
-            raws = channel._multi_get([channel._scoped(k) for k in chunk], 0.001)
-        except ControlError:
-            if channel.failure is not None:
-                raise
-            raws = None
-        if raws is not None and len(raws) == len(chunk):
-            out += [_parse(raw) for raw in raws]
-        else:  # some absent (a rank not joined, or not published yet): one by one
-            out += [_read_one(channel, key, deadline) for key in chunk]
+        out += _read_chunk(channel, chunk, deadline)
     return out
+
+
+def _read_chunk(channel: ControlChannel, keys: Sequence[str], deadline: float) -> list[dict[str, Any] | None]:
+    """``keys`` in one request where all exist; else each half the same way (an absent key
+    among N costs about 2 log2 N requests, not N), one key alone read as it is."""
+    if len(keys) == 1:
+        return [_read_one(channel, keys[0], deadline)]
+    if deadline - time.monotonic() <= 0:
+        return [None] * len(keys)
+    try:
+        raws = channel._multi_get([channel._scoped(k) for k in keys], 0.001)
+    except ControlError:
+        if channel.failure is not None:
+            raise
+        raws = None
+    if raws is not None and len(raws) == len(keys):
+        return [_parse(raw) for raw in raws]
+    half = len(keys) // 2  # some absent (a rank not joined, or not published yet)
+    return _read_chunk(channel, keys[:half], deadline) + _read_chunk(channel, keys[half:], deadline)
 
 
 def _parse(raw: bytes | None) -> dict[str, Any] | None:

@@ -9,7 +9,10 @@ Prometheus.
 - ``GET /metrics``: the view in Prometheus' text format, written by the standard client
   library (``prometheus_client``: ``pip install 'dataparallel[observe]'``).
 
-Read-only: nothing it serves writes to the job. Bound to 127.0.0.1 unless told. With a token,
+Read-only: nothing it serves writes to the job. Bound to 127.0.0.1 unless told. Without a
+token, it answers only requests made for an address or for this machine's own names
+(``Host``), so that another site's page cannot read it through a name made to point here
+(DNS rebinding). With a token,
 every request carries it, as a bearer token (``Authorization: Bearer TOKEN``, as Prometheus'
 ``authorization`` setting sends it) or, for a browser, as ``?token=TOKEN`` (the page's
 links keep it). Looks at the job at most once a second, however many requests come.
@@ -26,6 +29,7 @@ import hmac
 import html
 import json
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -133,6 +137,8 @@ class StatusServer:
 
         self._http = ThreadingHTTPServer(address, Handler)
         self._http.daemon_threads = True
+        self._hosts = {"localhost", "127.0.0.1", "::1", self.address[0].lower(), socket.getfqdn().lower()}
+        self._hosts.add(socket.gethostname().lower())
         if token is None and address[0] not in ("127.0.0.1", "::1", "localhost"):
             log.warning(
                 "the job's view is served at %s to anyone who reaches it: no token (set one: DP_TOKEN, --token-file)",
@@ -187,6 +193,11 @@ class StatusServer:
     def _answer(self, request: BaseHTTPRequestHandler) -> None:
         parts = urlsplit(request.path)
         query = parse_qs(parts.query)
+        if self._token is None and not _for_us(request.headers.get("Host") or "", self._hosts):
+            # Without a token, only requests for an address or this machine's names: a page of
+            # another site whose name was made to point here (DNS rebinding) reads nothing.
+            self._send(request, HTTPStatus.FORBIDDEN, "text/plain", b"not a name of this server\n")
+            return
         if not self._allowed(request, query):
             self._send(
                 request, HTTPStatus.UNAUTHORIZED, "text/plain", b"a token is needed: Authorization: Bearer TOKEN\n"
@@ -233,9 +244,8 @@ class StatusServer:
     def _metrics_of_all(self, request: BaseHTTPRequestHandler) -> None:
         from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-        assert self._jobs is not None
         views = []
-        for job in self._jobs():
+        for job in self._listed():
             state = self._job(job)
             try:
                 view = state.current()
@@ -245,11 +255,19 @@ class StatusServer:
                 views.append(view)
         self._send(request, HTTPStatus.OK, CONTENT_TYPE_LATEST, metrics_text(*views))
 
-    def _index(self, token: str) -> str:
+    def _listed(self) -> list[str]:
+        """The jobs there are; the views of jobs no longer there dropped."""
         assert self._jobs is not None
+        names = self._jobs()
+        with self._views_lock:
+            for gone in [j for j in self._views if j not in names]:
+                del self._views[gone]
+        return names
+
+    def _index(self, token: str) -> str:
         e = html.escape
         keep = f"?token={quote(token)}" if token else ""
-        names = sorted(self._jobs())
+        names = sorted(self._listed())
         items = "".join(f'<li><a href="job/{quote(n, safe="")}/{keep}">{e(n)}</a></li>' for n in names)
         return INDEX.format(
             jobs=f'<ul id="jobs">{items}</ul>' if items else '<p id="jobs">no job</p>', metrics=f"metrics{keep}"
@@ -322,6 +340,23 @@ def _sparkline(state: _JobView, rank: int) -> str:
         f'<svg width="160" height="32" role="img"><title>{title}</title>'
         f'<polyline fill="none" stroke="#36c" stroke-width="1.5" points="{coords}"/></svg>'
     )
+
+
+def _for_us(header: str, names: set[str]) -> bool:
+    """Whether a request's ``Host`` names this server: an address written as one (a name made
+    to point here by another site is not), or one of this machine's names."""
+    import ipaddress
+
+    host = header.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        host = host[1 : host.find("]")] if "]" in host else host
+    elif host.count(":") == 1:
+        host = host.split(":")[0]
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return host in names
 
 
 def _cell(value: object) -> str:

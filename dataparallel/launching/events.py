@@ -23,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ControlError
+from ..errors import ConfigError, ControlError
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -39,13 +40,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Seconds between two looks at the channel's events; every how many looks the job's next
-#: generations (an elastic job's) are looked for; how long an observer's call may block.
-FOLLOW_EVERY, PROBE_EVERY, OBSERVER_TIMEOUT = 0.2, 5, 1.0
+#: generations (an elastic job's) are looked for; how long an observer's call may block; how
+#: long a generation is still read once a newer one began (its last events).
+FOLLOW_EVERY, PROBE_EVERY, OBSERVER_TIMEOUT, OLD_FOR = 0.2, 5, 1.0, 10.0
 
 
-def _key(event: dict[str, Any]) -> tuple[Any, ...]:
-    """What tells one event from another (the same event read in the channel and the file)."""
-    return (event.get("time"), event.get("by"), event.get("kind"))
+def _key(event: dict[str, Any]) -> str:
+    """What tells one event from another (the same event read in the channel and the file),
+    whatever a line holds."""
+    return json.dumps([event.get("time"), event.get("by"), event.get("kind")], default=repr)
 
 
 class EventFile:
@@ -59,9 +62,14 @@ class EventFile:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._keys: set[tuple[Any, ...]] = set()  # the events in the file
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._keys: set[str] = set()  # the events in the file
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # The job's user only: errors and stack frames may say more than others should read.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise ConfigError(f"cannot write the event file {str(self.path)!r}: {err.strerror}") from None
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._read_at = self._file.tell()  # where the file's lines not read yet begin
 
     def __enter__(self) -> EventFile:
@@ -77,9 +85,13 @@ class EventFile:
         self.job = job
 
     def note(self, kind: str, detail: str, rank: int | None = None) -> None:
-        """An event only the launcher sees, written at once."""
+        """An event only the launcher sees, written at once (never raises: a file that
+        cannot be written is logged, the launch goes on)."""
         event = {"time": time.time(), "rank": rank, "by": "launcher", "host": socket.gethostname()}
-        self._append({"job": self._current, **event, "kind": kind, "detail": detail})
+        try:
+            self._append({"job": self._current, **event, "kind": kind, "detail": detail})
+        except (OSError, ValueError) as err:
+            log.warning("event %s not written to %s: %s", kind, self.path, err)
 
     def _append(self, event: dict[str, Any]) -> None:
         with self._lock:
@@ -102,7 +114,7 @@ class EventFile:
                 if not line.endswith(b"\n"):
                     break  # a line being written: the next look reads it whole
                 self._read_at += len(line)
-                with contextlib.suppress(ValueError, AttributeError):
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
                     self._keys.add(_key(json.loads(line)))
 
     def _open(self, job: str) -> ControlChannel:
@@ -117,18 +129,21 @@ class EventFile:
         following = ""
         # Each generation followed while it has a run: number -> (channel, its follower).
         live: dict[int, tuple[ControlChannel, EventFollower]] = {}
+        superseded: dict[int, float] = {}  # generation -> when a newer one was found
         newest, looks = -1, 0
         # No last look once stopped: this node's ranks wrote their own events already, and the
         # job's coordinator may be gone with its rank 0 (a look would wait out its timeout).
         while not self._stop.wait(FOLLOW_EVERY):
             if following != self.job:  # a restarted group: its own job name
                 _close_all(live)
+                superseded.clear()
                 following, newest, looks = self.job, -1, 0
             looks += 1
             try:
                 # The generations after the newest followed (one gap passed over: a generation
                 # that came and went between two looks), every PROBE_EVERY looks.
-                missed, number = 0, newest
+                # The newest again where its channel failed (its coordinator restarting).
+                missed, number = 0, newest - 1 if newest >= 0 and newest not in live else newest
                 while missed < 2 and looks % PROBE_EVERY == 1:
                     number += 1
                     try:
@@ -136,13 +151,17 @@ class EventFile:
                     except ControlError:
                         missed += 1
                         continue
-                    missed, newest = 0, number
-                    self._current = generation_job(following, number)
+                    missed, newest = 0, max(newest, number)
+                    superseded.setdefault(number - 1, time.monotonic())
+                    self._current = generation_job(following, newest)
                 for number, (channel, follower) in sorted(live.items()):
                     try:
                         for event in follower.new(channel):
                             self._append({"job": channel.job, **event})
-                        over = number < newest and not channel._attach_run()
+                        # An older generation: read while its last events may still come, for
+                        # OLD_FOR seconds after a newer one began, as long as it has a run.
+                        since = superseded.get(number, time.monotonic())
+                        over = number < newest and (time.monotonic() - since > OLD_FOR or not channel._attach_run())
                     except ControlError as err:  # its run over, its coordinator gone
                         log.debug("events of job %r: %s", channel.job, err)
                         over = number < newest  # the newest is tried again: it may be starting
@@ -171,10 +190,12 @@ def _close_all(live: dict[int, tuple[ControlChannel, EventFollower]]) -> None:
 
 def read_event_file(path: str | Path) -> list[dict[str, Any]]:
     """The events of a launcher's file, in its order (lines that are not events skipped)."""
+    from ..control.status import _is_event
+
     events = []
     for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):
             event = json.loads(line)
-            if isinstance(event, dict) and isinstance(event.get("time"), int | float) and "kind" in event:
+            if isinstance(event, dict) and _is_event(event):
                 events.append(event)
     return events

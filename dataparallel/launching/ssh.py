@@ -236,7 +236,7 @@ def launch_hosts(
                 prefix,
                 label=address_of(host),
                 stdin=subprocess.PIPE,
-                pass_on=False,  # SIGUSR1 would end ssh; the host's launcher passes it on there
+                pass_on=False,  # SIGUSR2 would end ssh: send it to the host's launcher, there
             )
             assert worker.proc.stdin is not None
             # An ssh that ended at once, or one stopped meanwhile (stdin closed): wait() tells.

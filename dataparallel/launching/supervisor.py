@@ -30,9 +30,10 @@ DEFAULT_GRACE = 5.0
 #: stops at a step and writes it first); a second SIGINT or SIGTERM kills at once.
 SIGNALLED_GRACE = 60.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-#: Passed on to every worker and nothing more: a rank of dp.fit dumps its Python stacks on it
-#: (:data:`dataparallel.control.status.STACKS_SIGNAL`).
-_PASSED_ON = signal.SIGUSR1
+#: Passed on to every worker that catches it, and nothing more: a rank of dp.fit dumps its
+#: Python stacks on it (:data:`dataparallel.control.status.STACKS_SIGNAL`); to a worker that
+#: does not (not published yet, a shell around it) it would be the end.
+_PASSED_ON = signal.SIGUSR2
 
 
 @contextlib.contextmanager
@@ -68,7 +69,7 @@ class Worker:
     local_rank: int
     proc: subprocess.Popen
     label: str = ""  # how output and messages name it: "rank 3", or a host
-    pass_on: bool = True  # a rank's own process: SIGUSR1 to the launcher is passed on to it
+    pass_on: bool = True  # a rank's own process: SIGUSR2 to the launcher is passed on to it
 
     def __post_init__(self) -> None:
         self.label = self.label or f"rank {self.rank}"
@@ -114,8 +115,11 @@ class Supervisor:
                     self.stop(signal.SIGKILL, quiet=True)  # nothing outlives the launcher
 
     def _pass_on(self, signum: int, frame: object) -> None:
+        from ..control.procinfo import catches
+
         for w in self.workers:
-            if w.pass_on and w.proc.poll() is None:  # the process alone: not its data loaders
+            # The process alone (not its data loaders), where it catches the signal.
+            if w.pass_on and w.proc.poll() is None and catches(w.proc.pid, signum):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.proc.pid, signum)
 

@@ -138,12 +138,9 @@ class Watchdog:
                     record_event(t.ch, "straggler", straggler["cause"], rank=straggler["rank"])
             slow.clear()
             slow.update(s["rank"] for s in view["stragglers"])
-            seen = {
-                (s["rank"], "silent" if s["cause"].startswith("silent") else str(s["phase"])) for s in view["stalls"]
-            }
+            seen = {_stall_key(s) for s in view["stalls"]}
             for stall in view["stalls"]:  # once a stall: logged as it begins, again only once it ended
-                key = (stall["rank"], "silent" if stall["cause"].startswith("silent") else str(stall["phase"]))
-                if key not in stalled:
+                if _stall_key(stall) not in stalled:
                     record_event(t.ch, "stall", stall["cause"], rank=stall["rank"])
             stalled.clear()
             stalled.update(seen)
@@ -212,7 +209,10 @@ class Watchdog:
 
 def _stall_key(stall: dict[str, Any]) -> tuple[int, str]:
     """What makes a stall the same one from look to look: its rank, and silence or the phase."""
-    return int(stall["rank"]), "silent" if str(stall["cause"]).startswith("silent") else str(stall["phase"])
+    cause = str(stall["cause"])
+    return int(stall["rank"]), cause.split(":")[0] if cause.startswith(("silent", "lost", "failed")) else str(
+        stall["phase"]
+    )
 
 
 #: Seconds between two looks for a stall (stall_timeout), and the longest the driver waits for

@@ -123,7 +123,7 @@ class EventFile:
         return observe(self.url, job=job, token=self.config.token, timeout=OBSERVER_TIMEOUT)
 
     def _follow(self) -> None:
-        from ..control.membership import generation_job
+        from ..control.membership import generation_job, later_generations
         from ..control.status import EventFollower
 
         following = ""
@@ -143,17 +143,13 @@ class EventFile:
                 # The generations after the newest followed (one gap passed over: a generation
                 # that came and went between two looks), every PROBE_EVERY looks.
                 # The newest again where its channel failed (its coordinator restarting).
-                missed, number = 0, newest - 1 if newest >= 0 and newest not in live else newest
-                while missed < 2 and looks % PROBE_EVERY == 1:
-                    number += 1
-                    try:
-                        live[number] = (self._open(generation_job(following, number)), EventFollower())
-                    except ControlError:
-                        missed += 1
-                        continue
-                    missed, newest = 0, max(newest, number)
-                    superseded.setdefault(number - 1, time.monotonic())
-                    self._current = generation_job(following, newest)
+                if looks % PROBE_EVERY == 1:
+                    after = newest - 1 if newest >= 0 and newest not in live else newest
+                    for channel, number in later_generations(self._open, following, after):
+                        live[number] = (channel, EventFollower())
+                        newest = max(newest, number)
+                        superseded.setdefault(number - 1, time.monotonic())
+                        self._current = generation_job(following, newest)
                 for number, (channel, follower) in sorted(live.items()):
                     try:
                         for event in follower.new(channel):

@@ -149,7 +149,10 @@ def observe(url: str, job: str) -> None:
                 "t": started,
                 "stalls": [{"rank": s["rank"], "phase": s["phase"], "cause": s["cause"]} for s in view["stalls"]],
                 "stragglers": [{"rank": s["rank"], "cause": s["cause"]} for s in view["stragglers"]],
-                "ranks": {r["rank"]: [r["state"], r["step"], r["pid"]] for r in view["ranks"]},
+                "ranks": {
+                    r["rank"]: [r["state"], r["step"], r["pid"], r["phase"], r["own_s"], r.get("scores")]
+                    for r in view["ranks"]
+                },
             }
         except ControlError as err:
             line = {"t": started, "error": str(err)}
@@ -243,6 +246,7 @@ class Job:
         :data:`WATCH_FOR` seconds; and the other ranks named before it."""
         wrong: set[int] = set()
         said: list[str] = []  # what named the others
+        trace: list[list[Any]] = []  # what each look saw of the hit ranks (kept where late)
         seen = 0
         deadline = time.monotonic() + WATCH_FOR
         while time.monotonic() < deadline:
@@ -252,6 +256,8 @@ class Job:
                 if look["t"] < since or "error" in look:
                     continue
                 named = _named(look, fault)
+                ranks = look.get("ranks") or {}
+                trace.append([round(look["t"] - since, 2), *(ranks.get(str(r)) for r in sorted(hit))])
                 others = {r for r in _all_named(look) if r not in hit}
                 if others - wrong:
                     said += _causes(look, others - wrong)
@@ -263,8 +269,9 @@ class Job:
                         "wrong": sorted(wrong),
                         "wrong_causes": said,
                         "cause": _causes(look, hit),
+                        **({"trace": trace} if seconds > WITHIN or wrong else {}),
                     }
-        return {"seconds": None, "wrong": sorted(wrong), "wrong_causes": said, "cause": None}
+        return {"seconds": None, "wrong": sorted(wrong), "wrong_causes": said, "cause": None, "trace": trace}
 
     def close(self) -> None:
         for p in [*self.workers, self.observer]:

@@ -782,7 +782,7 @@ def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
             and "the fastest rank" in view["stragglers"][0]["cause"]
         )
         # The others score above the straggler (on a loaded machine two equal ranks can differ
-        # by a fifth: the 5 ms floor keeps that from being a straggler).
+        # by a fifth: the 2 ms floor keeps that from being a straggler).
         slowest = view["stragglers"][0]["vs_fastest"]
         assert all(view["ranks"][r]["scores"]["vs_fastest"] > slowest for r in (0, 2)), view["ranks"]
         with urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=10) as answer:

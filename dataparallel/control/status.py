@@ -398,8 +398,9 @@ def _own_time(steps: Sequence[tuple[float, dict[str, float]]]) -> float:
 
 #: A rank whose own time per step is this much of the fastest rank's, or of its own best, or
 #: less (a score), and longer than it by at least :data:`STRAGGLER_FLOOR` seconds, is a
-#: straggler (the floor keeps a millisecond's jitter of a short step from being one).
-STRAGGLER_BELOW, STRAGGLER_FLOOR = 0.8, 0.005
+#: straggler (the floor keeps a loaded machine's jitter of millisecond steps from being one;
+#: a 15 ms step slowed 1.3x is 4.5 ms longer, and a floor of 5 ms missed it).
+STRAGGLER_BELOW, STRAGGLER_FLOOR = 0.8, 0.002
 
 
 def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

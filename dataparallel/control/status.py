@@ -269,10 +269,10 @@ class RankStatus:
             return False
         if thread is not threading.current_thread():
             thread.join(timeout=2 * self.interval)
-        self._release_dump()
+        self._stop_publishing_dumps()
         return True
 
-    def _release_dump(self) -> None:
+    def _stop_publishing_dumps(self) -> None:
         with self._dump_lock, _SIGNAL_LOCK:
             self._dumps = False
             if _signal_owner[0] is self:  # the signal stays registered: its dumps wait unread

@@ -36,7 +36,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 1.01
 
 
-def worker(rank: int, world: int, port: int, epochs: int) -> list[float]:
+def worker(rank: int, world: int, port: int, epochs: int, same: bool = False) -> list[float]:
     import dataparallel as dp
     from dataparallel.control.status import RankStatus
 
@@ -46,7 +46,7 @@ def worker(rank: int, world: int, port: int, epochs: int) -> list[float]:
 
     def at(self: RankStatus, epoch: int | None = None, step: int | None = None) -> None:
         if epoch is not None:  # every rank at the same epoch: blocks of on, off, off, on
-            on[0] = epoch % 4 in (0, 3)
+            on[0] = same or epoch % 4 in (0, 3)
         if on[0]:
             original_at(self, epoch, step)
 
@@ -76,12 +76,12 @@ def worker(rank: int, world: int, port: int, epochs: int) -> list[float]:
     return seconds
 
 
-def run(world: int, epochs: int) -> list[tuple[float, float]]:
+def run(world: int, epochs: int, same: bool = False) -> list[tuple[float, float]]:
     """One run's (on, off) pairs of neighbouring epochs, two a block of four (on, off, off,
     on), the first block dropped."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.status_overhead", "--worker", "--port", str(port)]
-    cmd += ["--nprocs", str(world), "--epochs", str(epochs)]
+    cmd += ["--nprocs", str(world), "--epochs", str(epochs), *(["--same"] if same else [])]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     seconds = json.loads(outs[0].strip().splitlines()[-1])
@@ -129,13 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="take the epochs of an earlier result file (its pairs, in order) instead of running; parts measured again",
     )
+    parser.add_argument(
+        "--same",
+        action="store_true",
+        help="both sides as dp.fit is (status on): what the comparison finds where there is nothing to find",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        print(json.dumps(worker(args.rank, args.nprocs, args.port, args.epochs)), flush=True)
+        print(json.dumps(worker(args.rank, args.nprocs, args.port, args.epochs, args.same)), flush=True)
         return 0
     from tqdm import tqdm
 
@@ -145,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         sides = earlier["train_s_per_epoch"]
         pairs = list(zip(sides["status on"], sides["status off"], strict=True))
         args.nprocs, args.epochs, args.repeats = earlier["world_size"], earlier["epochs"], earlier["runs"]
+        args.same = str(earlier.get("sides", "")).startswith("both")
     for _ in tqdm(range(0 if args.pairs_from else args.repeats), desc="runs"):
-        pairs += run(args.nprocs, args.epochs)
+        pairs += run(args.nprocs, args.epochs, args.same)
     sides = {"status on": [on for on, _ in pairs], "status off": [off for _, off in pairs]}
     interval = log_ratio_interval(pairs)
     parts = parts_cost()
@@ -161,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:10s} training per epoch {med * 1e3:7.1f} ms ({med / steps * 1e3:.2f} ms a step)")
     if interval is not None:
         mean, low, high = interval
-        print(f"  on/off: {mean:.4f} (95% {low:.4f}..{high:.4f}); target <= {TARGET}: {verdict(interval, TARGET)}")
+        held = (
+            "an A/A comparison: 1 where the method is fair"
+            if args.same
+            else f"target <= {TARGET}: {verdict(interval, TARGET)}"
+        )
+        print(f"  on/off: {mean:.4f} (95% {low:.4f}..{high:.4f}); {held}")
     print(
         f"  alone: a phase change {parts['phase_change_s'] * 1e9:.0f} ns (five a step), a step's end "
         f"{parts['step_done_s'] * 1e9:.0f} ns, a publish {parts['publish_s'] * 1e6:.0f} us (one a second): "
@@ -173,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(),
             "backend": "gloo",
             "world_size": args.nprocs,
+            "sides": "both on (an A/A comparison)" if args.same else "status on against off",
             "epochs": args.epochs,
             "runs": args.repeats,
             "pairs": len(pairs),
@@ -182,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             if interval is None
             else dict(zip(("mean", "low", "high"), interval, strict=True)),
             "target": TARGET,
-            "verdict": verdict(interval, TARGET),
+            "verdict": None if args.same else verdict(interval, TARGET),
             "parts_s": parts,
             "parts_share_of_step": added,
         },

@@ -36,11 +36,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 1.01
 
 
-def worker(rank: int, world: int, port: int, epochs: int, same: bool = False) -> list[float]:
+#: What ``--off`` may take out: a step's bookkeeping (its phases and its end), the publishing.
+PARTS = {"steps": ("enter", "step_done", "step_started"), "publish": ("_write",)}
+
+
+def worker(
+    rank: int,
+    world: int,
+    port: int,
+    epochs: int,
+    same: bool = False,
+    off: tuple[str, ...] = tuple(PARTS),
+    batch: int = 64,
+) -> list[float]:
     import dataparallel as dp
     from dataparallel.control.status import RankStatus
 
-    kept = {name: getattr(RankStatus, name) for name in ("enter", "step_done", "step_started", "_write")}
+    kept = {name: getattr(RankStatus, name) for part in off for name in PARTS[part]}
     original_at = RankStatus.at
     on = [True]
 
@@ -69,19 +81,22 @@ def worker(rank: int, world: int, port: int, epochs: int, same: bool = False) ->
         lambda p: torch.optim.Adam(p, lr=1e-3),
         train,
         val,
-        options=dp.TrainOptions(epochs=epochs, batch_size=64, progress=False),
+        options=dp.TrainOptions(epochs=epochs, batch_size=batch, progress=False),
         callbacks=[lambda m: seconds.append(m.train_seconds)],
     )
     ch.close()
     return seconds
 
 
-def run(world: int, epochs: int, same: bool = False) -> list[tuple[float, float]]:
+def run(
+    world: int, epochs: int, same: bool = False, off: tuple[str, ...] = tuple(PARTS), batch: int = 64
+) -> list[tuple[float, float]]:
     """One run's (on, off) pairs of neighbouring epochs, two a block of four (on, off, off,
     on), the first block dropped."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.status_overhead", "--worker", "--port", str(port)]
     cmd += ["--nprocs", str(world), "--epochs", str(epochs), *(["--same"] if same else [])]
+    cmd += ["--off", *off, "--batch", str(batch)]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     seconds = json.loads(outs[0].strip().splitlines()[-1])
@@ -134,13 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="both sides as dp.fit is (status on): what the comparison finds where there is nothing to find",
     )
+    parser.add_argument(
+        "--off",
+        nargs="+",
+        choices=list(PARTS),
+        default=list(PARTS),
+        help="what the off side takes out: a step's bookkeeping, the publishing, or both (default)",
+    )
+    parser.add_argument("--batch", type=int, default=64, help="samples per step and rank (default 64)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        print(json.dumps(worker(args.rank, args.nprocs, args.port, args.epochs, args.same)), flush=True)
+        out = worker(args.rank, args.nprocs, args.port, args.epochs, args.same, tuple(args.off), args.batch)
+        print(json.dumps(out), flush=True)
         return 0
     from tqdm import tqdm
 
@@ -151,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         pairs = list(zip(sides["status on"], sides["status off"], strict=True))
         args.nprocs, args.epochs, args.repeats = earlier["world_size"], earlier["epochs"], earlier["runs"]
         args.same = str(earlier.get("sides", "")).startswith("both")
+        args.off, args.batch = earlier.get("taken_out") or list(PARTS), earlier.get("batch", 64)
     for _ in tqdm(range(0 if args.pairs_from else args.repeats), desc="runs"):
-        pairs += run(args.nprocs, args.epochs, args.same)
+        pairs += run(args.nprocs, args.epochs, args.same, tuple(args.off), args.batch)
     sides = {"status on": [on for on, _ in pairs], "status off": [off for _, off in pairs]}
     interval = log_ratio_interval(pairs)
     parts = parts_cost()
-    steps = 7168 // (64 * args.nprocs)
+    steps = -(-7168 // (args.batch * args.nprocs))
     step_s = statistics.median(sides["status off"]) / steps
     # What the parts add to a step: five phase changes and a step's end, and a second's publish
     # spread over the steps of a second.
@@ -185,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             "backend": "gloo",
             "world_size": args.nprocs,
             "sides": "both on (an A/A comparison)" if args.same else "status on against off",
+            "taken_out": [] if args.same else args.off,
+            "batch": args.batch,
             "epochs": args.epochs,
             "runs": args.repeats,
             "pairs": len(pairs),

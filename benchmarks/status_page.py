@@ -106,7 +106,7 @@ def main() -> None:
                     "--hide-scrollbars",
                     f"--user-data-dir={profile}",
                     f"--screenshot={(out / 'status-page.png').resolve()}",
-                    "--window-size=1500,330",
+                    "--window-size=1500,570",
                     f"http://127.0.0.1:{web}/",
                 ],
                 capture_output=True,

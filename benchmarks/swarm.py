@@ -22,7 +22,9 @@ package), interleaved with this tree's runs, ``--repeats`` times each: results u
 
 Times, from a common start signal: connect + ``rendezvous()`` of all N ranks (the last
 rank's finish), then the median of ``--barriers`` barriers. The baseline is torch's TCPStore
-with its clients in threads the same way (connect, then add+wait barriers). Writes
+with its clients in threads the same way (connect, then add+wait barriers). Each process
+imports its transport's module before the start signal, as TCPStore's side imports
+``torch.distributed``: the rendezvous counts connecting, not importing. Writes
 ``benchmarks/results/swarm.json`` and ``.png``.
 """
 
@@ -50,9 +52,12 @@ WORKER = [sys.executable, "-m", "benchmarks.swarm", "--worker"]
 
 def worker(kind: str, port: int, ranks: list[int], n: int, barriers: int, options: str) -> None:
     import dataparallel as dp
+    from dataparallel.control.registry import transport_class
 
     if kind.startswith("TCPStore"):
         import torch.distributed as dist
+    else:  # imported before the clock starts, as TCPStore's module is
+        transport_class(kind)
     results: dict[int, dict] = {}
     errors: list[str] = []
     go = threading.Event()
@@ -106,8 +111,11 @@ def shape_worker(
     of one thread, which arrives for each of them and waits for each release."""
     import dataparallel as dp
     from benchmarks.common import timed
+    from dataparallel.control.registry import transport_class
     from dataparallel.control.relay.local import LocalClient
     from dataparallel.control.relay.node import NodeRelay
+
+    transport_class(kind)  # imported before the clock starts, as TCPStore's module is
 
     total, per_node = shape
     n = total * per_node

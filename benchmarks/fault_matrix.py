@@ -62,7 +62,6 @@ def worker(url: str, rank: int, job: str, control: Path) -> None:
     import torch
 
     import dataparallel as dp
-    from dataparallel.control.status import _own_time
 
     torch.set_num_threads(1)
     fault_file = control / f"fault-{rank}"
@@ -92,9 +91,10 @@ def worker(url: str, rank: int, job: str, control: Path) -> None:
                     sum(range(20_000))
             extra = 0.0
             if what == "slow":
-                if not slow_by:  # 0.3x the rank's own time per step as it was before
-                    slow_by.append((SLOWER - 1.0) * _own_time(list(ch.status._steps)))
-                extra = slow_by[0]
+                own = None if slow_by else ch.status.own_time()
+                if own:  # 0.3x the rank's own time per step as it was before
+                    slow_by.append((SLOWER - 1.0) * own)
+                extra = slow_by[0] if slow_by else 0.0
             else:
                 slow_by.clear()
             time.sleep(COMPUTE + extra)

@@ -55,7 +55,7 @@ def _member(co: Coordinator, rank: int, conn: object, pid: int, local: bool) -> 
 
 
 def _heartbeat(co: Coordinator, session: bytes, request_id: int, conn: object) -> None:
-    co.handle(conn, pb.Request(id=request_id, session=session, heartbeat=pb.Empty()), conn)
+    co.handle(conn, pb.Request(id=request_id, session=session, heartbeat=pb.Heartbeat()), conn)
 
 
 def test_the_coordinator_judges_closed_connections_by_pid_or_by_grace_or_by_liveness():

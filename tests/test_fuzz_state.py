@@ -616,7 +616,20 @@ class CoordinatorMachine(RuleBasedStateMachine):
         return reply(r.id, flag=True, number=rank)
 
     def m_heartbeat(self, s, r, route):
-        return self.lost_reply(r.id, s.job, pb.OK) if s.job.lost else reply(r.id)
+        applied, refused = 0, ""
+        for item in r.heartbeat.set:  # the writes it carries, each a set, up to the first refused
+            refused = "reads only" if s.observer else self.over_budget(s.job, item.key, len(item.value)) or ""
+            if refused:
+                break
+            s.job.store(item.key, item.value)
+            applied += 1
+        if applied:
+            self.written(s.job)
+        if s.job.lost:
+            answer = self.lost_reply(r.id, s.job, pb.OK)
+            answer.error, answer.number, answer.flag = refused, applied, True
+            return answer
+        return reply(r.id, pb.FAILED if refused else pb.OK, refused, number=applied, flag=True)
 
     def m_leave(self, s, r, route):
         for p in list(s.parked.values()):
@@ -764,9 +777,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.send(s, pb.Request(id=s.pick_id("next", 1), join=join))
         return s
 
-    @rule(s=sessions, how=ids)
-    def heartbeat(self, s, how):
-        self.send(s, pb.Request(id=self.pick_id(s, how), heartbeat=pb.Empty()))
+    @rule(s=sessions, how=ids, items=st.lists(st.tuples(keys, values()), max_size=2))
+    def heartbeat(self, s, how, items):
+        carried = [pb.KeyValue(key=k, value=self.fit(v)) for k, v in items]
+        self.send(s, pb.Request(id=self.pick_id(s, how), heartbeat=pb.Heartbeat(set=carried)))
 
     @rule(s=sessions, how=ids)
     def leave(self, s, how):
@@ -774,7 +788,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @rule(data=st.binary(min_size=0, max_size=20), op=st.sampled_from(["num_keys", "heartbeat", "leave"]))
     def unknown_session(self, data, op):
-        request = pb.Request(id=1, session=data, **{op: pb.Empty()})
+        request = pb.Request(id=1, session=data, **{op: pb.Heartbeat() if op == "heartbeat" else pb.Empty()})
         if data in self.live:
             return
         check_reply(self.driver.call(self.new_route(), request), reply(1, pb.CLOSED, "unknown session"), op)

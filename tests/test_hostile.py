@@ -91,7 +91,10 @@ def requests(session: bytes) -> st.SearchStrategy[pb.Request]:
         ),
         st.builds(lambda ks: {"delete_many": pb.Keys(keys=ks)}, st.lists(keys, max_size=5)),
         st.builds(lambda k, v: {"append": pb.KeyValue(key=k, value=v)}, keys, st.binary(max_size=2048)),
-        st.just({"heartbeat": pb.Empty()}),
+        st.builds(
+            lambda kv: {"heartbeat": pb.Heartbeat(set=[pb.KeyValue(key=k, value=v) for k, v in kv])},
+            st.lists(st.tuples(keys, st.binary(max_size=256)), max_size=3),
+        ),
         st.builds(lambda r: {"register": pb.Register(rank=r)}, st.integers(0, 2**32 - 1)),
         st.builds(
             lambda n, src, want, v, t: {
@@ -422,7 +425,7 @@ def test_a_replayed_heartbeat_does_not_keep_a_dead_rank_alive(served):
     try:
         session = _hello(attacker, "zombie", world_size=2, liveness_timeout=2.0)
         assert attacker.call(pb.Request(id=2, session=session, register=pb.Register(rank=1))).status == pb.OK
-        heartbeat = pb.Request(id=3, session=session, heartbeat=pb.Empty())
+        heartbeat = pb.Request(id=3, session=session, heartbeat=pb.Heartbeat())
         assert attacker.call(heartbeat).status == pb.OK
         with dp.connect(live, rank=0, world_size=2, job="zombie", token=TOKEN, timeout=30) as ch:
             stop = threading.Event()

@@ -372,7 +372,9 @@ def forged_requests() -> st.SearchStrategy[pb.Request]:
         st.builds(lambda k, a: {"add": pb.Add(key=k, amount=a)}, name, st.integers(-(2**63), 2**63 - 1)),
         st.builds(lambda k: {"delete": pb.Key(key=k)}, name),
         st.builds(lambda r: {"register": pb.Register(rank=r)}, st.integers(0, 8)),
-        st.just({"heartbeat": pb.Empty()}),
+        st.builds(
+            lambda k, v: {"heartbeat": pb.Heartbeat(set=[pb.KeyValue(key=k, value=v)])}, name, st.binary(max_size=64)
+        ),
     )
     return st.builds(
         lambda i, s, op: pb.Request(id=i, session=s, **op), st.integers(0, 2**64 - 1), st.binary(max_size=32), ops

@@ -806,3 +806,34 @@ def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
         assert all({"time", "rank", "host", "kind", "detail"} <= set(e) for e in view["events"]), view["events"]
     finally:
         _finish(procs)
+
+
+def test_a_coordinator_that_applies_no_carried_writes_gets_the_record_written_apart(monkeypatch) -> None:
+    """A coordinator that predates the writes a heartbeat carries (it answers a heartbeat as
+    before, without the flag that says it applied them) still gets each rank's record: the
+    heartbeats give the record back to the rank's publishing thread, and the record keeps
+    advancing."""
+    from dataparallel.control.coordinator import Coordinator, _reply
+    from dataparallel.control.status import status_key
+
+    monkeypatch.setitem(Coordinator._HANDLERS, "heartbeat", lambda self, s, r, route: _reply(r.id))
+    url = f"zmq://127.0.0.1:{free_port()}?heartbeat=0.2&liveness_timeout=3"
+    a, b = dp.connect(url, rank=0, world_size=2, job="old", timeout=30), None
+    try:
+        b = dp.connect(url, rank=1, world_size=2, job="old", timeout=30)
+        b.status.publish()
+        assert b.status.carried
+        key = b._scoped(status_key(1))
+
+        def seq() -> int:
+            return int(json.loads(a._get(key, 5) or b"{}").get("seq", 0))
+
+        first, deadline = seq(), time.monotonic() + 20
+        while seq() < first + 3:
+            assert time.monotonic() < deadline, f"the record stood at seq {seq()}"
+            time.sleep(0.1)
+        assert not b.status.carried, "still on the heartbeats of a coordinator that drops them"
+    finally:
+        for ch in (b, a):
+            if ch is not None:
+                ch.close()

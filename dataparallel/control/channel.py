@@ -954,6 +954,19 @@ class ControlChannel(Collectives, abc.ABC):
             liveness.start()
             self._liveness = liveness
 
+    def _carry_on_heartbeats(self, writes: Callable[[], list[tuple[str, bytes]]] | None, within: float = 2.0) -> bool:
+        """Have this rank's heartbeats carry ``writes()`` (None: no longer, a beat in flight
+        waited for ``within`` seconds at most); False where they cannot (not joined yet, or a
+        kind that carries nothing):
+        :meth:`Liveness.carry <dataparallel.control.liveness.Liveness.carry>`."""
+        liveness = self._liveness
+        return liveness is not None and liveness.carry(writes, within)
+
+    def _carried_by_heartbeats(self) -> bool:
+        """Whether this rank's heartbeats carry writes now (a kind may give them back)."""
+        liveness = self._liveness
+        return liveness is not None and liveness.carrying
+
     @property
     def status(self) -> RankStatus:
         """What this rank says it is doing (:mod:`dataparallel.control.status`): its phase,

@@ -593,10 +593,26 @@ class Coordinator(Generic[R]):
         s.job.left.discard(rank)
 
     def _heartbeat(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
-        # Losses are news to the run's ranks only: a session still joining moves on to a new run.
+        # The writes that ride on it first, each as a Set, up to the first refused (an
+        # observer's: it reads only; one past the job's bounds); `flag` says this coordinator
+        # applies them (one that predates them does not set it), `number` how many it did.
+        applied, refused = 0, ""
+        for item in r.heartbeat.set:
+            if s.observer:
+                refused = "an observer's session reads only: a heartbeat's writes refused"
+            else:
+                refused = self._over_budget(s.job, item.key, len(item.value)) or ""
+            if refused:
+                break
+            s.job.space.set(item.key, item.value)
+            applied += 1
+        # Losses are news to the run's ranks only: a session still joining moves on to a new
+        # run. Told whatever became of the writes.
         if s.job.lost and s.rank is not None:
-            return self._lost_reply(r.id, s.job, status=pb.OK)
-        return _reply(r.id)
+            reply = self._lost_reply(r.id, s.job, status=pb.OK)
+            reply.error, reply.number, reply.flag = refused, applied, True
+            return reply
+        return _reply(r.id, pb.FAILED if refused else pb.OK, refused, number=applied, flag=True)
 
     def _leave(self, s: Session, r: pb.Request, route: R) -> pb.Reply:
         job = s.job

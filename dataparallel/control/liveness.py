@@ -25,6 +25,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -90,9 +91,62 @@ class Liveness(abc.ABC):
     #: (a coordinator answers parked requests); otherwise the core waits in slices of the
     #: channel's ``liveness_poll`` seconds and checks :meth:`first_lost` between them.
     interrupts_blocked_calls: ClassVar[bool] = False
+    #: True when this kind's heartbeats carry a rank's small periodic writes (:meth:`carry`):
+    #: inside the heartbeat's own request, or as one more write of the same tick.
+    carries_writes: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._lost: dict[int, LostPeer] = {}
+        self._writes: Callable[[], list[tuple[str, bytes]]] | None = None
+        self._carrying = threading.Lock()  # held while a beat's writes are made or in flight
+
+    def carry(self, writes: Callable[[], list[tuple[str, bytes]]] | None, within: float = 2.0) -> bool:
+        """From now on, each heartbeat also writes what ``writes()`` returns ((key, value)
+        pairs of hook-level keys, each written as ``_set`` writes it); None: no longer. What
+        a rank publishes of itself rides on the heartbeats this way (one request or one tick a
+        heartbeat instead of two). A beat whose writes are in flight ends first (waited for
+        ``within`` seconds at most), so that a write the caller makes next is never overtaken
+        by an older one. False where this kind cannot carry them: the caller then writes them
+        itself."""
+        if not self.carries_writes:
+            return False
+        held = self._carrying.acquire(timeout=within)
+        try:
+            self._writes = writes
+        finally:
+            if held:
+                self._carrying.release()
+        return True
+
+    @property
+    def carrying(self) -> bool:
+        """Whether the heartbeats carry writes now (:meth:`carry`); a kind may give them back
+        (a coordinator that predates carried writes): their writer then makes them itself."""
+        return self._writes is not None
+
+    def _riders(self) -> list[tuple[str, bytes]]:
+        """What this heartbeat carries (nothing where ``writes()`` fails: never the beat's
+        failure)."""
+        writes = self._writes
+        if writes is None:
+            return []
+        try:
+            return writes()
+        except Exception as err:
+            log.debug("a heartbeat's writes not made: %s", err)
+            return []
+
+    def _write_riders(self, write: Callable[[str, bytes], None]) -> None:
+        """This tick's writes, made one ``write`` (a ``_set``, bounded as the tick needs) each,
+        where the heartbeat itself cannot hold them (their failure is not the beat's: the
+        next tick judges the store)."""
+        with self._carrying:
+            for key, value in self._riders():
+                try:
+                    write(key, value)
+                except Exception as err:
+                    log.debug("a heartbeat's write of %r not made: %s", key, err)
+                    return
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -141,8 +195,11 @@ class StoreHeartbeats(Liveness):
     coordinator: TCPStore's client waits for a reply without a bound), the channel fails
     with ChannelClosed, whose ``_fail`` releases the blocked calls.
 
-    Cost per tick: one write per rank, plus two reads per watched peer.
+    Cost per tick: one write per rank, plus two reads per watched peer, plus the writes the
+    beat carries (:meth:`~Liveness.carry`: a rank's status record), made after the look.
     """
+
+    carries_writes = True
 
     def __init__(self, channel: ControlChannel, interval: float, timeout: float) -> None:
         super().__init__()
@@ -251,6 +308,8 @@ class StoreHeartbeats(Liveness):
             except Exception as err:
                 self._last_error = err
                 self._failing_since = self._failing_since or time.monotonic()
+                continue
+            self._write_riders(self._ch._set)  # after the beat and the look
 
     def _first_tick(self) -> None:
         """The first beat and look, while joining: a read the store left unanswered within

@@ -79,6 +79,7 @@ class CoordinatorLiveness(Liveness):
     """
 
     interrupts_blocked_calls: ClassVar[bool] = True
+    carries_writes: ClassVar[bool] = True  # inside the heartbeat request itself
 
     def __init__(self, channel: RemoteChannel) -> None:
         super().__init__()
@@ -112,24 +113,32 @@ class CoordinatorLiveness(Liveness):
         last_answer = time.monotonic()
         while not self._stopping.wait(ch.heartbeat_interval):
             session = ch._session
-            try:
-                reply = ch._call(
-                    pb.Request(id=next(ch._ids), session=session, heartbeat=pb.Empty()), ch.heartbeat_interval
-                )
-            except ControlError as err:
-                if self._stopping.is_set():
+            with self._carrying:  # the writes it carries are in flight until the reply
+                carried = self._riders()
+                beat = pb.Heartbeat(set=[pb.KeyValue(key=key, value=value) for key, value in carried])
+                try:
+                    request = pb.Request(id=next(ch._ids), session=session, heartbeat=beat)
+                    reply = ch._call(request, ch.heartbeat_interval)
+                except ControlError as err:
+                    if self._stopping.is_set():
+                        return
+                    silent = time.monotonic() - last_answer
+                    if isinstance(err, AuthError) or silent > ch.liveness_timeout:
+                        ch._fail(ChannelClosed(f"coordinator at {ch.url.shown} silent for {silent:.1f}s: {err}"))
+                        return
+                    continue
+                last_answer = time.monotonic()
+                if reply.status == pb.CLOSED and session == ch._session:  # not a session left for another run
+                    ch._fail(_session_closed(ch.rank, "a heartbeat", reply.error))
                     return
-                silent = time.monotonic() - last_answer
-                if isinstance(err, AuthError) or silent > ch.liveness_timeout:
-                    ch._fail(ChannelClosed(f"coordinator at {ch.url.shown} silent for {silent:.1f}s: {err}"))
-                    return
-                continue
-            last_answer = time.monotonic()
-            if reply.status == pb.CLOSED and session == ch._session:  # not a session left for another run
-                ch._fail(_session_closed(ch.rank, "a heartbeat", reply.error))
-                return
-            if reply.HasField("lost"):
-                self.note(reply.lost)
+                if reply.HasField("lost"):
+                    self.note(reply.lost)
+                if carried and not reply.flag and reply.status == pb.OK:
+                    # A coordinator that predates carried writes: they go back to their writer.
+                    log.info("rank %s: the coordinator applies no writes a heartbeat carries", ch.rank)
+                    self._writes = None
+                elif reply.status != pb.OK and carried:
+                    log.debug("rank %s: a heartbeat's writes refused: %s", ch.rank, reply.error)
 
 
 class RemoteChannel(ControlChannel, abc.ABC):

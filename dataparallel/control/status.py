@@ -130,11 +130,18 @@ class RankStatus:
         self.device: str | None = None
         self._split: dict[str, float] = {}  # this step's seconds per phase, so far
         self._steps: deque[tuple[float, dict[str, float]]] = deque(maxlen=SPLIT_OVER)  # (seconds, split)
+        self._step_began = self.phase_since  # when this step began
+        self._steps_done = 0  # steps ended so far
         self._published = 0  # records written: a reader that sees the count move sees the rank live
-        self._own_best: float | None = None  # the least median own time over a full window of steps
+        # The least median own time over a full window of steps, of the windows a record saw
+        # (taken when a record is made, not at every step: a step's end stays a few appends),
+        # and the count of steps ended at the last window taken.
+        self._own_best: float | None = None
+        self._own_best_at = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.interval = channel.heartbeat_interval
+        self._carried = False  # whether the channel's heartbeats carry the record
         # Whether this rank publishes the stacks STACKS_SIGNAL dumps, and how much of the
         # process's dump file it has read.
         self._dumps = False
@@ -179,25 +186,34 @@ class RankStatus:
             split = self._split
             split[self.phase_name] = split.get(self.phase_name, 0.0) + now - self.phase_since
             self.phase_since = now
-            self._steps.append((sum(split.values()), split))
+            self._steps.append((now - self._step_began, split))
+            self._step_began = now
             self._split = {}
             self.step = step
-            if len(self._steps) == SPLIT_OVER:
-                own = _own_time(self._steps)
-                self._own_best = own if self._own_best is None else min(self._own_best, own)
+            self._steps_done += 1
 
     def step_started(self) -> None:
         """The first step of a stretch begins now: what came before is no step's time."""
         now = time.time()
         with self._lock:
             self._split = {}
-            self.phase_since = now
+            self.phase_since = self._step_began = now
+
+    def own_time(self) -> float | None:
+        """The median of the last steps' own time (all of a step but ``backward``: what a
+        straggler is slow at), seconds; None before a step ended."""
+        with self._lock:
+            return _own_time(self._steps) if self._steps else None
 
     def record(self) -> dict[str, Any]:
         """The rank's record as published (JSON-able)."""
         now = time.time()
         with self._lock:
             last = list(self._steps)
+            if len(last) == SPLIT_OVER and self._steps_done != self._own_best_at:
+                own = _own_time(last)
+                self._own_best = own if self._own_best is None else min(self._own_best, own)
+                self._own_best_at = self._steps_done
             split: dict[str, float] = {}
             for _, s in last:
                 for name, seconds in s.items():
@@ -233,17 +249,28 @@ class RankStatus:
         """Whether :meth:`publish` has started writing the record (and not stopped)."""
         return self._thread is not None
 
+    @property
+    def carried(self) -> bool:
+        """Whether the record rides on the channel's heartbeats now (:meth:`publish`)."""
+        return self._carried and self._ch._carried_by_heartbeats()
+
     def publish(self, interval: float | None = None) -> None:
         """Write the record now and then every ``interval`` seconds (default: the channel's
         heartbeat interval) until the channel closes, and dump the stacks on
         :data:`STACKS_SIGNAL` (:meth:`dump_stacks_on_signal`). Idempotent. The first write is
-        made here: a failure to write it raises."""
+        made here: a failure to write it raises. At the heartbeat interval the record rides
+        on the heartbeats (:meth:`Liveness.carry
+        <dataparallel.control.liveness.Liveness.carry>`: inside a coordinator's heartbeat
+        request, or in the same tick as a store's beat), on every transport whose liveness
+        can carry it; else a thread of its own writes it."""
         if self._thread is not None:
             return
         if interval is not None:
             self.interval = interval
         self._write()
         self.dump_stacks_on_signal()
+        self._stop.clear()
+        self._carried = self.interval == self._ch.heartbeat_interval and self._ch._carry_on_heartbeats(self._riding)
         self._thread = threading.Thread(target=self._run, name=f"dp-status-r{self._ch.rank}", daemon=True)
         self._thread.start()
 
@@ -252,7 +279,7 @@ class RankStatus:
         so, once more, in the phase ``failed`` with the error, and publishing ends. A reader
         then tells a rank that failed (because another went wrong) from one gone silent."""
         self.error = f"{type(error).__name__}: {error}"[:500]
-        if not self._end_publishing():
+        if not self._end_publishing(within=FAILED_WRITE_WITHIN / 2):
             return
         self.phase_before = self.enter("failed")
         # Written aside, waited for a second at most: the store may be gone with what failed.
@@ -260,13 +287,18 @@ class RankStatus:
         writer.start()
         writer.join(timeout=FAILED_WRITE_WITHIN)
 
-    def _end_publishing(self) -> bool:
-        """The publishing thread stopped (waited for, bounded), and the stacks the signal
-        dumps no longer this rank's to publish; False where it was not publishing."""
+    def _end_publishing(self, within: float | None = None) -> bool:
+        """The publishing stopped: the heartbeats carry the record no longer (a beat in
+        flight waited for, ``within`` seconds at most, by default a heartbeat interval and a
+        second), the thread stopped (waited for, bounded), and the stacks the signal dumps no
+        longer this rank's to publish; False where it was not publishing."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is None:
             return False
+        if self._carried:
+            self._carried = False
+            self._ch._carry_on_heartbeats(None, self.interval + 1.0 if within is None else within)
         if thread is not threading.current_thread():
             thread.join(timeout=2 * self.interval)
         self._stop_publishing_dumps()
@@ -292,10 +324,18 @@ class RankStatus:
                 self._write()
 
     def _write(self) -> None:
+        self._ch._set(*self._as_write())
+
+    def _as_write(self) -> tuple[str, bytes]:
         rank = self._ch.rank
         if rank is None:
             raise ControlError(f"{self._ch!r} publishes its status before it holds a rank")
-        self._ch._set(self._ch._scoped(status_key(rank)), json.dumps(self.record()).encode())
+        return self._ch._scoped(status_key(rank)), json.dumps(self.record()).encode()
+
+    def _riding(self) -> list[tuple[str, bytes]]:
+        """The record as a heartbeat carries it; nothing once the publishing stops (the last
+        record is the stopping one's to write)."""
+        return [] if self._stop.is_set() else [self._as_write()]
 
     def _run(self) -> None:
         due = time.monotonic() + self.interval
@@ -304,8 +344,10 @@ class RankStatus:
                 return
             try:
                 self._publish_stacks()
-                if time.monotonic() >= due:
-                    due = time.monotonic() + self.interval
+                if time.monotonic() < due:
+                    continue
+                due = time.monotonic() + self.interval
+                if not self.carried:  # not (or no longer) on the heartbeats: written here
                     self._write()
             except Exception as err:  # the liveness thread judges the store; try again
                 log.debug("rank %s: status not written: %s", self._ch.rank, err)

@@ -2192,6 +2192,52 @@ class StatusTests(ChannelHarness):
         (alone,) = open_ranks(1, job="unstarted", token=token)
         alone.set("k", b"v")
 
+    @pytest.mark.timeout(60)
+    def test_a_ranks_record_rides_on_its_heartbeats(self, channel_url: str, open_ranks: OpenRanks) -> None:
+        """Published at the heartbeat interval, a rank's record rides on its heartbeats where
+        its kind of liveness says it carries writes (``Liveness.carries_writes``: inside a
+        coordinator's heartbeat request, or in the tick of a store's beat), and its own
+        thread writes none of it; where the kind does not, that thread writes it. Either way
+        the record goes on advancing, read by its peer; once the rank stops publishing, its
+        last record (in ``done``) stays, and no beat writes another after it."""
+        from dataparallel.control.status import status_key
+
+        a, b = open_ranks(2, job="riding", url=with_options(channel_url, **FAST_LIVENESS))
+        writers: list[str] = []
+        key = a._scoped(status_key(0))
+        original = a._set
+
+        def spy(k: str, value: bytes) -> None:
+            if k == key:
+                writers.append(threading.current_thread().name)
+            original(k, value)
+
+        a._set = spy  # type: ignore[method-assign, assignment]
+        a.status.at(epoch=0, step=1)
+        a.status.publish()
+        liveness = a._liveness
+        assert liveness is not None
+        assert a.status.carried == liveness.carries_writes, (a.status.carried, type(liveness).__name__)
+
+        def record() -> dict[str, Any]:
+            return dict(json.loads(b._get(key, STEP_TIMEOUT) or b"{}"))
+
+        first, deadline = record().get("seq", 0), time.monotonic() + STEP_TIMEOUT
+        while record().get("seq", 0) < first + 3:
+            assert time.monotonic() < deadline, f"the record stood at {record()} (first seq {first})"
+            time.sleep(FAST_LIVENESS["heartbeat"] / 2)
+        from_thread = [w for w in writers if w.startswith("dp-status")]
+        if liveness.carries_writes:
+            assert not from_thread, f"written by the status thread though carried: {writers}"
+        else:
+            assert from_thread, f"not written by the status thread, nor carried: {writers}"
+        a.status.stop(last_phase="done")
+        last = record()
+        assert last.get("phase") == "done", last
+        time.sleep(4 * FAST_LIVENESS["heartbeat"])  # beats after the stop carry nothing
+        assert record() == last, f"written after the last record: {record()} after {last}"
+        assert not a.status.carried
+
 
 class ChannelConformance(
     StatusTests,

@@ -103,6 +103,12 @@ class Key(_message.Message):
     key: str
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
+class Heartbeat(_message.Message):
+    __slots__ = ("set",)
+    SET_FIELD_NUMBER: _ClassVar[int]
+    set: _containers.RepeatedCompositeFieldContainer[KeyValue]
+    def __init__(self, set: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ...) -> None: ...
+
 class MultiCompareSet(_message.Message):
     __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -197,7 +203,7 @@ class Request(_message.Message):
     num_keys: Empty
     collect: Collect
     register: Register
-    heartbeat: Empty
+    heartbeat: Heartbeat
     leave: Empty
     multi_get: MultiGet
     multi_set: MultiSet
@@ -205,7 +211,7 @@ class Request(_message.Message):
     join: Join
     multi_compare_set: MultiCompareSet
     delete_many: Keys
-    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Empty, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ..., multi_get: _Optional[_Union[MultiGet, _Mapping]] = ..., multi_set: _Optional[_Union[MultiSet, _Mapping]] = ..., append: _Optional[_Union[KeyValue, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., multi_compare_set: _Optional[_Union[MultiCompareSet, _Mapping]] = ..., delete_many: _Optional[_Union[Keys, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., session: _Optional[bytes] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., set: _Optional[_Union[KeyValue, _Mapping]] = ..., get: _Optional[_Union[Get, _Mapping]] = ..., add: _Optional[_Union[Add, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSet, _Mapping]] = ..., delete: _Optional[_Union[Key, _Mapping]] = ..., check: _Optional[_Union[Keys, _Mapping]] = ..., num_keys: _Optional[_Union[Empty, _Mapping]] = ..., collect: _Optional[_Union[Collect, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Empty, _Mapping]] = ..., multi_get: _Optional[_Union[MultiGet, _Mapping]] = ..., multi_set: _Optional[_Union[MultiSet, _Mapping]] = ..., append: _Optional[_Union[KeyValue, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., multi_compare_set: _Optional[_Union[MultiCompareSet, _Mapping]] = ..., delete_many: _Optional[_Union[Keys, _Mapping]] = ...) -> None: ...
 
 class LostPeer(_message.Message):
     __slots__ = ("rank", "last_seen", "reason")

@@ -438,6 +438,11 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     def _set(self, key: str, value: bytes) -> None:
         self._run(self._once(lambda txn: [txn.put(self._k(key), value)]))
 
+    def _put_within(self, key: str, value: bytes, seconds: float) -> None:
+        """``_set`` given up after ``seconds`` (a write the keep-alive carries must not hold
+        up the next refresh)."""
+        self._run(asyncio.wait_for(self._once(lambda txn: [txn.put(self._k(key), value)]), seconds), seconds)
+
     def _get(self, key: str, timeout: float) -> bytes | None:
         return self._run(self._get_async(self._k(key), timeout), timeout, ReadUnanswered)
 
@@ -687,6 +692,8 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                     )
                     return
                 last_ok = time.monotonic()
+                if self._liveness is not None:  # what rides on the keep-alive (a rank's status)
+                    self._liveness._write_riders(lambda key, value: self._put_within(key, value, ttl / 3))
             except Exception as err:  # a member restarting: retry until the lease is gone for good
                 if self._stop.is_set():
                     return
@@ -789,7 +796,10 @@ def _credentials(url: ChannelURL) -> grpc.ChannelCredentials | None:
 
 
 class LeaseLiveness(Liveness):
-    """A watch on the job's lease-bound alive keys (see the module docstring)."""
+    """A watch on the job's lease-bound alive keys (see the module docstring). The writes a
+    rank's heartbeats carry are made by its keep-alive thread, after each refresh."""
+
+    carries_writes = True
 
     def __init__(self, channel: EtcdChannel) -> None:
         super().__init__()

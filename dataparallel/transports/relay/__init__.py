@@ -257,6 +257,11 @@ class RelayedHeartbeats(StoreHeartbeats):
     it, has answered none of those reads for the liveness timeout. Closing, it marks its
     departure as every rank does."""
 
+    #: Not here: the beat stays in the node's shared memory, where a write carried upstream
+    #: in its tick would hold it up behind the store (and the relay would give the rank up);
+    #: what the rank publishes goes on its own thread.
+    carries_writes = False
+
     def __init__(self, channel: RelayedChannel, interval: float, timeout: float) -> None:
         super().__init__(channel, interval, timeout)
         self._relayed = channel

@@ -12,7 +12,9 @@ same processes, in blocks of four (on, off, off, on) so that a drift within a bl
 effect of the epoch before counts against both sides alike. The driver's training time per
 epoch (``EpochMetrics.train_seconds``; the first block dropped as warm-up); the geometric
 mean of the pairs' ratios and its 95% interval (``log_ratio_interval``: the plain mean of
-ratios this noisy overstates them by about 1%), held to the target (at most 1.01: 1% of a step). Also
+ratios this noisy overstates them by about 1%), held to the target (at most 1.01: 1% of a step);
+beside it, the same ratio of the CPU seconds all ranks' processes spent over the same
+epochs' training (every thread: what the status costs as work, not as waiting). Also
 what each part costs measured alone (a phase change, five a step; a step's end; the record
 made for a heartbeat, one a second) and their share of a step.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,7 +54,7 @@ def worker(
     same: bool = False,
     off: tuple[str, ...] = tuple(PARTS),
     batch: int = 64,
-) -> list[float]:
+) -> dict[str, list[float]]:
     import dataparallel as dp
     from dataparallel.control.status import RankStatus
 
@@ -74,6 +77,30 @@ def worker(
     RankStatus.at = at  # type: ignore[method-assign]
     for name in kept:
         setattr(RankStatus, name, switched(name))
+    # The process's CPU seconds (every thread: training, heartbeats, in rank 0 the
+    # coordinator) over each epoch's training: from its first ``at(epoch=...)`` to its
+    # ``epoch end``.
+    cpu: list[float] = []
+    began = [0.0]
+    marked_at, marked_enter = RankStatus.at, RankStatus.enter
+
+    def cpu_now() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    def at_marked(self: RankStatus, epoch: int | None = None, step: int | None = None) -> None:
+        if epoch is not None and len(cpu) == epoch and not began[0]:
+            began[0] = cpu_now()
+        marked_at(self, epoch, step)
+
+    def enter_marked(self: RankStatus, phase: str) -> str:
+        if phase == "epoch end" and began[0]:
+            cpu.append(cpu_now() - began[0])
+            began[0] = 0.0
+        return marked_enter(self, phase)
+
+    RankStatus.at = at_marked  # type: ignore[method-assign]
+    RankStatus.enter = enter_marked  # type: ignore[method-assign]
     ch = dp.connect(f"zmq://127.0.0.1:{port}", rank=rank, world_size=world, job="bench", timeout=120)
     model, train, val = setup()
     seconds: list[float] = []
@@ -88,25 +115,28 @@ def worker(
         callbacks=[lambda m: seconds.append(m.train_seconds)],
     )
     ch.close()
-    return seconds
+    return {"seconds": seconds, "cpu": cpu}
 
 
 def run(
     world: int, epochs: int, same: bool = False, off: tuple[str, ...] = tuple(PARTS), batch: int = 64
-) -> list[tuple[float, float]]:
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """One run's (on, off) pairs of neighbouring epochs, two a block of four (on, off, off,
-    on), the first block dropped."""
+    on), the first block dropped: of the driver's training seconds, and of the CPU seconds
+    all ranks' processes spent over the same epochs' training."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.status_overhead", "--worker", "--port", str(port)]
     cmd += ["--nprocs", str(world), "--epochs", str(epochs), *(["--same"] if same else [])]
     cmd += ["--off", *off, "--batch", str(batch)]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    seconds = json.loads(outs[0].strip().splitlines()[-1])
-    pairs = []
+    outs = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
+    seconds = outs[0]["seconds"]
+    cpu = [sum(epoch) for epoch in zip(*(out["cpu"] for out in outs), strict=True)]
+    pairs, cpu_pairs = [], []
     for i in range(4, len(seconds) - 3, 4):
         pairs += [(seconds[i], seconds[i + 1]), (seconds[i + 3], seconds[i + 2])]
-    return pairs
+        cpu_pairs += [(cpu[i], cpu[i + 1]), (cpu[i + 3], cpu[i + 2])]
+    return pairs, cpu_pairs
 
 
 def parts_cost(rounds: int = 100_000) -> dict[str, float]:
@@ -177,17 +207,24 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     pairs: list[tuple[float, float]] = []
+    cpu_pairs: list[tuple[float, float]] = []
     if args.pairs_from is not None:
         earlier = json.loads(args.pairs_from.read_text())
         sides = earlier["train_s_per_epoch"]
         pairs = list(zip(sides["status on"], sides["status off"], strict=True))
+        cpu_sides = earlier.get("cpu_s_per_epoch") or {"status on": [], "status off": []}
+        cpu_pairs = list(zip(cpu_sides["status on"], cpu_sides["status off"], strict=True))
         args.nprocs, args.epochs, args.repeats = earlier["world_size"], earlier["epochs"], earlier["runs"]
         args.same = str(earlier.get("sides", "")).startswith("both")
         args.off, args.batch = earlier.get("taken_out") or list(PARTS), earlier.get("batch", 64)
     for _ in tqdm(range(0 if args.pairs_from else args.repeats), desc="runs"):
-        pairs += run(args.nprocs, args.epochs, args.same, tuple(args.off), args.batch)
+        got, got_cpu = run(args.nprocs, args.epochs, args.same, tuple(args.off), args.batch)
+        pairs += got
+        cpu_pairs += got_cpu
     sides = {"status on": [on for on, _ in pairs], "status off": [off for _, off in pairs]}
+    cpu_sides = {"status on": [on for on, _ in cpu_pairs], "status off": [off for _, off in cpu_pairs]}
     interval = log_ratio_interval(pairs)
+    cpu_interval = log_ratio_interval(cpu_pairs) if cpu_pairs else None
     parts = parts_cost()
     steps = -(-7168 // (args.batch * args.nprocs))
     step_s = statistics.median(sides["status off"]) / steps
@@ -206,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             else f"target <= {TARGET}: {verdict(interval, TARGET)}"
         )
         print(f"  on/off: {mean:.4f} (95% {low:.4f}..{high:.4f}); {held}")
+    if cpu_interval is not None:
+        mean, low, high = cpu_interval
+        print(f"  CPU of all ranks' processes over the same epochs, on/off: {mean:.4f} (95% {low:.4f}..{high:.4f})")
     print(
         f"  alone: a phase change {parts['phase_change_s'] * 1e9:.0f} ns (five a step), a step's end "
         f"{parts['step_done_s'] * 1e9:.0f} ns, a publish {parts['publish_s'] * 1e6:.0f} us on a heartbeat "
@@ -229,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_on_off_geometric": None
             if interval is None
             else dict(zip(("mean", "low", "high"), interval, strict=True)),
+            "cpu_s_per_epoch": cpu_sides if cpu_pairs else None,
+            "cpu_ratio_on_off_geometric": None
+            if cpu_interval is None
+            else dict(zip(("mean", "low", "high"), cpu_interval, strict=True)),
             "target": TARGET,
             "verdict": None if args.same else verdict(interval, TARGET),
             "parts_s": parts,

@@ -180,9 +180,9 @@ def main(cfg: dict) -> None:
             groups = [{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": LR / 2}]
             return torch.optim.SGD(groups, lr=LR, momentum=MOMENTUM)
 
-        def save_extra():
+        def save_extra():  # during the save: the rank's status says so
             seen["saves"] += 1
-            return {"saves": seen["saves"], "tag": "mine"}
+            return {"saves": seen["saves"], "tag": "mine", "phase": ch.status.phase_name}
 
         hooks = {
             "step_callbacks": [lambda info: seen["steps"].append([info.epoch, info.step, info.batch, info.rank])],

@@ -200,7 +200,9 @@ def test_what_a_real_training_script_needs(tmp_path):
     assert logged == ["epoch 0 step 5", "epoch 1 step 10", "epoch 2 step 15"], runs[0][1][-2000:]
     assert " loss " not in runs[1][1], "only the driver logs"
     saved = torch.load(ckpt, weights_only=False)
-    assert saved["epoch"] == 2 and saved["extra"] == {"saves": 2, "tag": "mine"}, "epochs 1 and 2 (the last)"
+    assert saved["epoch"] == 2 and saved["extra"] == {"saves": 2, "tag": "mine", "phase": "checkpoint"}, (
+        "epochs 1 and 2 (the last), each made while the driver's status said so"
+    )
     assert saved["step"] == 3 * per_epoch
     assert [g["lr"] for g in saved["optimizer"]["param_groups"]][1] == pytest.approx(
         loop_worker.LR / 2 * loop_worker.GAMMA ** (3 * per_epoch)
@@ -209,7 +211,8 @@ def test_what_a_real_training_script_needs(tmp_path):
                         out=out, epochs=4, resume=True, **common)  # fmt: skip
     assert all(code == 0 for code, _ in resumed), resumed[0][1][-3000:]
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    assert all(seen["loaded"] == {"saves": 2, "tag": "mine"} for seen in ranks), "given back on every rank"
+    given = {"saves": 2, "tag": "mine", "phase": "checkpoint"}
+    assert all(seen["loaded"] == given for seen in ranks), "given back on every rank"
     assert [s[1] for s in ranks[0]["steps"]] == list(range(3 * per_epoch + 1, 4 * per_epoch + 1))
 
 

@@ -516,7 +516,8 @@ def _entry(rank: int, phase: str | None, epoch: int | None = 0, step: int | None
 def test_diagnose_names_only_ranks_that_hold_others_up() -> None:
     """Ranks that all wait at one place (a long validation, a slow first step) are no stall;
     a rank still validating while the others report is, whatever its number; a rank still
-    reporting an epoch while the others wait for the next epoch's command is; a rank in a
+    reporting an epoch (or writing its checkpoint) while the others wait for the next
+    epoch's command is; a rank in a
     phase of a loop's own is compared with nothing; a silent rank comes first, then the
     furthest behind; a rank behind is named for as long as the others have waited for it."""
     diagnose = dp.control.status.diagnose
@@ -532,6 +533,9 @@ def test_diagnose_names_only_ranks_that_hold_others_up() -> None:
     assert diagnose(ranks) == []
     ranks = [_entry(0, "report", phase_s=1.0), _entry(1, "command"), _entry(2, "command")]
     assert [s["rank"] for s in diagnose(ranks)] == [0]
+    # The driver writing a checkpoint while the others wait for the next epoch's command.
+    ranks = [_entry(0, "checkpoint", phase_s=1.0), _entry(1, "command"), _entry(2, "command")]
+    assert [(s["rank"], s["phase"]) for s in diagnose(ranks)] == [(0, "checkpoint")]
     ranks = [_entry(0, "my own phase"), _entry(1, "backward"), _entry(2, "backward")]
     assert diagnose(ranks) == []
     ranks = [
@@ -757,7 +761,8 @@ def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
     step, not in the all-reduce that makes the others wait). The view scores rank 1 a
     straggler against the fastest rank, and no other; the page lists it, ``/metrics``
     gives every rank's score, and the job's event log holds each rank's join, the driver's
-    checkpoints and the straggler it noted (rank 1 alone)."""
+    checkpoints and the straggler it noted (rank 1 alone). Its cause says where the time goes
+    (the optimizer)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url, web = f"zmq://127.0.0.1:{free_port()}", free_port()
@@ -781,6 +786,7 @@ def test_a_slowed_rank_is_scored_a_straggler(tmp_path: Path) -> None:
             view["stragglers"][0]["vs_fastest"] < STRAGGLER_BELOW
             and "the fastest rank" in view["stragglers"][0]["cause"]
         )
+        assert "most of it in 'optimizer'" in view["stragglers"][0]["cause"], view["stragglers"][0]
         # The others score above the straggler (on a loaded machine two equal ranks can differ
         # by a fifth: the 2 ms floor keeps that from being a straggler).
         slowest = view["stragglers"][0]["vs_fastest"]

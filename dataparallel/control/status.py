@@ -467,10 +467,24 @@ def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
         low = min(v for v in scores.values() if v is not None)
         if low < STRAGGLER_BELOW and own * (1 - low) >= STRAGGLER_FLOOR:
             against = "the fastest rank" if scores["vs_fastest"] == low else "its own best"
-            cause = f"its own time per step, {own * 1000:.1f} ms, is {1 / low:.2f}x {against}'s"
+            cause = f"its own time per step, {own * 1000:.1f} ms, is {1 / low:.2f}x {against}'s{_most_in(r)}"
             found.append({"rank": r["rank"], **scores, "own_s": own, "cause": cause, "_low": low})
     found.sort(key=lambda f: f.pop("_low"))
     return found
+
+
+def _most_in(record: Mapping[str, Any]) -> str:
+    """Where most of a rank's own time per step goes (its split's largest phase but
+    ``backward``), as a cause's end: a straggler slow at its data loader is told from one
+    slow at its forward or its optimizer."""
+    split = record.get("split")
+    if not isinstance(split, Mapping):
+        return ""
+    own = {k: v for k, v in split.items() if k != "backward" and isinstance(v, int | float) and v > 0}
+    if not own:
+        return ""
+    phase = max(own, key=lambda k: own[k])
+    return f"; most of it in {phase!r} ({own[phase] * 1000:.1f} ms)"
 
 
 # ---------------------------------------------------------------------- the event log
@@ -823,8 +837,9 @@ def stall_threshold(ranks: Sequence[Mapping[str, Any]], floor: float = STALL_FLO
 
 
 #: Where a phase outside a step lies in an epoch (``command``, the driver's broadcast that
-#: starts an epoch, belongs to the next epoch: the rank's epoch is still the last one's).
-_STAGES = {"command": 0, "train": 1, "epoch end": 2, "validation": 3, "report": 4}
+#: starts an epoch, belongs to the next epoch: the rank's epoch is still the last one's; the
+#: driver writes a ``checkpoint`` once the epoch's reports have met).
+_STAGES = {"command": 0, "train": 1, "epoch end": 2, "validation": 3, "report": 4, "checkpoint": 5}
 _BEFORE = {"joined", "rendezvous", "setup"}
 _AFTER = {"barrier dp-fit-end", "done"}
 

@@ -46,7 +46,12 @@ class Checkpoints:
         return self.t.opts.checkpoint
 
     def save(self, epoch: int, rng_states: list[str], position: EpochPosition | None = None) -> None:
-        """The state after ``epoch`` (``position``: a stop signal's, in the epoch after it)."""
+        """The state after ``epoch`` (``position``: a stop signal's, in the epoch after it),
+        in the phase ``checkpoint`` (what ``dataparallel status`` shows while it is written)."""
+        with self.t.ch.status.phase("checkpoint"):
+            self._save(epoch, rng_states, position)
+
+    def _save(self, epoch: int, rng_states: list[str], position: EpochPosition | None) -> None:
         t = self.t
         extra = t.spec.extra_state
         state = {

@@ -435,13 +435,16 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         return self._root + key.encode()
 
     # ------------------------------------------------------------------ primitives
+    def _put(self, key: str, value: bytes) -> Coroutine[Any, Any, tuple[bool, Any]]:
+        return self._once(lambda txn: [txn.put(self._k(key), value)])
+
     def _set(self, key: str, value: bytes) -> None:
-        self._run(self._once(lambda txn: [txn.put(self._k(key), value)]))
+        self._run(self._put(key, value))
 
     def _put_within(self, key: str, value: bytes, seconds: float) -> None:
         """``_set`` given up after ``seconds`` (a write the keep-alive carries must not hold
         up the next refresh)."""
-        self._run(asyncio.wait_for(self._once(lambda txn: [txn.put(self._k(key), value)]), seconds), seconds)
+        self._run(asyncio.wait_for(self._put(key, value), seconds), seconds)
 
     def _get(self, key: str, timeout: float) -> bytes | None:
         return self._run(self._get_async(self._k(key), timeout), timeout, ReadUnanswered)

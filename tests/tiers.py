@@ -45,6 +45,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestEtcdChannel::test_peer_killed_before_rendezvous_is_reported_as_peer_lost",
         "TestEtcdChannel::test_ranks_are_unique_and_barriers_never_release_early_under_connection_resets",
         "TestEtcdChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
+        "TestEtcdChannel::test_the_store_through_node_relays_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_conformance_grpc.py": {
         "TestGrpcChannel::test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang",
@@ -65,6 +66,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestGrpcChannel::test_gloo_process_group_through_the_channel",
         "TestGrpcChannel::test_only_control_errors_escape_when_the_coordinator_goes",
         "TestGrpcChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
+        "TestGrpcChannel::test_the_store_through_node_relays_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_conformance_memory.py": {
         "TestMemoryChannel::test_a_channel_that_holds_no_rank_keeps_its_run",
@@ -107,6 +109,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestTCPStoreChannel::test_ranks_are_unique_and_barriers_never_release_early_under_connection_resets",
         "TestTCPStoreChannel::test_ranks_joining_together_are_never_reported_lost",
         "TestTCPStoreChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
+        "TestTCPStoreChannel::test_the_store_through_node_relays_is_linearizable_under_kills_freezes_and_connection_resets",
         "test_a_slow_new_connection_delays_the_join_and_never_costs_a_rank",
     },
     "test_conformance_teeth.py": {
@@ -128,6 +131,7 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestZmqChannel::test_only_control_errors_escape_when_the_coordinator_goes",
         "TestZmqChannel::test_ranks_are_unique_and_barriers_never_release_early_under_connection_resets",
         "TestZmqChannel::test_store_is_linearizable_under_kills_freezes_and_connection_resets",
+        "TestZmqChannel::test_the_store_through_node_relays_is_linearizable_under_kills_freezes_and_connection_resets",
     },
     "test_error_output.py": {
         "test_check_says_nothing_listens_in_its_own_words",

@@ -1814,6 +1814,67 @@ class LinearizabilityTests(ChannelHarness):
             assert first_out >= last_in, f"barrier round {i} released a rank {last_in - first_out:.4f}s early"
 
 
+class RelayTests(ChannelHarness):
+    """The channel as a node relay's upstream (:class:`~dataparallel.control.relay.node.NodeRelay`,
+    which takes a channel of any transport): what passes through a relay keeps the store's
+    guarantees, under the same faults as a direct channel's."""
+
+    LIVENESS = FAST_LIVENESS
+    MIN_OPERATIONS = LinearizabilityTests.MIN_OPERATIONS
+
+    @pytest.mark.timeout(240)
+    def test_the_store_through_node_relays_is_linearizable_under_kills_freezes_and_connection_resets(
+        self, channel_url: str, tmp_path: Path
+    ) -> None:
+        """Six ranks behind two relays (three a node), five of them client processes running
+        the linearizability workload (set, get, check, add, compare_set, delete on three
+        keys; the relays batch concurrent writes and share concurrent reads): one client
+        frozen past the liveness timeout (its relay gives it up), another killed with a call
+        in flight (its relay sees its process end), and, where the transport survives a lost
+        connection and has a HOST:PORT, every relay's upstream connection reset every second
+        through a proxy. The merged history is linearizable: each call through a relay is
+        applied once and reads the latest write, as a direct call is."""
+        from dataparallel.control.relay.node import NodeRelay
+
+        from .linearizability import Faults, run_workload
+
+        job = f"relayed{next(_silenced)}"
+        # Whoever hosts the transport's coordinator where a rank 0 does: a job of its own.
+        host = dp.connect(channel_url, rank=0, world_size=1, job=f"{job}~host", timeout=STEP_TIMEOUT)
+        proxy, upstream_url = proxy_in_front(channel_url) if host.survives_connection_loss else (None, channel_url)
+        upstreams: list[dp.ControlChannel] = []
+        relays: list[NodeRelay] = []
+        try:
+            upstreams += run_all(
+                [
+                    partial(dp.connect, upstream_url, rank=n, world_size=2, job=f"{job}~nodes", timeout=STEP_TIMEOUT)
+                    for n in range(2)
+                ]
+            )
+            relays += [
+                NodeRelay(up, tmp_path / f"node{n}", local_ranks=3, node_rank=n, nodes=2, job=job)
+                for n, up in enumerate(upstreams)
+            ]
+            urls = [with_options(f"relay://{relays[r // 3].path}", **self.LIVENESS) for r in range(6)]
+            events = [] if proxy is None else [(0.5, partial(proxy.reset_every, 1.0))]
+            faults = Faults(freeze_at=1.5, kill_at=2.5, events=events)
+            report, _ = run_workload(
+                "", tmp_path / "lin", clients=5, ops=1100, min_seconds=6, faults=faults, rank_urls=urls, job=job
+            )
+            resets = proxy.resets if proxy is not None else None
+        finally:
+            for relay in relays:
+                relay.close()
+            close_all(upstreams)
+            if proxy is not None:
+                proxy.close()
+            host.close()
+        assert report.ok, str(report)
+        assert report.operations >= self.MIN_OPERATIONS, f"only {report.operations} operations recorded"
+        if resets is not None:
+            assert resets >= 4, f"the relays' connections were reset {resets} times"
+
+
 class SilencedServer(Protocol):
     """What :meth:`TimeoutTests.silenceable_server` gives: a coordinator or store in a process
     of its own, ``url`` to reach it, ``pid`` to freeze or kill it, and ``job``, the job a
@@ -2248,6 +2309,7 @@ class ChannelConformance(
     RunTests,
     StoreTests,
     LinearizabilityTests,
+    RelayTests,
     TimeoutTests,
 ):
     """The whole suite. Subclass it and define the ``channel_url`` fixture."""

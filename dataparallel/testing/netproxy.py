@@ -31,6 +31,8 @@ class TcpProxy:
         self._flowing = threading.Event()
         self._flowing.set()
         self._hold, self._skip = 0.3, 0
+        #: Connections reset so far (each a client's, with its link to the server).
+        self.resets = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -96,6 +98,7 @@ class TcpProxy:
         """Reset every live connection (the peers see ECONNRESET and reconnect)."""
         with self._lock:
             conns, self._conns = self._conns, []
+            self.resets += len(conns) // 2
         for s in conns:
             try:  # a linger of 0 makes close() send RST, as a failed link or middlebox does;
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

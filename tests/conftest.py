@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from typing import TextIO
 
 import pytest
-from tiers import FAST_SERIAL, FULL_ONLY, HEAVY_FIRST
+from etcdserver import EtcdServer, require_etcd
+from tiers import FAST_SERIAL, FULL_ONLY, FULL_ONLY_CLASSES, HEAVY_FIRST
 
 #: Files whose tests kill, freeze or cut off peers and judge what follows with liveness
 #: timeouts of a second or two (etcd leases of 2 s among them): ``.ci/run`` runs them one at
@@ -158,7 +159,7 @@ def _fast(item: pytest.Item) -> bool:
     name, file = _test_name(item), item.path.name
     if file in SERIAL:
         return name in FAST_SERIAL.get(file, set())
-    return name not in FULL_ONLY.get(file, set())
+    return name not in FULL_ONLY.get(file, set()) and name.split("::")[0] not in FULL_ONLY_CLASSES.get(file, set())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -168,7 +169,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     collected: dict[str, set[str]] = {}
     for item in items:
         collected.setdefault(item.path.name, set()).add(_test_name(item))
-    for table in (FULL_ONLY, FAST_SERIAL):
+    for file in FULL_ONLY_CLASSES:
+        for name in {n.split("::")[0] for n in collected.get(file, set())}:
+            collected[file].add(name)
+    for table in (FULL_ONLY, FAST_SERIAL, FULL_ONLY_CLASSES):
         for file, names in table.items():
             unknown = names - collected.get(file, names)  # a file not collected this run: nothing to check
             if unknown and not config.getoption("keyword") and not config.getoption("markexpr"):
@@ -197,3 +201,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if skipped:
         reporter.write_line(f"CI: {len(skipped)} test(s) skipped; under CI every test must run", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """A real etcd on 127.0.0.1 with a data directory of its own, for a module's tests."""
+    require_etcd()
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start().wait_ready()
+    yield server
+    server.stop()

@@ -3,19 +3,11 @@ import itertools
 import types
 
 import pytest
-from etcdserver import EtcdServer, require_etcd
+from etcdserver import EtcdServer
 
 from dataparallel.testing import ChannelConformance
 
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    require_etcd()
-    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start().wait_ready()
-    yield server
-    server.stop()
 
 
 class TestEtcdChannel(ChannelConformance):

@@ -14,7 +14,6 @@ import uuid
 import pytest
 import zmq
 import zmq.utils.monitor
-from etcdserver import EtcdServer, require_etcd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jobutil import Bystander, exercise, mutate, open_job, rss_mb, standalone
@@ -32,14 +31,6 @@ from dataparallel.transports.zmq.server import curve_server_keys
 TOKEN = "hostile-token"
 OPTS = {"heartbeat": 0.2, "liveness_timeout": 4}
 FEW = {"deadline": None, "database": None, "derandomize": True, "suppress_health_check": list(HealthCheck)}
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    require_etcd()
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start().wait_ready()
-    yield server
-    server.stop()
 
 
 # ---------------------------------------------------------------------- etcd: keys and values

@@ -112,6 +112,17 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestTCPStoreChannel::test_the_store_through_node_relays_is_linearizable_under_kills_freezes_and_connection_resets",
         "test_a_slow_new_connection_delays_the_join_and_never_costs_a_rank",
     },
+    "test_conformance_relay.py": {
+        "test_a_timed_out_barrier_counts_the_ranks_of_every_node",
+        "TestRelayedMemory::test_barrier_timeout_says_how_many_arrived",
+        "TestRelayedZmq::test_barrier_timeout_says_how_many_arrived",
+        "TestRelayedMemory::test_gloo_process_group_through_the_channel",
+        "TestRelayedMemory::test_only_control_errors_escape_when_the_coordinator_goes",
+        "TestRelayedZmq::test_concurrent_adds_give_an_exact_count",
+        "TestRelayedZmq::test_concurrent_compare_set_has_one_winner",
+        "TestRelayedZmq::test_gloo_process_group_through_the_channel",
+        "TestRelayedZmq::test_only_control_errors_escape_when_the_coordinator_goes",
+    },
     "test_conformance_teeth.py": {
         "test_a_transport_atomic_only_within_a_process_fails_fast_naming_the_primitive",
     },
@@ -254,6 +265,11 @@ FULL_ONLY: dict[str, set[str]] = {
         "test_a_frozen_coordinator_is_waited_for_not_diagnosed_as_misconfigured",
         "test_curve_encrypts_traffic_and_needs_the_same_token",
     },
+}
+
+#: File -> test classes run only by ``pytest --full`` (every test of each).
+FULL_ONLY_CLASSES: dict[str, set[str]] = {
+    "test_conformance_relay.py": {"TestRelayedGrpc", "TestRelayedTCPStore", "TestRelayedEtcd"},
 }
 
 #: The tests of the serial files the fast tier runs (the fast tier runs in one process, so

@@ -50,6 +50,7 @@ import pytest
 import dataparallel as dp
 from dataparallel.control.registry import locate, resolve
 
+from . import relayfarm
 from .common import count_multi_gets, held_rank, with_options
 from .netproxy import proxy_in_front
 
@@ -1873,6 +1874,28 @@ class RelayTests(ChannelHarness):
         assert report.operations >= self.MIN_OPERATIONS, f"only {report.operations} operations recorded"
         if resets is not None:
             assert resets >= 4, f"the relays' connections were reset {resets} times"
+
+
+class RelayedConformance(PrimitiveTests, StoreTests, CollectiveTests):
+    """The suite's key/value, Store and collective tests with every rank behind a node relay
+    of a farm (:mod:`.relayfarm`) joined to the channel under test. Subclass it and define an
+    ``upstream_url`` fixture: what ``channel_url`` is for :class:`ChannelConformance`.
+    (The linearizability workload through relays, under faults, is ``RelayTests``, part of
+    :class:`ChannelConformance`.)"""
+
+    @pytest.fixture
+    def relay_farm(self, upstream_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[relayfarm.RelayFarm]:
+        scheme = upstream_url.partition("://")[0]
+        relayfarm.register(*{*relayfarm.SCHEMES, scheme})
+        farm = relayfarm.RelayFarm()
+        monkeypatch.setenv(relayfarm.ENV, farm.path)  # the suite's worker processes find it here
+        monkeypatch.setenv(relayfarm.SCHEMES_ENV, scheme)
+        yield farm
+        farm.close()
+
+    @pytest.fixture
+    def channel_url(self, upstream_url: str, relay_farm: relayfarm.RelayFarm) -> str:
+        return relayfarm.PREFIX + upstream_url
 
 
 class SilencedServer(Protocol):

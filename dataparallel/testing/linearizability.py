@@ -461,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    from .relayfarm import register_if_farmed
+
+    register_if_farmed()
     ch = dp.connect(args.url, rank=args.rank, world_size=args.world_size, job=args.job, timeout=60)
     try:
         ch.rendezvous(timeout=60)

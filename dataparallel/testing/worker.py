@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key", default="contended", help="the key (prefix) the adds and compare-set roles use")
     parser.add_argument("--no-rendezvous", action="store_true", help="start the role right after connect")
     args = parser.parse_args(argv)
+    from .relayfarm import register_if_farmed
+
+    register_if_farmed()
     try:
         ch = dp.connect(
             args.url, rank=args.rank, world_size=args.world_size, job=args.job, token=args.token, timeout=args.timeout

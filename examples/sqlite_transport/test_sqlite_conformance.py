@@ -2,10 +2,18 @@
 
 import pytest
 
-from dataparallel.testing import ChannelConformance
+from dataparallel.testing import ChannelConformance, RelayedConformance
 
 
 class TestSqliteChannel(ChannelConformance):
     @pytest.fixture
     def channel_url(self, tmp_path):
+        return f"sqlite://{tmp_path}/store.db"
+
+
+class TestSqliteThroughNodeRelays(RelayedConformance):
+    """The key/value and Store tests again, every rank behind a node relay joined to it."""
+
+    @pytest.fixture
+    def upstream_url(self, tmp_path):
         return f"sqlite://{tmp_path}/store.db"

@@ -326,6 +326,26 @@ class LocalServer:
         member = self._members.get(rank)
         return member.pid if member is not None else None
 
+    def reached(self, generation: int) -> int:
+        """How many live local ranks have arrived at barrier ``generation`` or past it."""
+        return self._count_ahead(generation - 1)
+
+    def under_way(self) -> tuple[int, int, bytes] | None:
+        """The barrier the node's ranks are gathering at (the generation after the last one
+        handed on): its generation, how many local ranks have arrived, and its name; None
+        while none has. Any thread."""
+        generation, count, name = self._completed + 1, 0, None
+        for member in list(self._live):
+            try:
+                at, length, _ = _ARRIVAL.unpack_from(member.area, 8)
+                if at >= generation:
+                    count += 1
+                if at == generation and name is None:
+                    name = bytes(member.area[_NAME_AT : _NAME_AT + min(length, _NAME_BYTES)])
+            except ValueError:  # gone meanwhile: its area is closed
+                pass
+        return None if name is None else (generation, count, name)
+
     def members(self) -> dict[int, int]:
         """Joined local ranks and their pids."""
         return {r: m.pid for r, m in list(self._members.items()) if not m.gone}

@@ -66,7 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from ...errors import BadMessage, ControlError, PeerLost
+from ...errors import BadMessage, ControlError, ControlTimeout, PeerLost
 from ..liveness import loss_report
 from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes
 
@@ -92,9 +92,22 @@ WATCH, UNWATCH = 11, 12
 LOSS = 13
 #: Deletes of several keys in one request (``_delete_many``).
 DELETE_MANY = 14
+#: How many ranks of the job had arrived at a rank's barrier (generation, name): for the
+#: message of a barrier that timed out, as a direct channel's says.
+PROGRESS = 15
 
 #: Where each relay says, in the relays' own key space, which ranks are its node's.
 NODE_RANKS = "node-ranks/"
+#: Where each relay says how many of its ranks are in the barrier under way (``ROUND COUNT
+#: NAME``), once that barrier has lasted a supervision tick: what a timed-out barrier's
+#: message counts for the other nodes. One key a node, overwritten: a barrier shorter than a
+#: tick (nearly all) writes nothing.
+ARRIVALS = "arrivals/"
+#: Seconds a barrier's message may spend reading the other nodes' arrivals.
+PROGRESS_WITHIN = 0.25
+#: Generations handed on whose name and round the relay keeps (a rank's count asked for
+#: after its barrier was crossed).
+ROUNDS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,13 @@ def _int(field: bytes) -> int:
 #: Seconds a relayed read's upstream wait ends before the rank's (at most a tenth of it):
 #: the answer crosses back within the rank's bound, as a coordinator's does (remote.server_wait).
 READ_GRACE = 0.25
+
+
+def arrived_hint(total: int, world_size: int, complete: bool) -> str:
+    """A relayed barrier's count for its timeout's message, as a direct channel's gives it;
+    ``complete``: every node's count was read in time (else it is at least that many)."""
+    shown = f"{min(total, world_size)}/{world_size} ranks had arrived"
+    return shown if complete else f"{shown} at least (not every node's count was read in time)"
 
 
 def upstream_wait(timeout: float) -> float:
@@ -401,6 +421,13 @@ class NodeRelay:
         self._ticks = 0
         self._nodes_lost: set[int] = set()
         self._ranks_of: dict[int, tuple[int, int]] = {}  # node -> (first rank, count), as read
+        # Barriers: each name's rounds handed on so far, the name and round of the last
+        # generations handed on, those being crossed, and the arrivals this node last
+        # published (name, round, count written).
+        self._rounds: dict[str, int] = {}
+        self._round_of: dict[int, tuple[str, int]] = {}
+        self._crossing_now: set[int] = set()
+        self._marked: tuple[str, int, int | None] | None = None
         # Loss key -> (its report, b"" for none, and when it was read): the node's one read.
         self._reports: dict[str, tuple[bytes, float]] = {}
         self._started = time.monotonic()
@@ -485,6 +512,9 @@ class NodeRelay:
             return
         if call.op == LOSS:
             self._answer_loss(call)
+            return
+        if call.op == PROGRESS:
+            self._pool.submit(self._progress, call)
             return
         self._pool.submit(self._serve, call)
 
@@ -626,6 +656,11 @@ class NodeRelay:
             self.server.release(generation, OK)
             return
         text = name.decode("utf-8", errors="surrogatepass")
+        round_ = self._rounds.get(text, 0)
+        self._rounds[text] = round_ + 1
+        self._round_of[generation] = (text, round_)
+        self._round_of.pop(generation - ROUNDS_KEPT, None)
+        self._crossing_now.add(generation)
         self._crossing.submit(self._cross, generation, text, timeout if timeout > 0 else None)
 
     def _cross(self, generation: int, name: str, timeout: float | None) -> None:
@@ -633,6 +668,10 @@ class NodeRelay:
             self.upstream.barrier(name, timeout=timeout)
         except PeerLost as err:  # a node, among the relays: its ranks, to the ranks
             self.server.release(generation, ERROR, error_bytes(self._node_lost(err)))
+        except ControlTimeout as err:  # counted in ranks, as the ranks' own timeout's message is
+            total, complete = self._arrived(generation, name)
+            timeout_ = ControlTimeout(f"barrier {name!r}", err.waited, arrived_hint(total, self.world_size, complete))
+            self.server.release(generation, ERROR, error_bytes(timeout_))
         except ControlError as err:
             self.server.release(generation, ERROR, error_bytes(err))
         except Exception as err:
@@ -640,6 +679,69 @@ class NodeRelay:
             self.server.release(generation, ERROR, error_bytes(ControlError(f"relay: {type(err).__name__}: {err}")))
         else:
             self.server.release(generation, OK)
+        finally:
+            self._crossing_now.discard(generation)
+
+    def _arrived(self, generation: int, name: str) -> tuple[int, bool]:
+        """How many ranks of the job had arrived at this node's barrier ``generation``
+        (``name``): this node's, from its ranks' areas, and the other nodes', from what they
+        published (:data:`ARRIVALS`) for the same round; and whether every node's count was
+        read within :data:`PROGRESS_WITHIN`."""
+        total = self.server.reached(generation)
+        if self.nodes == 1:
+            return total, True
+        handed = self._round_of.get(generation)  # None: still gathering on this node
+        round_ = handed[1] if handed is not None else self._rounds.get(name, 0)
+        deadline, complete = time.monotonic() + PROGRESS_WITHIN, True
+        for node in range(self.nodes):
+            if node == self.node_rank:
+                continue
+            if time.monotonic() > deadline:
+                return total, False
+            key = f"{ARRIVALS}{node}"
+            try:
+                raw = self.upstream._get(key, 0.05) if self.upstream._check([key]) else None
+                if raw:
+                    their_round, count, their_name = raw.split(b" ", 2)
+                    if their_name.decode("utf-8", errors="surrogatepass") == name and int(their_round) == round_:
+                        total += int(count)
+            except (ControlError, ValueError):
+                complete = False
+        return total, complete
+
+    def _progress(self, call: Call) -> None:
+        def count() -> list[bytes]:
+            generation_field, name = unpack(call.payload)
+            total, complete = self._arrived(_int(generation_field), name.decode("utf-8", errors="surrogatepass"))
+            return [struct.pack("<q?", total, complete)]
+
+        _answer_all([call], "a barrier's count", count)
+
+    def _mark_arrivals(self) -> None:
+        """Publish how many of this node's ranks are in the barrier under way, once it has
+        lasted a tick (and again when that count changes): see :data:`ARRIVALS`."""
+        crossing = max(self._crossing_now, default=None)
+        if crossing is not None and crossing in self._round_of:
+            name, round_ = self._round_of[crossing]
+            count = self.local_ranks
+        else:
+            under_way = self.server.under_way()
+            if under_way is None:
+                self._marked = None
+                return
+            _, count, raw = under_way
+            name = raw.decode("utf-8", errors="surrogatepass")
+            round_ = self._rounds.get(name, 0)
+        marked = self._marked
+        if marked is None or marked[:2] != (name, round_):
+            self._marked = (name, round_, None)  # seen once: published if it lasts till the next tick
+            return
+        if marked[2] != count:
+            self.upstream._set(
+                f"{ARRIVALS}{self.node_rank}",
+                b"%d %d " % (round_, count) + name.encode("utf-8", errors="surrogatepass"),
+            )
+            self._marked = (name, round_, count)
 
     def _gone(self, local: int, how: str) -> None:
         rank = self.first_rank + local
@@ -720,6 +822,11 @@ class NodeRelay:
             self._reporting.submit(self._report_loss, rank, w.loss_key, how)
 
     def _tick(self) -> None:
+        if self.nodes > 1:
+            try:
+                self._mark_arrivals()
+            except ControlError as err:
+                log.debug("relay: publishing the barrier's arrivals failed: %s", err)
         with self._watch_lock:
             keys = {w.loss_key for w in self._watched.values()}
         try:

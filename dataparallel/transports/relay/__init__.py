@@ -20,7 +20,7 @@ from dataparallel.control.collectives import Needs
 from dataparallel.control.keyspace import claim_key, peer_key
 from dataparallel.control.liveness import StoreHeartbeats, heartbeat_key, loss_key
 from dataparallel.control.registry import ChannelURL
-from dataparallel.control.relay.local import OVER_SLOT, LocalClient, NoReply
+from dataparallel.control.relay.local import OVER_SLOT, LocalClient, NoReply, barrier_name
 from dataparallel.control.relay.node import (
     ADD,
     APPEND,
@@ -33,9 +33,11 @@ from dataparallel.control.relay.node import (
     MULTI_GET,
     MULTI_SET,
     NUM_KEYS,
+    PROGRESS,
     SET,
     UNWATCH,
     WATCH,
+    arrived_hint,
     pack,
     unpack,
 )
@@ -45,6 +47,10 @@ from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlE
 #: upstream call is bounded by the same timeout): what a direct client's reply grace is, so a
 #: call through a frozen relay keeps the timeout's bound as a frozen coordinator's does.
 _SLACK = 0.25
+#: A timed-out barrier's count (its message's) is asked of the relay for this long at most,
+#: and never past this long after the barrier's deadline: a frozen relay's silence must not
+#: push the timeout past its promise (the deadline and half a second).
+_HINT_WITHIN, _HINT_BY = 0.35, 0.4
 
 
 def _key(key: str) -> bytes:
@@ -230,13 +236,29 @@ class RelayedChannel(ControlChannel):
             what = f"barrier {name!r} round {seq}"
             try:
                 generation = self._local.arrive(name, left)
+
+                def progress() -> str:  # a timed-out barrier's count, from the relay
+                    within = min(_HINT_WITHIN, deadline + _HINT_BY - time.monotonic())
+                    if within < 0.02:
+                        return ""
+                    payload = pack(struct.pack("<q", generation), barrier_name(name))
+                    try:
+                        total, complete = struct.unpack("<q?", self._local.call(PROGRESS, payload, timeout=within))
+                    except (ControlError, NoReply, struct.error):
+                        return ""  # a frozen or busy relay: the timeout without its count
+                    return arrived_hint(total, self.world_size, complete)
+
                 # In slices, between which a lost peer (the core's liveness) or a rank that
                 # closed without entering this round (its departure record) ends the wait.
                 wait = lambda slice_: self._local.released(generation, slice_)  # noqa: E731
                 self._within.deadline = deadline
                 try:
                     self._await_with(
-                        wait, left, f"barrier {name!r}", needs=Needs("barrier", name, seq, range(self.world_size), what)
+                        wait,
+                        left,
+                        f"barrier {name!r}",
+                        progress,
+                        needs=Needs("barrier", name, seq, range(self.world_size), what),
                     )
                 finally:
                     self._within.deadline = None

@@ -1,0 +1,236 @@
+"""Node relays started on demand, for running the conformance suite's ranks through them.
+
+A test's ranks connect to ``relay+SCHEME://...``: the URL of the channel under test with
+``relay+`` before its scheme. Such a rank (a :class:`FarmChannel`) asks the farm, a server
+in the test's process (its Unix socket's path in :data:`ENV`, which the suite's worker
+processes inherit), for its node's relay, and joins it as a ``relay://`` rank does. The farm
+keeps one set of relays per job, world size, token and upstream URL: :data:`PER_NODE` ranks a
+node (so every world of three or more spans nodes and shares one), node ``n`` a
+:class:`~dataparallel.control.relay.node.NodeRelay` joined to the upstream URL as rank ``n``
+of ``JOB~nodes``, each started when the first of its ranks asks. The relays live in the
+test's process, as a launcher's do beside its workers: a rank killed or frozen takes no relay
+with it. Where rank 0 of a job hosts the transport's coordinator, node 0's relay does.
+
+Written here rather than reusing the launcher: a launcher starts a node's relay before its
+workers, for one job it knows; the suite's tests start jobs of every size and name from
+threads and processes alike, so the relays have to come when their ranks do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import socketserver
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import dataparallel as dp
+from dataparallel import errors
+from dataparallel.control.channel import COMMON_OPTIONS
+from dataparallel.control.registry import ChannelURL, parse_url, register_transport, transport_class
+from dataparallel.control.relay.node import NodeRelay
+from dataparallel.errors import ConfigError, ControlError
+from dataparallel.transports.relay import RelayedChannel
+
+#: The environment variable that holds the farm's socket path.
+ENV = "DP_TEST_RELAY_FARM"
+#: The environment variable that holds the scheme under test (a user's own, say).
+SCHEMES_ENV = "DP_TEST_RELAY_SCHEME"
+#: A node's ranks.
+PER_NODE = 2
+#: The transports a farm's URL may put behind relays (``relay+SCHEME``), and any other
+#: registered through :func:`register`.
+SCHEMES = ("memory", "zmq", "grpc", "tcpstore", "etcd")
+PREFIX = "relay+"
+
+
+def register(*schemes: str) -> None:
+    """Make ``relay+SCHEME`` a :class:`FarmChannel` for each of ``schemes`` (default
+    :data:`SCHEMES`), in this process."""
+    for scheme in schemes or SCHEMES:
+        register_transport(PREFIX + scheme, FarmChannel)
+
+
+def register_if_farmed() -> None:
+    """:func:`register`, in a process started under a farm (:data:`ENV` set), for the
+    built-ins and the scheme under test (:data:`SCHEMES_ENV`): the suite's worker processes
+    call it before they connect."""
+    if os.environ.get(ENV):
+        register(*{*SCHEMES, *filter(None, [os.environ.get(SCHEMES_ENV)])})
+
+
+def split(url: ChannelURL) -> tuple[str, str]:
+    """``relay+SCHEME://...``'s upstream URL (without the channel options every transport
+    takes: those are the rank's) and the rank's ``relay://`` options' query."""
+    base = url.raw[len(PREFIX) :].partition("?")[0]
+    own = {k: v for k, v in url.options.items() if k in COMMON_OPTIONS}
+    upstream = {k: v for k, v in url.options.items() if k not in COMMON_OPTIONS}
+    tail = "&".join(f"{k}={v}" for k, v in upstream.items())
+    return base + (f"?{tail}" if tail else ""), "&".join(f"{k}={v}" for k, v in own.items())
+
+
+class FarmChannel(RelayedChannel):
+    """A rank behind its node's relay in the farm (the module docstring)."""
+
+    scheme = "relay+"
+    URL_FORM = "relay+SCHEME://... (a channel URL behind node relays of the test's relay farm)"
+    URL_HOST = False
+
+    @classmethod
+    def check_url(cls, url: ChannelURL, token: str | None = None, *, serving: bool = False) -> None:
+        if not url.scheme.startswith(PREFIX):  # the relay's own URL
+            RelayedChannel.check_url(url, token, serving=serving)
+            return
+        if serving:
+            raise ConfigError(f"{url.shown!r}: a relayed rank serves nothing")
+        upstream, _ = split(url)
+        parsed = parse_url(upstream)
+        transport_class(parsed.scheme).check_url(parsed, token)
+        for name in COMMON_OPTIONS:
+            url.seconds(name, 1.0)
+
+    def __init__(self, url: ChannelURL, **kwargs: Any) -> None:
+        if not url.scheme.startswith(PREFIX):  # the relay's own URL, as RelayedChannel's
+            super().__init__(url, **kwargs)
+            return
+        if kwargs.get("rank") is None:
+            raise ConfigError(f"{url.shown!r}: a rank behind a node relay is given its rank by its launcher")
+        upstream, query = split(url)
+        path = ask(
+            upstream=upstream,
+            job=kwargs.get("job", "default"),
+            world_size=kwargs["world_size"],
+            rank=kwargs["rank"],
+            token=kwargs.get("token"),
+            timeout=float(kwargs.get("timeout", 300.0)),
+        )
+        kwargs["serve"] = False
+        super().__init__(parse_url(f"relay://{path}" + (f"?{query}" if query else "")), **kwargs)
+
+
+def ask(**request: Any) -> str:
+    """The farm's relay for a rank (its socket's path), or the farm's error raised as its type."""
+    path = os.environ.get(ENV)
+    if not path:
+        raise ConfigError(f"relay+ URLs need a relay farm ({ENV} unset)")
+    timeout = request["timeout"] + 5.0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            with sock.makefile("rb") as reply:
+                answer = json.loads(reply.readline() or b"{}")
+        except (OSError, ValueError) as err:
+            raise errors.ChannelClosed(f"relay farm at {path}: {err}") from None
+    if "path" in answer:
+        return str(answer["path"])
+    kind = getattr(errors, str(answer.get("type")), None)
+    message = str(answer.get("message", "the relay farm gave no answer"))
+    if isinstance(kind, type) and issubclass(kind, ControlError):
+        try:
+            raise kind(message)
+        except TypeError:
+            pass  # an error whose constructor takes more than a message
+    raise ControlError(message)
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.upstream: dp.ControlChannel | None = None
+        self.relay: NodeRelay | None = None
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    request_queue_size = 512  # ranks of many jobs ask at once (a full backlog: EAGAIN)
+
+
+class RelayFarm:
+    """The farm: serves :func:`ask` on a Unix socket (:attr:`path`) until :meth:`close`, which
+    closes every relay it started and its upstream channel."""
+
+    def __init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="dpfarm"))  # short: a socket's path is at most 107 bytes
+        self.path = str(self._dir / "farm.sock")
+        self._lock = threading.Lock()
+        self._nodes: dict[tuple[Any, ...], _Node] = {}
+        self._closed = False
+        farm = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                try:
+                    request = json.loads(self.rfile.readline())
+                    answer: dict[str, Any] = {"path": farm.relay_path(**request)}
+                except Exception as err:  # told to the rank, as its own error
+                    answer = {"type": type(err).__name__, "message": str(err)}
+                self.wfile.write(json.dumps(answer).encode() + b"\n")
+
+        self._server = _Server(self.path, Handler)
+        self._server.daemon_threads = True
+        os.chmod(self.path, 0o600)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="relay-farm", daemon=True)
+        self._thread.start()
+
+    def relay_path(
+        self, *, upstream: str, job: str, world_size: int, rank: int, token: str | None, timeout: float
+    ) -> str:
+        nodes = -(-world_size // PER_NODE)
+        node = rank // PER_NODE
+        key = (upstream, job, world_size, token, node)
+        with self._lock:
+            if self._closed:
+                raise errors.ChannelClosed("the relay farm is closed")
+            entry = self._nodes.setdefault(key, _Node())
+            index = len(self._nodes)
+        with entry.lock:
+            if entry.relay is None:
+                up = dp.connect(upstream, rank=node, world_size=nodes, job=f"{job}~nodes", token=token, timeout=timeout)
+                try:
+                    relay = NodeRelay(
+                        up,
+                        self._dir / f"r{index}",
+                        local_ranks=min(PER_NODE, world_size - node * PER_NODE),
+                        node_rank=node,
+                        nodes=nodes,
+                        job=job,
+                        first_rank=node * PER_NODE,
+                        world_size=world_size,
+                    )
+                except BaseException:
+                    up.close()
+                    raise
+                entry.upstream, entry.relay = up, relay
+            return str(entry.relay.path)
+
+    def upstream_of(
+        self, upstream: str, job: str, world_size: int, token: str | None, *, node: int
+    ) -> dp.ControlChannel:
+        """Node ``node``'s upstream channel in the relays of that job (KeyError: none started)."""
+        channel = self._nodes[(upstream, job, world_size, token, node)].upstream
+        if channel is None:
+            raise KeyError(node)
+        return channel
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries = list(self._nodes.items())
+        self._server.shutdown()
+        self._server.server_close()
+        for _, entry in entries:
+            if entry.relay is not None:
+                entry.relay.close()
+        # Node 0's upstream may host the coordinator the others use: it closes last.
+        for _, entry in sorted(entries, key=lambda item: -item[0][-1]):
+            if entry.upstream is not None:
+                try:
+                    entry.upstream.close()
+                except ControlError:
+                    pass
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -14,7 +14,9 @@ epoch (``EpochMetrics.train_seconds``; the first block dropped as warm-up); the 
 mean of the pairs' ratios and its 95% interval (``log_ratio_interval``: the plain mean of
 ratios this noisy overstates them by about 1%), held to the target (at most 1.01: 1% of a step);
 beside it, the same ratio of the CPU seconds all ranks' processes spent over the same
-epochs' training (every thread: what the status costs as work, not as waiting). Also
+epochs' training (every thread: what the status costs as work, not as waiting), and of the
+ranks' training threads alone (where the status's bookkeeping runs; gloo's threads' noise
+left out). Also
 what each part costs measured alone (a phase change, five a step; a step's end; the record
 made for a heartbeat, one a second) and their share of a step.
 """
@@ -82,6 +84,11 @@ def worker(
     # ``epoch end``.
     cpu: list[float] = []
     began = [0.0]
+    # And the training thread's own (``dp.fit`` trains on the thread that calls it, where
+    # ``at`` and ``enter`` are called): the status's bookkeeping alone, without the noise of
+    # gloo's threads.
+    main_cpu: list[float] = []
+    main_began = [0.0]
     marked_at, marked_enter = RankStatus.at, RankStatus.enter
 
     def cpu_now() -> float:
@@ -91,10 +98,12 @@ def worker(
     def at_marked(self: RankStatus, epoch: int | None = None, step: int | None = None) -> None:
         if epoch is not None and len(cpu) == epoch and not began[0]:
             began[0] = cpu_now()
+            main_began[0] = time.thread_time()
         marked_at(self, epoch, step)
 
     def enter_marked(self: RankStatus, phase: str) -> str:
         if phase == "epoch end" and began[0]:
+            main_cpu.append(time.thread_time() - main_began[0])
             cpu.append(cpu_now() - began[0])
             began[0] = 0.0
         return marked_enter(self, phase)
@@ -115,15 +124,15 @@ def worker(
         callbacks=[lambda m: seconds.append(m.train_seconds)],
     )
     ch.close()
-    return {"seconds": seconds, "cpu": cpu}
+    return {"seconds": seconds, "cpu": cpu, "main_cpu": main_cpu}
 
 
 def run(
     world: int, epochs: int, same: bool = False, off: tuple[str, ...] = tuple(PARTS), batch: int = 64
-) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[tuple[float, float]]]:
     """One run's (on, off) pairs of neighbouring epochs, two a block of four (on, off, off,
-    on), the first block dropped: of the driver's training seconds, and of the CPU seconds
-    all ranks' processes spent over the same epochs' training."""
+    on), the first block dropped: of the driver's training seconds, of the CPU seconds all
+    ranks' processes spent over the same epochs' training, and of their training threads'."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.status_overhead", "--worker", "--port", str(port)]
     cmd += ["--nprocs", str(world), "--epochs", str(epochs), *(["--same"] if same else [])]
@@ -132,11 +141,13 @@ def run(
     outs = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
     seconds = outs[0]["seconds"]
     cpu = [sum(epoch) for epoch in zip(*(out["cpu"] for out in outs), strict=True)]
-    pairs, cpu_pairs = [], []
+    main_cpu = [sum(epoch) for epoch in zip(*(out["main_cpu"] for out in outs), strict=True)]
+    pairs, cpu_pairs, main_pairs = [], [], []
     for i in range(4, len(seconds) - 3, 4):
         pairs += [(seconds[i], seconds[i + 1]), (seconds[i + 3], seconds[i + 2])]
         cpu_pairs += [(cpu[i], cpu[i + 1]), (cpu[i + 3], cpu[i + 2])]
-    return pairs, cpu_pairs
+        main_pairs += [(main_cpu[i], main_cpu[i + 1]), (main_cpu[i + 3], main_cpu[i + 2])]
+    return pairs, cpu_pairs, main_pairs
 
 
 def parts_cost(rounds: int = 100_000) -> dict[str, float]:
@@ -208,23 +219,29 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs: list[tuple[float, float]] = []
     cpu_pairs: list[tuple[float, float]] = []
+    main_pairs: list[tuple[float, float]] = []
     if args.pairs_from is not None:
         earlier = json.loads(args.pairs_from.read_text())
         sides = earlier["train_s_per_epoch"]
         pairs = list(zip(sides["status on"], sides["status off"], strict=True))
         cpu_sides = earlier.get("cpu_s_per_epoch") or {"status on": [], "status off": []}
         cpu_pairs = list(zip(cpu_sides["status on"], cpu_sides["status off"], strict=True))
+        main_sides = earlier.get("training_thread_cpu_s_per_epoch") or {"status on": [], "status off": []}
+        main_pairs = list(zip(main_sides["status on"], main_sides["status off"], strict=True))
         args.nprocs, args.epochs, args.repeats = earlier["world_size"], earlier["epochs"], earlier["runs"]
         args.same = str(earlier.get("sides", "")).startswith("both")
         args.off, args.batch = earlier.get("taken_out") or list(PARTS), earlier.get("batch", 64)
     for _ in tqdm(range(0 if args.pairs_from else args.repeats), desc="runs"):
-        got, got_cpu = run(args.nprocs, args.epochs, args.same, tuple(args.off), args.batch)
+        got, got_cpu, got_main = run(args.nprocs, args.epochs, args.same, tuple(args.off), args.batch)
         pairs += got
         cpu_pairs += got_cpu
+        main_pairs += got_main
     sides = {"status on": [on for on, _ in pairs], "status off": [off for _, off in pairs]}
     cpu_sides = {"status on": [on for on, _ in cpu_pairs], "status off": [off for _, off in cpu_pairs]}
     interval = log_ratio_interval(pairs)
     cpu_interval = log_ratio_interval(cpu_pairs) if cpu_pairs else None
+    main_sides = {"status on": [on for on, _ in main_pairs], "status off": [off for _, off in main_pairs]}
+    main_interval = log_ratio_interval(main_pairs) if main_pairs else None
     parts = parts_cost()
     steps = -(-7168 // (args.batch * args.nprocs))
     step_s = statistics.median(sides["status off"]) / steps
@@ -246,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_interval is not None:
         mean, low, high = cpu_interval
         print(f"  CPU of all ranks' processes over the same epochs, on/off: {mean:.4f} (95% {low:.4f}..{high:.4f})")
+    if main_interval is not None:
+        mean, low, high = main_interval
+        print(f"  CPU of the ranks' training threads, on/off: {mean:.4f} (95% {low:.4f}..{high:.4f})")
     print(
         f"  alone: a phase change {parts['phase_change_s'] * 1e9:.0f} ns (five a step), a step's end "
         f"{parts['step_done_s'] * 1e9:.0f} ns, a publish {parts['publish_s'] * 1e6:.0f} us on a heartbeat "
@@ -273,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_ratio_on_off_geometric": None
             if cpu_interval is None
             else dict(zip(("mean", "low", "high"), cpu_interval, strict=True)),
+            "training_thread_cpu_s_per_epoch": main_sides if main_pairs else None,
+            "training_thread_cpu_ratio_on_off_geometric": None
+            if main_interval is None
+            else dict(zip(("mean", "low", "high"), main_interval, strict=True)),
             "target": TARGET,
             "verdict": None if args.same else verdict(interval, TARGET),
             "parts_s": parts,

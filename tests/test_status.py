@@ -843,3 +843,73 @@ def test_a_coordinator_that_applies_no_carried_writes_gets_the_record_written_ap
         for ch in (b, a):
             if ch is not None:
                 ch.close()
+
+
+def _accumulated(ops: list[tuple[str, object]], first: str, start: float) -> list[tuple[float, dict[str, float]]]:
+    """The last steps' times and splits accumulated step by step, as a phase change and a
+    step's end add them up: the reference the ring of marks must agree with."""
+    from dataparallel.control.status import SPLIT_OVER
+
+    phase, since, began, split, steps = first, start, start, {}, []
+    for kind, value in ops:
+        now = value if kind != "op" else None
+        if kind == "enter":
+            name, now = value
+            split[phase] = split.get(phase, 0.0) + now - since
+            phase, since = name, now
+        elif kind == "done":
+            split[phase] = split.get(phase, 0.0) + now - since
+            steps.append((now - began, split))
+            since = began = now
+            split = {}
+        elif kind == "start":
+            split, since, began = {}, now, now
+    return steps[-SPLIT_OVER:]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_ranks_last_steps_are_its_phase_changes_added_up(seed: int) -> None:
+    """A step's phase changes and ends are only marked while it trains (no lock, no sums);
+    the record's step time, split and own time, made from the marks, are what adding them up
+    step by step gives, over random sequences of phase changes, step ends and new stretches
+    (more marks than the ring keeps among them)."""
+    import random
+    import types
+
+    from dataparallel.control import status as module
+    from dataparallel.control.status import RankStatus, _own_time
+
+    rng = random.Random(seed)
+    clock = [1000.0]
+    channel = types.SimpleNamespace(rank=0, world_size=1, heartbeat_interval=1.0)
+    real = module._clock
+    module._clock = lambda: clock[0]
+    try:
+        status = RankStatus(channel)  # type: ignore[arg-type]
+        ops: list[tuple[str, object]] = []
+        first, start = status.phase_name, status.phase_since
+        clock[0] = start
+        for step in range(1, rng.randint(1, 3000)):
+            clock[0] += rng.random() * 0.01
+            roll = rng.random()
+            if roll < 0.65:
+                name = rng.choice(["data", "forward", "backward", "optimizer", "validation", "x"])
+                status.enter(name)
+                ops.append(("enter", (name, clock[0])))
+            elif roll < 0.95:
+                status.step_done(step)
+                ops.append(("done", clock[0]))
+            else:
+                status.step_started()
+                ops.append(("start", clock[0]))
+        want = _accumulated(ops, first, start)
+        got = module._last_steps(status._marks_now())
+        assert len(got) == len(want)
+        for (seconds, split), (want_s, want_split) in zip(got, want, strict=True):
+            assert seconds == pytest.approx(want_s, abs=1e-9)
+            assert split.keys() == want_split.keys()
+            assert all(split[k] == pytest.approx(want_split[k], abs=1e-9) for k in split)
+        if want:
+            assert status.own_time() == pytest.approx(_own_time(want), abs=1e-9)
+    finally:
+        module._clock = real

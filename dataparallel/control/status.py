@@ -68,6 +68,12 @@ STALL_STEPS, STALL_FLOOR = 5.0, 2.0
 SILENT_INTERVALS, SILENT_FLOOR = 3.0, 2.0
 #: A record this young (seconds) says what its rank does now: a rank publishes once a second.
 FRESH_WITHIN = 1.5
+#: Phase changes and step ends a rank keeps (a ring) for its last steps' split: SPLIT_OVER
+#: steps of up to 64 marks each (fewer steps where a step changes phase more often).
+MARKS_KEPT = 64 * SPLIT_OVER
+
+#: The clock of a phase change, bound once: the hot path of a step reads it as one global.
+_clock = time.time
 
 
 _STACKS = f"{RESERVED_PREFIX}stacks/"
@@ -118,7 +124,10 @@ def stacks_key(rank: int) -> str:
 
 class RankStatus:
     """One rank's own account of what it is doing (``channel.status``). Thread-safe; setting
-    a phase costs a lock and a clock read."""
+    a phase (or ending a step) costs a clock read and an append to a ring of marks, no lock:
+    it runs between a step's torch calls, where every line it touches is cold, so it does
+    as little as it can; the split is made from the marks when a record is (once a second,
+    off the training thread)."""
 
     def __init__(self, channel: ControlChannel) -> None:
         self._ch = channel
@@ -128,9 +137,10 @@ class RankStatus:
         self.epoch: int | None = None
         self.step: int | None = None
         self.device: str | None = None
-        self._split: dict[str, float] = {}  # this step's seconds per phase, so far
-        self._steps: deque[tuple[float, dict[str, float]]] = deque(maxlen=SPLIT_OVER)  # (seconds, split)
-        self._step_began = self.phase_since  # when this step began
+        # Marks, oldest first: (phase left, time) a phase change, (phase, time, step) a step's
+        # end, (None, time, None) the start of a stretch of steps. Appended by the training
+        # thread without a lock (a deque's append is atomic), read whole by record().
+        self._marks: deque[tuple[Any, ...]] = deque(((None, self.phase_since, None),), maxlen=MARKS_KEPT)
         self._steps_done = 0  # steps ended so far
         self._published = 0  # records written: a reader that sees the count move sees the rank live
         # The least median own time over a full window of steps, of the windows a record saw
@@ -155,11 +165,10 @@ class RankStatus:
     def enter(self, phase: str) -> str:
         """Enter ``phase``; returns the phase left (the time spent in it counts to this step's
         split)."""
-        now = time.time()
-        with self._lock:
-            left = self.phase_name
-            self._split[left] = self._split.get(left, 0.0) + now - self.phase_since
-            self.phase_name, self.phase_since = phase, now
+        now = _clock()
+        left = self.phase_name
+        self.phase_name, self.phase_since = phase, now
+        self._marks.append((left, now))
         return left
 
     @contextlib.contextmanager
@@ -181,35 +190,39 @@ class RankStatus:
 
     def step_done(self, step: int) -> None:
         """A step ended (the next begins): its time, split by the phases it went through."""
-        now = time.time()
-        with self._lock:
-            split = self._split
-            split[self.phase_name] = split.get(self.phase_name, 0.0) + now - self.phase_since
-            self.phase_since = now
-            self._steps.append((now - self._step_began, split))
-            self._step_began = now
-            self._split = {}
-            self.step = step
-            self._steps_done += 1
+        now = _clock()
+        self._marks.append((self.phase_name, now, step))
+        self.phase_since = now
+        self.step = step
+        self._steps_done += 1
 
     def step_started(self) -> None:
         """The first step of a stretch begins now: what came before is no step's time."""
-        now = time.time()
-        with self._lock:
-            self._split = {}
-            self.phase_since = self._step_began = now
+        now = _clock()
+        self._marks.append((None, now, None))
+        self.phase_since = now
 
     def own_time(self) -> float | None:
         """The median of the last steps' own time (all of a step but ``backward``: what a
         straggler is slow at), seconds; None before a step ended."""
-        with self._lock:
-            return _own_time(self._steps) if self._steps else None
+        last = _last_steps(self._marks_now())
+        return _own_time(last) if last else None
+
+    def _marks_now(self) -> list[tuple[Any, ...]]:
+        """The marks, copied whole while the training thread may append (in CPython one C
+        call under the GIL; should an append come between, copied again)."""
+        for _ in range(8):
+            try:
+                return list(self._marks)
+            except RuntimeError:  # deque mutated during iteration
+                continue
+        return []
 
     def record(self) -> dict[str, Any]:
         """The rank's record as published (JSON-able)."""
         now = time.time()
         with self._lock:
-            last = list(self._steps)
+            last = _last_steps(self._marks_now())
             if len(last) == SPLIT_OVER and self._steps_done != self._own_best_at:
                 own = _own_time(last)
                 self._own_best = own if self._own_best is None else min(self._own_best, own)
@@ -429,6 +442,32 @@ def _main_thread_stack(text: str, frames: int = 12) -> str:
                 block.append(frame.strip())
             return "\n".join(block)
     return ""
+
+
+def _last_steps(marks: Sequence[tuple[Any, ...]]) -> list[tuple[float, dict[str, float]]]:
+    """The last :data:`SPLIT_OVER` whole steps in ``marks`` (:class:`RankStatus`'s), oldest
+    first: each its seconds and its split (seconds per phase)."""
+    start, ends = len(marks), 0
+    while start > 0:  # back to the boundary (a step's end, a stretch's start) the oldest kept began at
+        start -= 1
+        if len(marks[start]) == 3:
+            if ends == SPLIT_OVER:
+                break
+            ends += marks[start][0] is not None
+    steps: list[tuple[float, dict[str, float]]] = []
+    began: float | None = None  # the step's start; None before the first boundary seen
+    split: dict[str, float] = {}
+    t = 0.0
+    for mark in marks[start:]:
+        name, at = mark[0], mark[1]
+        if began is not None and name is not None:
+            split[name] = split.get(name, 0.0) + at - t
+        t = at
+        if len(mark) == 3:  # a step's end (its phase's time counted above) or a stretch's start
+            if began is not None and name is not None:
+                steps.append((at - began, split))
+            began, split = at, {}
+    return steps[-SPLIT_OVER:]
 
 
 def _own_time(steps: Sequence[tuple[float, dict[str, float]]]) -> float:

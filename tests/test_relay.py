@@ -327,7 +327,8 @@ def test_ranks_joining_together_share_their_requests_upstream(tmp_path):
 def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
     """Six ranks of two nodes wait for a key rank 0 has yet to write (as for the NCCL unique
     id): at no time does the coordinator hold more than one read of it per relay (one per
-    waiting rank, six, without sharing); every rank gets the value once written. A rank whose
+    waiting rank, six, without sharing; besides each relay's own read of its ranks' loss
+    report); every rank gets the value once written. A rank whose
     wait ends before the read in flight does reads on its own, and returns at its timeout."""
     nodes = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=4)
     coordinator = nodes.upstreams[0]._hosted
@@ -343,6 +344,14 @@ def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
 
     key = RANKS + channels[1]._scoped("unique-id")  # as the relays read it upstream
     try:
+        # Each relay parks a read of the run's loss report of its own (a loss published is
+        # news at once): counted before, apart from the key's.
+        deadline = time.monotonic() + 10
+        while coordinator.stats()["parked"] < 2:
+            assert time.monotonic() < deadline, coordinator.stats()
+            time.sleep(0.01)
+        own = [coordinator.stats()["parked"]]
+        assert own == [2], own
         readers = [threading.Thread(target=read, args=(r, 30), daemon=True) for r in range(1, world - 1)]
         for t in readers:
             t.start()
@@ -354,7 +363,7 @@ def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
         for _ in range(150):  # 1.5 s: three of the core's read slices
             parked.append(coordinator.stats()["parked"])
             time.sleep(0.01)
-        assert max(parked) == 2, parked
+        assert max(parked) == max(own) + 2, parked
         start = time.monotonic()
         read(world - 1, 0.3)  # on node 1, beside three reading together
         assert got.pop(world - 1) == "timeout" and 0.25 < time.monotonic() - start < 2
@@ -458,8 +467,9 @@ def test_a_rank_killed_or_frozen_behind_a_relay_is_peer_lost_to_every_other_rank
     """Killed or frozen (SIGSTOP) in the middle of barriers: every other rank, on its node and
     the other, raises PeerLost naming it, noticed by its relay, which watches its ranks (no
     rank watches another's heartbeats through the relays). Killed: the relay sees its process
-    end and reports the loss where the run's ranks read losses; with a liveness timeout of
-    10 s, every rank is told within a tick (0.2 s) and a second of margin. Frozen: its beats
+    end and reports the loss where the run's ranks read losses, where every other relay's
+    parked read of it returns at once; with a liveness timeout of 10 s, every rank is told
+    on its next tick (0.2 s), within a second. Frozen: its beats
     in shared memory stop, and the relay reports it once they have for the liveness timeout
     (2 s there): within that, a tick or two, and margin."""
     options = "?heartbeat=0.2&liveness_timeout=" + ("10" if how == "killed" else "2")
@@ -480,7 +490,7 @@ def test_a_rank_killed_or_frozen_behind_a_relay_is_peer_lost_to_every_other_rank
             assert "noticed by node 1's relay" in got["message"], got["message"]
             print(f"rank {r} told in {got['at'] - stopped:.3f}s")
             if how == "killed":
-                assert got["at"] - stopped < 0.2 + 1.0, (r, got["at"] - stopped)
+                assert got["at"] - stopped < 1.0, (r, got["at"] - stopped)
             else:
                 assert "no heartbeat for" in got["message"], got["message"]
                 assert got["at"] - stopped < 2.0 + 3.0, (r, got["at"] - stopped)

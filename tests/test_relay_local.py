@@ -584,3 +584,34 @@ def test_a_socket_path_too_long_is_a_config_error_and_leaks_nothing(tmp_path):
     with pytest.raises(ConfigError, match="choose a shorter directory"):
         LocalServer(deep, 1, lambda call: call.reply(b""))
     assert node_areas() == before
+
+
+def test_a_relay_starting_leaves_the_modes_of_files_made_meanwhile_alone(tmp_path):
+    """A relay binds its socket without touching the process's umask (the process's, not the
+    thread's: a directory another thread made meanwhile came out 0600 instead of 0700): its
+    socket is 0600 all the same, and directories made while relays start keep their mode."""
+    import stat
+    import tempfile
+    import threading
+
+    stop, modes = threading.Event(), []
+
+    def make_directories() -> None:
+        while not stop.is_set():
+            made = Path(tempfile.mkdtemp(dir=tmp_path))
+            modes.append(stat.S_IMODE(made.stat().st_mode))
+            made.rmdir()
+
+    maker = threading.Thread(target=make_directories, daemon=True)
+    maker.start()
+    try:
+        for i in range(300):
+            server = LocalServer(tmp_path / f"r{i}", 1, lambda call: call.reply(b""))
+            try:
+                assert stat.S_IMODE(server.path.stat().st_mode) == 0o600
+            finally:
+                server.close()
+    finally:
+        stop.set()
+        maker.join(timeout=10)
+    assert modes and set(modes) == {0o700}, sorted(set(modes))

@@ -458,14 +458,21 @@ def _rendered_rows(url: str) -> list[list[str]]:
         if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
             pytest.fail(message + " — CI must test the page in a browser")
         pytest.skip(message)
-    with tempfile.TemporaryDirectory() as profile:
-        dom = subprocess.run(
-            [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}", "--dump-dom", url],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+    for attempt in range(3):
+        # A browser that dies of a signal (seen under load: SIGTRAP, one of Chromium's own
+        # checks failing) is started again, with a fresh profile: the page is what is tested.
+        with tempfile.TemporaryDirectory() as profile:
+            flags = ["--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}", "--dump-dom"]
+            done = subprocess.run(
+                [browser, *flags, url],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        if done.returncode >= 0 or attempt == 2:
+            break
+    done.check_returncode()
+    dom = done.stdout
 
     class Rows(HTMLParser):
         def __init__(self) -> None:

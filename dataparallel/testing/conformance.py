@@ -1318,11 +1318,12 @@ class LivenessTests(ChannelHarness):
                 # may be acknowledged after the resume, and that is no write after the loss.)
                 # (The job lost a rank, so the public get says PeerLost: the hook reads.)
                 fences = channels[0].fences_lost_members
-                at_told = channels[0]._get(f"writer/{victim}", STEP_TIMEOUT) if fences else None
+                written = channels[0]._scoped(f"writer/{victim}")  # where the public set wrote it
+                at_told = channels[0]._get(written, STEP_TIMEOUT) if fences else None
                 os.kill(proc.pid, signal.SIGCONT)
                 resumed = time.monotonic()
                 result = _finish(proc, STEP_TIMEOUT)
-                at_end = channels[0]._get(f"writer/{victim}", STEP_TIMEOUT) if fences else None
+                at_end = channels[0]._get(written, STEP_TIMEOUT) if fences else None
             finally:
                 close_all(channels)
         finally:
@@ -1876,7 +1877,7 @@ class RelayTests(ChannelHarness):
             assert resets >= 4, f"the relays' connections were reset {resets} times"
 
 
-class RelayedConformance(PrimitiveTests, StoreTests, CollectiveTests):
+class RelayedConformance(PrimitiveTests, StoreTests, CollectiveTests, LivenessTests):
     """The suite's key/value, Store and collective tests with every rank behind a node relay
     of a farm (:mod:`.relayfarm`) joined to the channel under test. Subclass it and define an
     ``upstream_url`` fixture: what ``channel_url`` is for :class:`ChannelConformance`.

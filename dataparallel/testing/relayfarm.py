@@ -188,7 +188,9 @@ class RelayFarm:
                 raise errors.ChannelClosed("the relay farm is closed")
             entry = self._nodes.setdefault(key, _Node())
             index = len(self._nodes)
-        with entry.lock:
+        with entry.lock:  # close() takes it too: a relay being started is closed once it is
+            if self._closed:
+                raise errors.ChannelClosed("the relay farm is closed")
             if entry.relay is None:
                 up = dp.connect(upstream, rank=node, world_size=nodes, job=f"{job}~nodes", token=token, timeout=timeout)
                 try:
@@ -224,13 +226,15 @@ class RelayFarm:
         self._server.shutdown()
         self._server.server_close()
         for _, entry in entries:
-            if entry.relay is not None:
-                entry.relay.close()
+            with entry.lock:  # a relay being started: once it is
+                if entry.relay is not None:
+                    entry.relay.close()
         # Node 0's upstream may host the coordinator the others use: it closes last.
         for _, entry in sorted(entries, key=lambda item: -item[0][-1]):
-            if entry.upstream is not None:
-                try:
-                    entry.upstream.close()
-                except ControlError:
-                    pass
+            with entry.lock:
+                if entry.upstream is not None:
+                    try:
+                        entry.upstream.close()
+                    except ControlError:
+                        pass
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -160,7 +160,7 @@ class Call:
     """One request as the relay's handler sees it. Answer it exactly once with :meth:`reply`
     or :meth:`fail`, from any thread, at once or later."""
 
-    __slots__ = ("_done", "_member", "_seq", "_server", "_slot", "op", "payload", "rank")
+    __slots__ = ("_done", "_member", "_seq", "_server", "_slot", "after", "op", "payload", "rank")
 
     def __init__(self, server: LocalServer, member: _Member, slot: int, seq: int, op: int, payload: bytes) -> None:
         self.rank = member.rank
@@ -168,6 +168,13 @@ class Call:
         self.payload = payload
         self._server, self._member, self._slot, self._seq = server, member, slot, seq
         self._done = False
+        #: Called once the call is answered (the handler's to set): what it had in flight ends.
+        self.after: Callable[[], None] | None = None
+
+    @property
+    def pid(self) -> int:
+        """The calling rank's process."""
+        return self._member.pid
 
     def reply(self, payload: bytes = b"") -> None:
         self._answer(OK, payload)
@@ -179,7 +186,11 @@ class Call:
         if self._done:
             raise RuntimeError(f"local rank {self.rank}: call answered twice")
         self._done = True
-        self._server._answer(self._member, self._slot, self._seq, status, payload)
+        try:
+            self._server._answer(self._member, self._slot, self._seq, status, payload)
+        finally:
+            if self.after is not None:
+                self.after()
 
 
 class _Member:
@@ -280,7 +291,9 @@ class LocalServer:
         except FileNotFoundError:
             pass
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
+        # Bound as the umask gives, then made 0600: the directory (this user's, 0700, checked
+        # above) keeps everyone else out meanwhile. (Not by setting the umask around the bind:
+        # it is the process's, and a file another thread made meanwhile took its mode.)
         try:
             self._listener.bind(str(self.path))
         except OSError as err:
@@ -288,8 +301,6 @@ class LocalServer:
             raise ConfigError(
                 f"relay socket {self.path}: cannot listen there ({err}); choose a shorter directory"
             ) from None
-        finally:
-            os.umask(old)
         os.chmod(self.path, 0o600)
         # Made once the socket is bound: a directory or path refused leaves none of these open.
         self._node_fd = os.memfd_create("dp-relay-node", os.MFD_CLOEXEC)
@@ -737,7 +748,19 @@ class LocalClient:
         self._in_flight = 0  # calls and waits using the descriptors: close() waits for them
         self._using = _InFlight(self)  # `with self._using:` around every use of them
         self._pollers: dict[int, select.poll] = {}  # a bell's, with the socket: made once
+        # Rung by interrupt(): a barrier's wait returns at once, to look at its peers again.
+        self._interrupt = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._interrupts = 0
         self._conn.setblocking(True)
+
+    def interrupt(self) -> None:
+        """End the barrier wait under way (:meth:`released` returns None at once): the rank
+        learnt something its wait must look at (a peer lost, its channel failed)."""
+        with self._free_cv:
+            if self._closed:
+                return
+            self._interrupts += 1
+            _eventfd_ring(self._interrupt)
 
     def beat(self) -> None:
         """Say the rank is alive (the relay reads how long ago it last did)."""
@@ -784,10 +807,11 @@ class LocalClient:
         caller can look at its peers between slices)."""
         at = _outcome_at(generation)
         deadline = time.monotonic() + timeout
+        interrupts = self._interrupts
         with self._using:
             while _OUTCOME.unpack_from(self._node, at)[0] != generation:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._interrupts != interrupts:
                     return None
                 self._wait(self._released[generation % _OUTCOMES], left, drain=False)
             _, status, length = _OUTCOME.unpack_from(self._node, at)
@@ -858,7 +882,7 @@ class LocalClient:
                 log.warning("local rank %d: %d calls still in flight at close", self.rank, self._in_flight)
                 return  # their descriptors stay open rather than be closed under them
         self._conn.close()
-        for fd in [self._doorbell, self._arrivals, self._tokens, *self._released, *self._bells]:
+        for fd in [self._doorbell, self._arrivals, self._tokens, *self._released, *self._bells, self._interrupt]:
             os.close(fd)
         for area in (self._area, self._node):
             try:
@@ -881,12 +905,18 @@ class LocalClient:
             poller = self._pollers[bell] = select.poll()
             poller.register(bell, select.POLLIN)
             poller.register(self._conn.fileno(), select.POLLIN)
+            poller.register(self._interrupt, select.POLLIN)
         try:
             ready = [fd for fd, _ in poller.poll(min(left, 1.0) * 1000)]
         except RuntimeError:  # another thread waits on this bell's poller: one of its own
-            ready = _readable([bell, self._conn.fileno()], min(left, 1.0))
+            ready = _readable([bell, self._conn.fileno(), self._interrupt], min(left, 1.0))
         if self._closed:
             raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay was closed")
+        if self._interrupt in ready:  # emptied by whichever waiter wakes; released() reads the count
+            LocalServer._drain(self._interrupt)
+            ready.remove(self._interrupt)
+            if not ready:
+                return
         if bell in ready:
             if drain:
                 LocalServer._drain(bell)

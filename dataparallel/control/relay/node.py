@@ -24,7 +24,10 @@ each, and through it:
   tick it writes the heartbeat keys of its live ranks upstream in one request (what the
   core's membership reads to tell a live holder of a rank from a gone one); and a node whose
   relay is lost upstream (the relays' own liveness) is reported lost by the others, as its
-  first rank, naming the node's ranks.
+  first rank, naming the node's ranks. A rank it declares lost is cut off first: every later
+  call of its process is refused (ChannelClosed, "declared lost"), and its loss is published
+  once none of its writes is in flight, so no write of a lost rank lands after the others
+  were told (a frozen rank that resumes fails on its next call or liveness tick).
 
   The relay also reads the run's loss report once a tick for all its ranks and answers each
   rank's read from it, with its age (the rank judges its store by when it last answered).
@@ -66,7 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from ...errors import BadMessage, ControlError, ControlTimeout, PeerLost
+from ...errors import BadMessage, ChannelClosed, ControlError, ControlTimeout, PeerLost
 from ..liveness import loss_report
 from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes
 
@@ -96,6 +99,16 @@ DELETE_MANY = 14
 #: message of a barrier that timed out, as a direct channel's says.
 PROGRESS = 15
 
+#: The operations that write: a rank declared lost has none of them in flight when its loss
+#: is published (see :meth:`NodeRelay._lose`).
+WRITES = frozenset({SET, ADD, COMPARE_SET, DELETE, DELETE_MANY, MULTI_SET, APPEND, WATCH})
+
+#: The upstream channel's properties its ranks' channels take on (told in the hello): its
+#: fencing of a lost member (a whole node lost is fenced only where the upstream fences the
+#: relay's session; a rank the relay declares lost it fences itself), its re-sent calls on a
+#: lost connection, the stall its store may take.
+UPSTREAM_FLAGS = ("fences_lost_members", "survives_connection_loss", "store_stall")
+
 #: Where each relay says, in the relays' own key space, which ranks are its node's.
 NODE_RANKS = "node-ranks/"
 #: Where each relay says how many of its ranks are in the barrier under way (``ROUND COUNT
@@ -103,6 +116,8 @@ NODE_RANKS = "node-ranks/"
 #: message counts for the other nodes. One key a node, overwritten: a barrier shorter than a
 #: tick (nearly all) writes nothing.
 ARRIVALS = "arrivals/"
+#: Seconds a relay's parked read of its ranks' loss report waits upstream at a time.
+LOSS_WAIT = 5.0
 #: Seconds a barrier's message may spend reading the other nodes' arrivals.
 PROGRESS_WITHIN = 0.25
 #: Generations handed on whose name and round the relay keeps (a rank's count asked for
@@ -405,6 +420,13 @@ class NodeRelay:
             last = self.first_rank + local_ranks - 1
             raise ValueError(f"ranks {self.first_rank}..{last} do not fit a world of {self.world_size}")
         self._on_gone = on_gone
+        self.job = job
+        self._by = f"node {node_rank}'s relay"
+        # A rank declared lost, (local rank, pid) -> the error its calls get from then on and
+        # its loss report (what its own loss reads answer); and each rank's writes in flight.
+        self._fenced: dict[tuple[int, int], tuple[ChannelClosed, bytes]] = {}
+        self._writing: dict[tuple[int, int], int] = {}
+        self._written = threading.Condition()
         geometry = geometry or Geometry()
         # A thread for every call that can be in flight (each slot of each rank may wait in a
         # get); the node's barriers cross one at a time, in order, on a thread of their own.
@@ -436,6 +458,7 @@ class NodeRelay:
         self._looked = self._resumed = self._started
         self._slept = 1.0  # the judge's current period (a second while no rank is watched)
         self._stopping = threading.Event()
+        self._watches_changed = threading.Event()
         # The ranks' concurrent writes and watches, a request per batch (module docstring).
         self._sets = Batched(self._pool, self._serve_sets)
         self._compare_sets = Batched(self._pool, self._serve_compare_sets)
@@ -445,7 +468,14 @@ class NodeRelay:
         self._multi_reads: SharedReads[tuple[str, ...], list[bytes]] = SharedReads(
             self._pool, lambda keys, wait: upstream._multi_get(keys, wait), lambda values: pack(b"", *values)
         )
-        info = {"job": job, "world_size": self.world_size, "node_rank": node_rank, "nodes": nodes}
+        info = {
+            "job": job,
+            "world_size": self.world_size,
+            "node_rank": node_rank,
+            "nodes": nodes,
+            # What the ranks' calls get from the upstream, which they pass through.
+            **{flag: getattr(upstream, flag) for flag in UPSTREAM_FLAGS},
+        }
         self.server = LocalServer(
             directory,
             local_ranks,
@@ -465,9 +495,14 @@ class NodeRelay:
         # no frozen rank's report, nor passes for the relay's own stall).
         self._judge_thread = threading.Thread(target=self._judging, name="dp-relay-judge", daemon=True)
         self._judge_thread.start()
+        # A loss another node publishes, told to this node's ranks the moment it is (a read
+        # parked upstream), not at the next tick's read.
+        self._loss_thread = threading.Thread(target=self._awaiting_losses, name="dp-relay-losses", daemon=True)
+        self._loss_thread.start()
 
     def close(self) -> None:
         self._stopping.set()
+        self._watches_changed.set()
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._crossing.shutdown(wait=False, cancel_futures=True)
@@ -481,6 +516,15 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ serving
     def _handle(self, call: Call) -> None:
+        fenced = self._fenced.get((call.rank, call.pid))
+        if fenced is not None:  # declared lost: cut off, as a coordinator drops a lost rank's session
+            if call.op == LOSS:
+                call.reply(pack(fenced[1], struct.pack("<d", 0.0)))  # its own loss: it fails on reading it
+            else:
+                call.fail(fenced[0])
+            return
+        if call.op in WRITES:
+            self._count_write(call)
         if call.op in (WATCH, SET, COMPARE_SET, GET, MULTI_GET, ADD):
             try:
                 fields = unpack(call.payload)
@@ -535,6 +579,7 @@ class NodeRelay:
                 with self._watch_lock:
                     for call, watched in batch:
                         self._watched[call.rank] = watched
+            self._watches_changed.set()
             return [b""] * len(batch)
 
         _answer_all(calls, "watching joined ranks", watch)
@@ -547,7 +592,7 @@ class NodeRelay:
                     watched = self._watched.pop(call.rank, None)
                 if watched is not None:  # not reported by _gone, which came first
                     how = f"its process ended while it joined (pid {self.server.pid_of(call.rank)} on this node)"
-                    self._reporting.submit(self._report_loss, self.first_rank + call.rank, watched.loss_key, how)
+                    self._lose(call.rank, watched.loss_key, how)
 
     def _serve_sets(self, batch: list[tuple[Call, str, bytes]]) -> None:
         """One ``_set``, or for several one ``_multi_set`` (a key set twice: the later value,
@@ -749,16 +794,53 @@ class NodeRelay:
         with self._watch_lock:
             watched = self._watched.pop(local, None)
         if watched is not None:  # it had joined its job and not closed: a loss, reported at once
-            pid = self.server.pid_of(local)
-            self._reporting.submit(self._report_loss, rank, watched.loss_key, f"{how} (pid {pid} on this node)")
+            self._lose(local, watched.loss_key, f"{how} (pid {self.server.pid_of(local)} on this node)")
         if self._on_gone is not None:
             self._on_gone(rank, how)
 
+    def _count_write(self, call: Call) -> None:
+        writer = (call.rank, call.pid)
+        with self._written:
+            self._writing[writer] = self._writing.get(writer, 0) + 1
+
+        def done() -> None:
+            with self._written:
+                left = self._writing[writer] - 1
+                if left:
+                    self._writing[writer] = left
+                else:
+                    del self._writing[writer]
+                    self._written.notify_all()
+
+        call.after = done
+
+    def _lose(self, local: int, key: str, how: str) -> None:
+        """Local rank ``local`` is lost (its process ended, or its beats stopped): fence it
+        (every later call of its process refused with ChannelClosed, and its own loss read
+        answered with its loss, on which it fails), then publish its loss once none of its
+        writes is in flight: no write of its lands after the others are told."""
+        rank, pid = self.first_rank + local, self.server.pid_of(local)
+        report = loss_report(rank, time.time(), how, self._by)
+        writer = None
+        if pid is not None:
+            writer = (local, pid)
+            error = ChannelClosed(f"rank {rank} of job {self.job!r} was declared lost: {how} (noticed by {self._by})")
+            error.fenced = True  # type: ignore[attr-defined]  # crosses to the rank with its fields
+            self._fenced[writer] = (error, report)
+        self._reporting.submit(self._publish_loss, rank, key, report, writer)
+
     def _report_loss(self, rank: int, key: str, how: str) -> None:
+        """Publish rank's loss (a rank of another node) where its run's ranks read losses."""
+        self._publish_loss(rank, key, loss_report(rank, time.time(), how, self._by))
+
+    def _publish_loss(self, rank: int, key: str, report: bytes, writer: tuple[int, int] | None = None) -> None:
         """Publish rank's loss where its run's ranks read losses (first report wins): every
         rank of the job raises PeerLost on its liveness's next tick, without waiting out the
-        liveness timeout."""
-        report = loss_report(rank, time.time(), how, f"node {self.node_rank}'s relay")
+        liveness timeout. ``writer``: the fenced local rank and process whose writes in
+        flight are answered first (each within the upstream's timeout)."""
+        if writer is not None:
+            with self._written:
+                self._written.wait_for(lambda: writer not in self._writing, timeout=self.upstream.timeout + 1.0)
         try:
             current = self.upstream._compare_set(key, b"", report)
         except Exception as err:  # the guard of every rank tells, within the liveness timeout
@@ -819,7 +901,7 @@ class NodeRelay:
             pid = self.server.pid_of(local)
             how = f"no heartbeat for {silent:.1f}s (liveness timeout {w.timeout:g}s; pid {pid} on this node)"
             log.info("relay: rank %d (local %d): %s", rank, local, how)
-            self._reporting.submit(self._report_loss, rank, w.loss_key, how)
+            self._lose(local, w.loss_key, how)
 
     def _tick(self) -> None:
         if self.nodes > 1:
@@ -850,7 +932,39 @@ class NodeRelay:
             self._reports[key] = (known[0], time.monotonic())
             return
         report = self.upstream._get(key, 0.5) if self.upstream._check([key]) else None
-        self._reports[key] = (report or b"", time.monotonic())
+        self._keep_report(key, report)
+
+    def _keep_report(self, key: str, report: bytes | None) -> None:
+        """What a read of the run's loss report found, now (a report once read is kept: an
+        empty read finishing after another read found one does not hide it)."""
+        known = self._reports.get(key)
+        self._reports[key] = (report or (known[0] if known is not None else b""), time.monotonic())
+
+    def _awaiting_losses(self) -> None:
+        """While ranks are watched: a read of their run's loss report parked upstream
+        (:data:`LOSS_WAIT` at a time), answered the moment some relay or rank publishes one;
+        the node's ranks read it on their next tick (the tick's own read stays: it is what
+        tells the ranks their store still answers)."""
+        while not self._stopping.is_set():
+            with self._watch_lock:
+                keys = sorted({w.loss_key for w in self._watched.values()})
+            pending = [key for key in keys if not self._reports.get(key, (b"", 0.0))[0]]
+            if not pending:
+                self._watches_changed.wait(self._period())  # a rank's watch wakes it at once
+                self._watches_changed.clear()
+                continue
+            try:
+                found = self.upstream._get(pending[0], LOSS_WAIT)
+            except ControlError as err:  # the upstream failing: the ticks' reads tell the ranks
+                log.debug("relay: waiting for a loss report failed: %s", err)
+                self._stopping.wait(self._period())
+                continue
+            except Exception:  # a bug: logged, and the ticks' reads go on
+                log.exception("relay: waiting for a loss report failed")
+                self._stopping.wait(self._period())
+                continue
+            if found:
+                self._keep_report(pending[0], found)
 
     def _report_lost_nodes(self, loss_keys: set[str]) -> None:
         """A node the relays' liveness declared lost: its ranks are gone with it, reported

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.collectives import Needs
 from dataparallel.control.keyspace import claim_key, peer_key
-from dataparallel.control.liveness import StoreHeartbeats, heartbeat_key, loss_key
+from dataparallel.control.liveness import LostPeer, StoreHeartbeats, heartbeat_key, loss_key
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.relay.local import OVER_SLOT, LocalClient, NoReply, barrier_name
 from dataparallel.control.relay.node import (
@@ -36,6 +36,7 @@ from dataparallel.control.relay.node import (
     PROGRESS,
     SET,
     UNWATCH,
+    UPSTREAM_FLAGS,
     WATCH,
     arrived_hint,
     pack,
@@ -61,6 +62,12 @@ class RelayedChannel(ControlChannel):
     scheme = "relay"
     URL_FORM = "{scheme}:///PATH/relay.sock"
     URL_HOST = False
+    #: The relay sees its ranks' processes end (a pidfd each) and reports them at once.
+    notices_exits = True
+    #: A frozen rank holds nothing of the others': its calls are the relay's to make.
+    survives_frozen_writers = True
+    # fences_lost_members, survives_connection_loss, store_stall: the upstream's, from the
+    # relay's hello (UPSTREAM_FLAGS).
 
     @classmethod
     def _check_options(cls, url: ChannelURL, token: str | None, serving: bool) -> None:
@@ -87,6 +94,9 @@ class RelayedChannel(ControlChannel):
         if problems:
             self._local.close()
             raise ConfigError(f"{url.shown!r}: rank {self.rank} was given " + "; ".join(problems))
+        for flag in UPSTREAM_FLAGS:  # the upstream's, which every call passes through
+            if flag in info:
+                setattr(self, flag, type(getattr(self, flag))(info[flag]))
         self._barriers = threading.Lock()
         self._within = threading.local()  # .deadline: the wait this thread's calls are made for
         self._watched = False
@@ -107,6 +117,10 @@ class RelayedChannel(ControlChannel):
             bound = min(bound, closing)
         try:
             return self._local.call(op, payload, timeout=bound)
+        except ChannelClosed as err:
+            if getattr(err, "fenced", False) and not self._closed:  # the relay declared this rank lost
+                self._fail(err)
+            raise
         except NoReply as err:
             if waits is not None:
                 raise
@@ -189,6 +203,12 @@ class RelayedChannel(ControlChannel):
         keys = (loss_key(self), heartbeat_key(self, self.rank), peer_key)
         self._call(WATCH, pack(*(_key(k) for k in keys), liveness, peer))
         self._watched = True
+
+    def _fail(self, error: ControlError) -> None:
+        super()._fail(error)
+        local = getattr(self, "_local", None)
+        if local is not None:
+            local.interrupt()  # a barrier waiting in shared memory raises it now, not a slice later
 
     def _new_liveness(self) -> StoreHeartbeats:
         return RelayedHeartbeats(self, self.heartbeat_interval, self.liveness_timeout)
@@ -291,6 +311,12 @@ class RelayedHeartbeats(StoreHeartbeats):
 
     def _beat(self) -> None:
         self._local.beat()
+
+    def _record(self, peer: LostPeer) -> bool:
+        news = super()._record(peer)
+        if news:  # a barrier waiting in shared memory raises PeerLost now, not a slice later
+            self._local.interrupt()
+        return news
 
     def _watched(self) -> list[int]:
         return []  # the relays watch

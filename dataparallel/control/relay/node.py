@@ -58,12 +58,14 @@ deletes (the gathers' clean-up of a round is one ``_delete_many``) and appends.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -116,8 +118,29 @@ NODE_RANKS = "node-ranks/"
 #: message counts for the other nodes. One key a node, overwritten: a barrier shorter than a
 #: tick (nearly all) writes nothing.
 ARRIVALS = "arrivals/"
-#: Seconds a relay's parked read of its ranks' loss report waits upstream at a time.
-LOSS_WAIT = 5.0
+#: Seconds a relay's parked read of its ranks' loss report waits upstream at a time, and
+#: the longest its process's exit waits for one still parked (see :func:`_settle_at_exit`).
+LOSS_WAIT = 2.0
+
+#: The relays of this process (their threads that park reads upstream).
+_relays: weakref.WeakSet[NodeRelay] = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    """As the process exits, every relay's parked read is let end (within :data:`LOSS_WAIT`)
+    and waited for: a daemon thread that comes back out of a store's native call while the
+    interpreter finalizes aborts the process ("terminate called without an active
+    exception", as torch's TCPStore client does)."""
+    relays = list(_relays)
+    for relay in relays:
+        relay._stopping.set()
+        relay._watches_changed.set()
+    deadline = time.monotonic() + LOSS_WAIT + 1.0
+    for relay in relays:
+        relay._loss_thread.join(max(deadline - time.monotonic(), 0.0))
+
+
 #: Seconds a barrier's message may spend reading the other nodes' arrivals.
 PROGRESS_WITHIN = 0.25
 #: Generations handed on whose name and round the relay keeps (a rank's count asked for
@@ -498,6 +521,7 @@ class NodeRelay:
         # A loss another node publishes, told to this node's ranks the moment it is (a read
         # parked upstream), not at the next tick's read.
         self._loss_thread = threading.Thread(target=self._awaiting_losses, name="dp-relay-losses", daemon=True)
+        _relays.add(self)
         self._loss_thread.start()
 
     def close(self) -> None:

@@ -121,12 +121,37 @@ def observe(
     job = job if job is not None else config.job
     token = token if token is not None else config.token
     timeout = timeout if timeout is not None else min(config.timeout, 30.0)
+    from .control.relay.node import nodes_job, observe_ranks
+
     parsed, cls = resolve(url, token, where=where)
-    with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
-        channel = cls(parsed, rank=None, world_size=0, job=job, token=token, timeout=timeout, serve=False)
+
+    def attached(name: str, ranks_behind_relays: bool) -> ControlChannel:
+        """An observer's channel of job ``name`` attached to its current run (for a job whose
+        ranks run behind node relays, ``name`` is the relays' job and the ranks' run is under
+        their prefix); ControlError where there is none."""
+        channel = cls(parsed, rank=None, world_size=0, job=name, token=token, timeout=timeout, serve=False)
         try:
-            if not channel._attach_run():
+            if not (channel._attach_run() and (not ranks_behind_relays or observe_ranks(channel))):
                 raise ControlError(f"job {job!r} has no run at {parsed.shown}: no rank of it has joined")
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    with _waiting_notice(parsed, getattr(cls, "SERVICE", "the coordinator")):
+        try:
+            channel = attached(job, False)
+        except ControlError as err:
+            if type(err) is not ControlError:  # refused (a token), unreachable, timed out: as it is
+                raise
+            # No run of that name: a job whose ranks run behind node relays (``launch
+            # --relay``) keeps its ranks' keys in the relays' job, which is followed from then on.
+            try:
+                channel = attached(nodes_job(job), True)
+            except ControlError:
+                raise err from None
+            channel.observed_job = job
+        try:
             if not cls.native_auth:
                 channel.check_token()  # a read: an observer writes nothing
         except BaseException:

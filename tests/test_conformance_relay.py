@@ -3,24 +3,24 @@
 two ranks a node) joined to the transport under test. The linearizability workload through
 relays, under faults, is ``RelayTests`` in every transport's own suite."""
 
+import contextlib
 import itertools
+import types
 
 import pytest
+from etcdserver import EtcdServer
 
 import dataparallel as dp
 from dataparallel.testing import RelayedConformance, close_all, free_port, run_all
-from dataparallel.testing.relayfarm import ENV, FarmChannel, RelayFarm, register
+from dataparallel.testing.relayfarm import FarmChannel, running
 
 _names = itertools.count()
 
 
 @pytest.fixture
-def relay_farm(monkeypatch):
-    register()
-    farm = RelayFarm()
-    monkeypatch.setenv(ENV, farm.path)  # the suite's worker processes find it here
-    yield farm
-    farm.close()
+def relay_farm():
+    with running() as farm:
+        yield farm
 
 
 class TestRelayedMemory(RelayedConformance):
@@ -49,8 +49,18 @@ class TestRelayedTCPStore(RelayedConformance):
 
 class TestRelayedEtcd(RelayedConformance):
     @pytest.fixture
-    def upstream_url(self, etcd):
+    def upstream_url(self, etcd, tmp_path):
+        self.scratch = tmp_path
         return f"{etcd.url}/relayed{next(_names)}"
+
+    @contextlib.contextmanager
+    def upstream_server(self, upstream_url):
+        """etcd's store is no rank's: a server of its own, for the timeout tests to freeze or kill."""
+        server = EtcdServer(self.scratch / f"silenced{next(_names)}").start().wait_ready()
+        try:
+            yield types.SimpleNamespace(url=f"{server.url}/silenced", pid=server.proc.pid)
+        finally:
+            server.stop()
 
 
 def test_the_farm_puts_every_two_ranks_behind_a_relay_of_their_own(relay_farm):

@@ -782,6 +782,74 @@ def test_a_node_lost_with_its_relay_is_peer_lost_to_the_other_nodes_ranks(tmp_pa
         up.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_ranks_waiting_reads_never_hold_up_its_other_calls(tmp_path):
+    """A rank with more reads waiting for their keys than it has slots at the relay: a write
+    from another thread goes through at once (a slot is kept free of waiting reads), and its
+    liveness, reading through the relay each tick, never takes the wait for a dead store
+    (0.2 s heartbeats, a 1 s liveness timeout, reads of 4 s)."""
+    fast = "?heartbeat=0.2&liveness_timeout=1"
+    nodes = Nodes(tmp_path, f"memory://waiting-{free_port()}{fast}", nodes=1, per_node=1)
+    ch = dp.connect(nodes.url(0) + fast, rank=0, world_size=1, job=nodes.job, timeout=30)
+    try:
+        slots = ch._local.geometry.slots
+        outcomes: list[BaseException | None] = []
+
+        def read(i: int) -> None:
+            try:
+                ch.get(f"never/{i}", timeout=4)
+            except dp.ControlError as err:
+                outcomes.append(err)
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(slots + 2)]
+        for t in readers:
+            t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        ch.set("written", b"meanwhile")
+        assert time.monotonic() - start < 0.5, f"a write waited {time.monotonic() - start:.2f}s behind waiting reads"
+        time.sleep(2.0)  # twice the liveness timeout
+        assert ch.failure is None, ch.failure
+        for t in readers:
+            t.join(10)
+        assert len(outcomes) == slots + 2 and all(isinstance(e, dp.ControlTimeout) for e in outcomes), outcomes
+        assert ch.get("written", timeout=1) == b"meanwhile"
+    finally:
+        ch.close()
+        nodes.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_relays_channel_ending_ends_its_ranks_channels_at_their_next_call_or_tick(tmp_path):
+    """Node 0's relay's own channel fails (as when its coordinator is gone, or the node was
+    declared lost): its ranks, idle, fail with that failure, naming the relay, within a
+    liveness tick or two (0.2 s heartbeats), not at their liveness timeout (2 s); a rank's
+    call fails at once, as a directly connected rank's does on its coordinator's end. The
+    other node's ranks go on."""
+    fast = "?heartbeat=0.2&liveness_timeout=2"
+    nodes = Nodes(tmp_path, f"memory://ended-{free_port()}{fast}", nodes=2, per_node=2)
+    procs = nodes.start("idle", fast)
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "started", p.stderr.read()[-3000:]
+        ended = time.time()
+        nodes.upstreams[0].fail_with(dp.ChannelClosed("its coordinator is gone (the test's)"))
+        for r, p in enumerate(procs[:2]):
+            out, err = p.communicate(timeout=60)
+            got = json.loads(out.splitlines()[-1])
+            assert got["error"] == "ChannelClosed", (r, got, err[-2000:])
+            assert "node 0's relay's channel failed: its coordinator is gone (the test's)" in got["message"], got
+            assert got["at"] - ended < 1.0, (r, got["at"] - ended, got)
+        assert all(p.poll() is None for p in procs[2:]), "node 1's ranks ended with node 0's relay's channel"
+        with pytest.raises(dp.ChannelClosed, match="node 0's relay's channel failed"):
+            dp.connect(nodes.url(0), rank=0, world_size=4, job=nodes.job, timeout=5).close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+        nodes.close()
+
+
 @pytest.mark.timeout(120)
 def test_idle_ranks_behind_relays_notice_their_store_gone_within_the_liveness_timeout(tmp_path):
     """The job's coordinator killed while the ranks make no call of their own: each rank's
@@ -806,7 +874,9 @@ def test_idle_ranks_behind_relays_notice_their_store_gone_within_the_liveness_ti
                 out, err = p.communicate(timeout=60)
                 got = json.loads(out.splitlines()[-1])
                 assert got["error"] == "ChannelClosed", (r, got, err[-2000:])
-                assert "the node relay has had no answer from the store for" in got["message"], got
+                # Whichever tells first: the ranks' reads, or the relay's channel ending.
+                told = ("the node relay has had no answer from the store for", "relay's channel failed")
+                assert any(t in got["message"] for t in told), got
                 assert got["at"] - killed < 2.0 + 3.0, (r, got["at"] - killed, got)
         finally:
             for p in procs:

@@ -78,10 +78,14 @@ def rank_process(path: Path, rank: int, ops: list, **kwargs) -> subprocess.Popen
 class Relay:
     """A server whose handler echoes, answers later from a thread, fails, or never answers."""
 
-    def __init__(self, directory: Path, ranks: int = 4, geometry: Geometry | None = None, on_barrier=None) -> None:
+    def __init__(
+        self, directory: Path, ranks: int = 4, geometry: Geometry | None = None, on_barrier=None, may_replace=None
+    ) -> None:
         self.gone: list[tuple[int, str, float]] = []
         self.calls: list[Call] = []
-        self.server = LocalServer(directory, ranks, self.handle, self.on_gone, geometry, on_barrier)
+        self.server = LocalServer(
+            directory, ranks, self.handle, self.on_gone, geometry, on_barrier, may_replace=may_replace
+        )
 
     def handle(self, call: Call) -> None:
         self.calls.append(call)
@@ -245,9 +249,8 @@ def test_a_closed_relay_ends_a_waiting_call(tmp_path):
 def test_refusals(relay, tmp_path):
     with pytest.raises(ConfigError, match=r"not one of this node's, 0\.\.3"):
         LocalClient(relay.server.path, 4)
-    with LocalClient(relay.server.path, 0):
-        with pytest.raises(ConfigError, match="already held"):
-            LocalClient(relay.server.path, 0)
+    with LocalClient(relay.server.path, 0), LocalClient(relay.server.path, 0) as second:
+        assert second.local_rank is None  # its seat held: a guest (test_guests_...)
     with pytest.raises(ChannelClosed, match="no node relay"):
         LocalClient(tmp_path / "nothing.sock", 0, timeout=1)
     open_dir = tmp_path / "open"
@@ -255,6 +258,54 @@ def test_refusals(relay, tmp_path):
     os.chmod(open_dir, 0o755)
     with pytest.raises(ConfigError, match="closed to others"):
         LocalServer(open_dir, 1, lambda call: None)
+
+
+def test_guests_pass_through_and_take_seats_only_where_free(tmp_path):
+    """A process that holds no rank, or whose rank's seat is held by a live process, joins as
+    a guest: its calls pass through (the handler sees no rank), it is in no barrier and its
+    end is nobody's loss. A seat request gives the lowest free seat, or the one named; a seat
+    held by a live process is given only where the relay says its holder may be replaced (it
+    was declared lost): the holder is then gone, its calls refused."""
+    replaceable: set[int] = set()
+    relay = Relay(tmp_path / "relay", ranks=2, may_replace=lambda local, pid: local in replaceable)
+    try:
+        path = relay.server.path
+        holder = LocalClient(path, 0)
+        guest = LocalClient(path, 0)  # rank 0's seat is held
+        assert (holder.local_rank, guest.local_rank) == (0, None)
+        assert guest.call(ECHO, b"g", timeout=5) == b"echo:g" and relay.calls[-1].rank is None
+        assert guest.seat(0, timeout=5) is None  # held by a live process
+        other = LocalClient(path, None)
+        assert other.local_rank is None and other.seat(None, timeout=5) == 1 and other.local_rank == 1
+        assert other.seat(None, timeout=5) == 1  # seated already: its own
+        assert guest.seat(None, timeout=5) is None  # every seat held
+        with pytest.raises(ConfigError, match=r"not one of this node's, 0\.\.1"):
+            LocalClient(path, None).seat(5, timeout=5)
+        # The two seated ranks meet; the guest is not waited for.
+        outcomes = []
+        threads = [threading.Thread(target=lambda c=c: outcomes.append(c.barrier("b", 5))) for c in (holder, other)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert outcomes == [b"", b""]
+        guest.close()
+        time.sleep(0.3)
+        assert relay.gone == []  # a guest's end is no loss
+        late = LocalClient(path, 0)
+        replaceable.add(0)
+        assert late.seat(0, timeout=5) == 0 and late.local_rank == 0
+        deadline = time.monotonic() + 5
+        while not relay.gone and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [(r, "declared lost" in how) for r, how, _ in relay.gone] == [(0, True)], relay.gone
+        with pytest.raises(ChannelClosed):
+            holder.call(ECHO, b"x", timeout=5)
+        assert late.call(ECHO, b"y", timeout=5) == b"echo:y" and relay.calls[-1].rank == 0
+        for c in (holder, other, late):
+            c.close()
+    finally:
+        relay.close()
 
 
 def test_garbage_at_the_socket_does_not_stop_the_relay(relay):

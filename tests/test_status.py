@@ -254,6 +254,57 @@ def test_a_launchers_event_file_holds_its_own_ranks_events_and_the_other_nodes_f
 
 
 @pytest.mark.timeout(180)
+def test_a_job_behind_node_relays_is_seen_whole_by_status_and_its_launchers_event_file(tmp_path: Path) -> None:
+    """Two nodes of two workers behind their launchers' relays (``launch --relay``: the
+    ranks' keys live under the relays' job), only node 0's keeping an event file; rank 3's
+    data loader stalls. ``status URL --job JOB``, given the job's own name, shows all four
+    ranks with their pids and names rank 3 in ``data`` as the one the others wait for;
+    ``--stacks`` signals it and reads its stacks back through the relays; ``top`` says the
+    same; node 0's event file holds every rank's join, those of node 1's ranks read through
+    the channel."""
+    url = f"zmq://127.0.0.1:{free_port()}"
+    release, events = tmp_path / "release", tmp_path / "events.jsonl"
+    cfg = {"launched": True, "out": str(tmp_path / "out.pt"), "epochs": 2, "stall_data": [3, 45, str(release)]}
+    worker = [str(Path(__file__).with_name("loop_worker.py")), json.dumps(cfg)]
+    launch = [sys.executable, "-m", "dataparallel", "launch", "--relay", "--nodes", "2", "--nprocs", "2", "--url", url]
+    nodes = [
+        subprocess.Popen(
+            [*launch, "--job", JOB, "--node-rank", str(n), *(["--events", str(events)] if n == 0 else []), *worker],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    try:
+        _stalled(release, nodes)
+        view, _ = _until(url, lambda v: [s["rank"] for s in v["stalls"]] == [3], "rank 3's stall")
+        assert view["job"] == JOB and len(view["ranks"]) == 4, view
+        assert all(r["state"] == "running" and isinstance(r["pid"], int) for r in view["ranks"]), view["ranks"]
+        (stall,) = view["stalls"]
+        assert stall["phase"] == "data" and stall["waiting"] == [0, 1, 2], stall
+        cli = [sys.executable, "-m", "dataparallel", "status", url, "--job", JOB]
+        said = subprocess.run([*cli, "--stacks", "--json"], capture_output=True, text=True, timeout=60)
+        assert said.returncode == 0, said.stderr
+        printed = json.loads(said.stdout)
+        assert [s["rank"] for s in printed["stalls"]] == [3] and printed["job"] == JOB, printed
+        assert "in __getitem__" in printed["stacks"]["3"]["text"], printed["stacks"]
+        top = [sys.executable, "-m", "dataparallel", "top", url, "--job", JOB, "--iterations", "1"]
+        live = subprocess.run(top, capture_output=True, text=True, timeout=60, check=True).stdout
+        assert f"job '{JOB}': 4 rank(s)" in live and "rank 3: in 'data'" in live, live
+    finally:
+        release.touch()
+    outputs = []
+    for p in nodes:
+        out = p.communicate(timeout=120)[0]
+        outputs.append(out)
+        assert p.returncode == 0, out[-3000:]
+    story = [json.loads(line) for line in events.read_text().splitlines()]
+    joins = sorted((e["rank"], e["job"]) for e in story if e["kind"] == "join")
+    assert joins == [(r, JOB) for r in range(4)], (story, outputs)
+
+
+@pytest.mark.timeout(180)
 def test_status_names_a_frozen_rank_silent_within_seconds(tmp_path: Path) -> None:
     """Three ranks train with steps of 0.1 s; rank 1 is frozen (SIGSTOP) for a few seconds.
     The view names it silent, with its last phase, within 5 s of the freeze; resumed before

@@ -112,6 +112,9 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestTCPStoreChannel::test_the_store_through_node_relays_is_linearizable_under_kills_freezes_and_connection_resets",
         "test_a_slow_new_connection_delays_the_join_and_never_costs_a_rank",
     },
+    "test_status.py": {
+        "test_a_job_behind_node_relays_is_seen_whole_by_status_and_its_launchers_event_file",
+    },
     "test_conformance_relay.py": {
         "test_a_timed_out_barrier_counts_the_ranks_of_every_node",
         "TestRelayedMemory::test_barrier_timeout_says_how_many_arrived",
@@ -122,6 +125,15 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestRelayedZmq::test_concurrent_compare_set_has_one_winner",
         "TestRelayedZmq::test_gloo_process_group_through_the_channel",
         "TestRelayedZmq::test_only_control_errors_escape_when_the_coordinator_goes",
+        "TestRelayedMemory::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
+        "TestRelayedZmq::test_a_run_goes_on_when_the_rank_that_started_it_leaves",
+        "TestRelayedMemory::test_a_channel_that_holds_no_rank_keeps_its_run",
+        "TestRelayedZmq::test_a_channel_that_holds_no_rank_keeps_its_run",
+        "TestRelayedZmq::test_a_connect_that_waits_says_what_it_waits_for",
+        "TestRelayedMemory::test_every_call_keeps_its_timeout_when_the_coordinator_freezes_dies_or_goes_dark",
+        "TestRelayedZmq::test_every_call_keeps_its_timeout_when_the_coordinator_freezes_dies_or_goes_dark",
+        "TestRelayedZmq::test_a_connect_to_nothing_keeps_its_timeout",
+        "TestRelayedZmq::test_a_process_whose_connect_failed_exits_with_its_own_status",
     },
     "test_conformance_teeth.py": {
         "test_a_transport_atomic_only_within_a_process_fails_fast_naming_the_primitive",

@@ -273,6 +273,12 @@ class ControlChannel(Collectives, abc.ABC):
         #: Where the current run's keys live (the core's runs; "" where the transport has its own).
         self._run_prefix = ""
         self._run_id = b""
+        #: An observer's of a job behind node relays: where in this channel's key space (the
+        #: relays' job's) the job's ranks keep their runs (see :meth:`_reattach`); "" else.
+        self._ranks_under = ""
+        #: The job whose ranks this channel is one of or observes: ``job``, but for an
+        #: observer of a job behind node relays, whose channel is the relays' job's.
+        self.observed_job = job
         #: What this process saw of the current run's ranks while judging it: rank -> (heartbeat
         #: value, monotonic time first seen), and the ranks seen alive.
         self._run_seen: dict[int, tuple[bytes | None, float]] = {}
@@ -724,14 +730,31 @@ class ControlChannel(Collectives, abc.ABC):
         no run. Default: the run the run pointer names. A transport whose server keeps runs
         itself (sessions, leases) overrides it; the coordinator-based ones and ``etcd`` are
         attached once connected."""
-        if not self._check([_RUN]):
+        return self._attach_core_run()
+
+    def _attach_core_run(self, under: str = "") -> bool:
+        """Attach to the run the core's run pointer names, the pointer and the run's keys
+        kept under ``under`` in this channel's key space ("": the job's own; a node relay's
+        ranks keep theirs under its prefix, :func:`~dataparallel.control.relay.node.observe_ranks`):
+        False where there is none."""
+        pointer = under + _RUN
+        if not self._check([pointer]):
             return False
-        current = self._get(_RUN, self.timeout)
+        current = self._get(pointer, self.timeout)
         if current is None:
             return False
         self._run_id = current
-        self._run_prefix = f"{_RUN}/{current.decode(errors='replace')}/"
+        self._run_prefix = f"{under}{_RUN}/{current.decode(errors='replace')}/"
         return True
+
+    def _reattach(self) -> bool:
+        """Attach this channel, which holds no rank, to its job's current run again (each look
+        of an observer follows a rerun): the transport's :meth:`_attach_run`, then, where the
+        job's ranks run behind node relays (:attr:`_ranks_under`), their own run under the
+        relays' prefix. False where there is none."""
+        if not self._attach_run():
+            return False
+        return not self._ranks_under or self._attach_core_run(self._ranks_under)
 
     def _enter_run(self, retry: bool) -> None:
         """Attach to the job's current run, or start one (called by the core before the rank

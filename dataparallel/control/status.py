@@ -593,7 +593,7 @@ class EventFollower:
 
     def new(self, channel: ControlChannel) -> list[dict[str, Any]]:
         deadline = time.monotonic() + LOOK_WITHIN
-        if channel.rank is None and not channel._attach_run():
+        if channel.rank is None and not channel._reattach():
             return []
         counter = channel._scoped(f"{_EVENTS}next")
         raw = channel._get(counter, 1.0) if channel._check([counter]) else None
@@ -632,8 +632,8 @@ def read_stacks(
     """The last dump of Python stacks of each of ``ranks`` that has one: ``{rank: {"rank",
     "host", "pid", "time", "why", "text"}}`` (``text`` as :mod:`faulthandler` writes it)."""
     deadline = time.monotonic() + LOOK_WITHIN if deadline is None else deadline
-    if channel.rank is None and not channel._attach_run():
-        raise ControlError(f"job {channel.job!r} has no run: no rank of it has joined")
+    if channel.rank is None and not channel._reattach():
+        raise ControlError(f"job {channel.observed_job!r} has no run: no rank of it has joined")
     dumps = _read_many(channel, [stacks_key(r) for r in ranks], deadline)
     return {
         r: d
@@ -712,8 +712,8 @@ def read_job(
     deadline = time.monotonic() + LOOK_WITHIN
     if channel.failure is not None:
         raise channel.failure
-    if channel.rank is None and not channel._attach_run():
-        raise ControlError(f"job {channel.job!r} has no run: no rank of it has joined")
+    if channel.rank is None and not channel._reattach():
+        raise ControlError(f"job {channel.observed_job!r} has no run: no rank of it has joined")
     size = world_size or _world_size(channel, deadline)
     records = _read_many(channel, [status_key(r) for r in range(size)], deadline)
     peers = _read_many(channel, [peer_key(r) for r in range(size)], deadline)
@@ -793,7 +793,7 @@ def read_job(
             entry["state"], entry["error"] = "lost", str(losses[rank]["detail"])
         ranks.append(entry)
     return {
-        "job": channel.job,
+        "job": channel.observed_job,
         "world_size": size,
         "time": now,
         "ranks": ranks,

@@ -153,11 +153,11 @@ class EventFile:
                 for number, (channel, follower) in sorted(live.items()):
                     try:
                         for event in follower.new(channel):
-                            self._append({"job": channel.job, **event})
+                            self._append({"job": channel.observed_job, **event})
                         # An older generation: read while its last events may still come, for
                         # OLD_FOR seconds after a newer one began, as long as it has a run.
                         since = superseded.get(number, time.monotonic())
-                        over = number < newest and (time.monotonic() - since > OLD_FOR or not channel._attach_run())
+                        over = number < newest and (time.monotonic() - since > OLD_FOR or not channel._reattach())
                     except ControlError as err:  # its run over, its coordinator gone
                         log.debug("events of job %r: %s", channel.job, err)
                         over = number < newest  # the newest is tried again: it may be starting

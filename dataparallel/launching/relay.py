@@ -66,13 +66,13 @@ class RelayHost:
         """The node's relay for the workers' job ``job``, joined upstream as one member of
         ``job~nodes``; yields the URL its workers connect to. Closing closes the relay, then
         its channel."""
-        from ..control.relay.node import NodeRelay
+        from ..control.relay.node import NodeRelay, nodes_job
 
         c, first = self.config, self.first_rank
         with contextlib.ExitStack() as stack:  # closed in reverse: the relay, its channel, its directory
             directory = _relay_directory()
             stack.callback(shutil.rmtree, directory, ignore_errors=True)
-            upstream = self._join(f"{job}~nodes")
+            upstream = self._join(nodes_job(job))
             stack.callback(upstream.close)
             relay = NodeRelay(
                 upstream,

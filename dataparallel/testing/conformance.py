@@ -1836,7 +1836,7 @@ class RelayTests(ChannelHarness):
         connection and has a HOST:PORT, every relay's upstream connection reset every second
         through a proxy. The merged history is linearizable: each call through a relay is
         applied once and reads the latest write, as a direct call is."""
-        from dataparallel.control.relay.node import NodeRelay
+        from dataparallel.control.relay.node import NodeRelay, nodes_job
 
         from .linearizability import Faults, run_workload
 
@@ -1849,7 +1849,7 @@ class RelayTests(ChannelHarness):
         try:
             upstreams += run_all(
                 [
-                    partial(dp.connect, upstream_url, rank=n, world_size=2, job=f"{job}~nodes", timeout=STEP_TIMEOUT)
+                    partial(dp.connect, upstream_url, rank=n, world_size=2, job=nodes_job(job), timeout=STEP_TIMEOUT)
                     for n in range(2)
                 ]
             )
@@ -1875,28 +1875,6 @@ class RelayTests(ChannelHarness):
         assert report.operations >= self.MIN_OPERATIONS, f"only {report.operations} operations recorded"
         if resets is not None:
             assert resets >= 4, f"the relays' connections were reset {resets} times"
-
-
-class RelayedConformance(PrimitiveTests, StoreTests, CollectiveTests, LivenessTests):
-    """The suite's key/value, Store and collective tests with every rank behind a node relay
-    of a farm (:mod:`.relayfarm`) joined to the channel under test. Subclass it and define an
-    ``upstream_url`` fixture: what ``channel_url`` is for :class:`ChannelConformance`.
-    (The linearizability workload through relays, under faults, is ``RelayTests``, part of
-    :class:`ChannelConformance`.)"""
-
-    @pytest.fixture
-    def relay_farm(self, upstream_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[relayfarm.RelayFarm]:
-        scheme = upstream_url.partition("://")[0]
-        relayfarm.register(*{*relayfarm.SCHEMES, scheme})
-        farm = relayfarm.RelayFarm()
-        monkeypatch.setenv(relayfarm.ENV, farm.path)  # the suite's worker processes find it here
-        monkeypatch.setenv(relayfarm.SCHEMES_ENV, scheme)
-        yield farm
-        farm.close()
-
-    @pytest.fixture
-    def channel_url(self, upstream_url: str, relay_farm: relayfarm.RelayFarm) -> str:
-        return relayfarm.PREFIX + upstream_url
 
 
 class SilencedServer(Protocol):
@@ -2322,6 +2300,50 @@ class StatusTests(ChannelHarness):
         time.sleep(4 * FAST_LIVENESS["heartbeat"])  # beats after the stop carry nothing
         assert record() == last, f"written after the last record: {record()} after {last}"
         assert not a.status.carried
+
+
+class RelayedConformance(
+    StatusTests, PrimitiveTests, MembershipTests, StoreTests, CollectiveTests, LivenessTests, TimeoutTests
+):
+    """The suite's key/value, membership, Store, collective, liveness, status and timeout
+    tests with every rank, and every channel that holds no rank, behind a node relay of a
+    farm (:mod:`.relayfarm`) joined to the channel under test. Subclass it and define an
+    ``upstream_url`` fixture: what ``channel_url`` is for :class:`ChannelConformance`; where
+    the transport's store is no rank's (``etcd://``), override :meth:`upstream_server` too, as
+    its own suite overrides ``silenceable_server``. (The linearizability workload through
+    relays, under faults, is ``RelayTests``, part of :class:`ChannelConformance`.)"""
+
+    @contextlib.contextmanager
+    def silenceable_server(self, channel_url: str) -> Iterator[SilencedServer]:
+        """The upstream's coordinator or store in a process of its own
+        (:meth:`upstream_server`), which the ranks reach through the farm's relays; where the
+        upstream has no HOST:PORT and no server of its own, a relayed rank 0 in a process of
+        its own is the peer to freeze or kill, as :class:`TimeoutTests`' default has it."""
+        upstream = channel_url[len(relayfarm.PREFIX) :]
+        own = type(self).upstream_server is not RelayedConformance.upstream_server
+        if not own and re.search(r"//[^/?,]*:\d+", upstream) is None:
+            with TimeoutTests.silenceable_server(self, channel_url) as served:
+                yield served
+            return
+        with self.upstream_server(upstream) as served:
+            job = getattr(served, "job", "silenced")
+            yield cast(SilencedServer, _Served(relayfarm.PREFIX + served.url, served.pid, job))
+
+    @contextlib.contextmanager
+    def upstream_server(self, upstream_url: str) -> Iterator[SilencedServer]:
+        """A server of the upstream transport's to freeze or kill: by default a rank 0 of its
+        own that hosts it (:meth:`TimeoutTests.silenceable_server` on the upstream's URL)."""
+        with TimeoutTests.silenceable_server(self, upstream_url) as served:
+            yield served
+
+    @pytest.fixture
+    def relay_farm(self, upstream_url: str) -> Iterator[relayfarm.RelayFarm]:
+        with relayfarm.running(upstream_url.partition("://")[0]) as farm:
+            yield farm
+
+    @pytest.fixture
+    def channel_url(self, upstream_url: str, relay_farm: relayfarm.RelayFarm) -> str:
+        return relayfarm.PREFIX + upstream_url
 
 
 class ChannelConformance(

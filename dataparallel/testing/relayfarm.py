@@ -9,7 +9,10 @@ node (so every world of three or more spans nodes and shares one), node ``n`` a
 :class:`~dataparallel.control.relay.node.NodeRelay` joined to the upstream URL as rank ``n``
 of ``JOB~nodes``, each started when the first of its ranks asks. The relays live in the
 test's process, as a launcher's do beside its workers: a rank killed or frozen takes no relay
-with it. Where rank 0 of a job hosts the transport's coordinator, node 0's relay does.
+with it. Where rank 0 (or a rank=None) of a job would host the transport's coordinator, the
+farm does when such a rank asks, with a channel of its own (``~farm``, open until the farm
+closes), as the rank would have; relays only connect, so a rank 1 asking alone waits for a
+coordinator as a directly connected one does.
 
 Written here rather than reusing the launcher: a launcher starts a node's relay before its
 workers, for one job it knows; the suite's tests start jobs of every size and name from
@@ -18,6 +21,7 @@ threads and processes alike, so the relays have to come when their ranks do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,14 +29,15 @@ import socket
 import socketserver
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import dataparallel as dp
 from dataparallel import errors
 from dataparallel.control.channel import COMMON_OPTIONS
-from dataparallel.control.registry import ChannelURL, parse_url, register_transport, transport_class
-from dataparallel.control.relay.node import NodeRelay
+from dataparallel.control.registry import ChannelURL, parse_url, register_transport, resolve, transport_class
+from dataparallel.control.relay.node import NodeRelay, nodes_job
 from dataparallel.errors import ConfigError, ControlError
 from dataparallel.transports.relay import RelayedChannel
 
@@ -53,6 +58,28 @@ def register(*schemes: str) -> None:
     :data:`SCHEMES`), in this process."""
     for scheme in schemes or SCHEMES:
         register_transport(PREFIX + scheme, FarmChannel)
+
+
+@contextlib.contextmanager
+def running(scheme: str | None = None) -> Iterator[RelayFarm]:
+    """A farm for the length of the block, found by this process's children (:data:`ENV`),
+    with ``relay+`` URLs registered for the built-ins and ``scheme`` (a user's own, say)."""
+    schemes = {*SCHEMES, *([scheme] if scheme else [])}
+    register(*schemes)
+    farm = RelayFarm()
+    saved = {name: os.environ.get(name) for name in (ENV, SCHEMES_ENV)}
+    os.environ[ENV] = farm.path
+    if scheme:
+        os.environ[SCHEMES_ENV] = scheme
+    try:
+        yield farm
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        farm.close()
 
 
 def register_if_farmed() -> None:
@@ -94,22 +121,43 @@ class FarmChannel(RelayedChannel):
             url.seconds(name, 1.0)
 
     def __init__(self, url: ChannelURL, **kwargs: Any) -> None:
+        self._asked: dict[str, Any] | None = None
+        self._node = 0
         if not url.scheme.startswith(PREFIX):  # the relay's own URL, as RelayedChannel's
             super().__init__(url, **kwargs)
             return
-        if kwargs.get("rank") is None:
-            raise ConfigError(f"{url.shown!r}: a rank behind a node relay is given its rank by its launcher")
         upstream, query = split(url)
-        path = ask(
-            upstream=upstream,
-            job=kwargs.get("job", "default"),
-            world_size=kwargs["world_size"],
-            rank=kwargs["rank"],
-            token=kwargs.get("token"),
-            timeout=float(kwargs.get("timeout", 300.0)),
-        )
+        asked = {
+            "upstream": upstream,
+            "job": kwargs.get("job", "default"),
+            "world_size": kwargs["world_size"],
+            "token": kwargs.get("token"),
+            "timeout": float(kwargs.get("timeout", 300.0)),
+        }
+        rank = kwargs.get("rank")
+        path = ask(**asked, rank=rank)  # rank None: node 0's relay (or an observer's: any of the job's)
+        if rank is None and kwargs["world_size"]:
+            self._asked = asked  # where _claim_rank looks for a free seat, node by node
         kwargs["serve"] = False
         super().__init__(parse_url(f"relay://{path}" + (f"?{query}" if query else "")), **kwargs)
+
+    def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
+        # rank=None: the first node's relay with a free seat (a relay hands out its own
+        # node's seats only), as a launcher's process would be the one of a node with room.
+        if rank is not None or self._asked is None or self._local.local_rank is not None:
+            return super()._claim_rank(rank, claimant, peer)
+        got: tuple[int | None, bytes] = (None, b"")
+        for node in range(-(-self.world_size // PER_NODE)):
+            if node != self._node:
+                path = ask(**self._asked, rank=None, node=node)
+                moved = self._join_relay(path)
+                self._local, old = moved, self._local
+                old.close()
+                self._node = node
+            got = super()._claim_rank(None, claimant, peer)
+            if self._local.local_rank is not None:
+                return got
+        return got  # every node's seats held: the core judges the job full
 
 
 def ask(**request: Any) -> str:
@@ -139,6 +187,19 @@ def ask(**request: Any) -> str:
     raise ControlError(message)
 
 
+def _joined(url: str, **kwargs: Any) -> dp.ControlChannel:
+    """A channel joined at ``url`` that never hosts the coordinator (a relay only connects,
+    waiting for it within its timeout, as a rank other than 0 does)."""
+    parsed, cls = resolve(url, kwargs.get("token"))
+    channel = cls(parsed, serve=False, **kwargs)
+    try:
+        channel._join()
+    except BaseException:
+        channel.close()
+        raise
+    return channel
+
+
 class _Node:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -159,6 +220,7 @@ class RelayFarm:
         self.path = str(self._dir / "farm.sock")
         self._lock = threading.Lock()
         self._nodes: dict[tuple[Any, ...], _Node] = {}
+        self._hosts: dict[str, _Node] = {}  # upstream URL -> the channel that hosted (or found) its coordinator
         self._closed = False
         farm = self
 
@@ -178,10 +240,31 @@ class RelayFarm:
         self._thread.start()
 
     def relay_path(
-        self, *, upstream: str, job: str, world_size: int, rank: int, token: str | None, timeout: float
+        self,
+        *,
+        upstream: str,
+        job: str,
+        world_size: int,
+        rank: int | None,
+        token: str | None,
+        timeout: float,
+        node: int | None = None,
     ) -> str:
+        """The socket of the relay of ``rank``'s node (with None, of node ``node``, by
+        default 0), started if it was not; an observer's (``world_size`` 0): that of any
+        relay of the job's, whatever its token (the channel checks it), starting none."""
+        if not world_size:
+            with self._lock:
+                for (up, of, *_), entry in self._nodes.items():
+                    if (up, of) == (upstream, job) and entry.relay is not None:
+                        return str(entry.relay.path)
+            raise ControlError(f"job {job!r} has no run at {upstream}: no relay of it in the farm")
         nodes = -(-world_size // PER_NODE)
-        node = rank // PER_NODE
+        node = (node or 0) if rank is None else rank // PER_NODE
+        if not 0 <= node < nodes:
+            raise ConfigError(f"node {node} of {nodes}")
+        if rank in (0, None):
+            self._host(upstream, token, timeout)
         key = (upstream, job, world_size, token, node)
         with self._lock:
             if self._closed:
@@ -192,7 +275,7 @@ class RelayFarm:
             if self._closed:
                 raise errors.ChannelClosed("the relay farm is closed")
             if entry.relay is None:
-                up = dp.connect(upstream, rank=node, world_size=nodes, job=f"{job}~nodes", token=token, timeout=timeout)
+                up = _joined(upstream, rank=node, world_size=nodes, job=nodes_job(job), token=token, timeout=timeout)
                 try:
                     relay = NodeRelay(
                         up,
@@ -209,6 +292,16 @@ class RelayFarm:
                     raise
                 entry.upstream, entry.relay = up, relay
             return str(entry.relay.path)
+
+    def _host(self, upstream: str, token: str | None, timeout: float) -> None:
+        """Host ``upstream``'s coordinator where a rank 0 of it would (its port free), once."""
+        with self._lock:
+            if self._closed:
+                raise errors.ChannelClosed("the relay farm is closed")
+            entry = self._hosts.setdefault(upstream, _Node())
+        with entry.lock:
+            if entry.upstream is None and not self._closed:
+                entry.upstream = dp.connect(upstream, rank=0, world_size=1, job="~farm", token=token, timeout=timeout)
 
     def upstream_of(
         self, upstream: str, job: str, world_size: int, token: str | None, *, node: int
@@ -229,8 +322,10 @@ class RelayFarm:
             with entry.lock:  # a relay being started: once it is
                 if entry.relay is not None:
                     entry.relay.close()
-        # Node 0's upstream may host the coordinator the others use: it closes last.
-        for _, entry in sorted(entries, key=lambda item: -item[0][-1]):
+        # The hosts' channels, which may serve the coordinators the others use, close last.
+        with self._lock:
+            hosts = list(self._hosts.values())
+        for entry in [e for _, e in entries] + hosts:
             with entry.lock:
                 if entry.upstream is not None:
                     try:

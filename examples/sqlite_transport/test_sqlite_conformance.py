@@ -12,7 +12,7 @@ class TestSqliteChannel(ChannelConformance):
 
 
 class TestSqliteThroughNodeRelays(RelayedConformance):
-    """The key/value and Store tests again, every rank behind a node relay joined to it."""
+    """The suite again (but its run and linearizability tests), every rank behind a node relay joined to it."""
 
     @pytest.fixture
     def upstream_url(self, tmp_path):

@@ -37,6 +37,14 @@ the relay loads it, the relay still looks once a second. A rank that gave up wai
 timeout) has still arrived: the next barrier it enters is the next generation, as with any
 channel.
 
+**Guests and seats.** A process may join without a seat (a local rank): one that holds no
+rank (an observer, ``rank=None`` before its rank is known) or whose rank's seat is held by a
+live process (its claim upstream then says by whom, as a directly connected rank's would).
+A guest's calls pass through like any rank's, but it is in no barrier and nobody watches it.
+It takes a seat with :data:`SEAT`: the one its rank names, or the lowest free one; a seat
+held by a process whose end was not read yet, or that the relay declared lost
+(``may_replace``), is taken from it.
+
 **Liveness.** A rank stamps its slot area with ``time.monotonic()`` (one clock for every
 process on the machine) whenever it is asked to beat; the relay reads how long each rank has
 been silent. A killed rank is seen at once through its pidfd; a frozen one by its silence.
@@ -72,9 +80,16 @@ log = logging.getLogger(__name__)
 #: each other at the hello.
 #: What a reply too large for its slot is refused with (a caller may ask for less at once).
 OVER_SLOT = "over the slot's"
-LOCAL_PROTOCOL = 5  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
+LOCAL_PROTOCOL = 6  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
 #: 4: a rank registers its heartbeat key and liveness too (the relay beats for it); 5: and
-#: its process record (written with its first beat)
+#: its process record (written with its first beat); 6: guests and seats (SEAT)
+
+#: A guest's request for a seat (handled by the local leg itself, never by the relay's
+#: handler): the job rank it wants, or -1 for any free one; answered with the local and job
+#: rank it was given, or -1 for none.
+SEAT = 64
+_SEAT = struct.Struct("<q")
+_SEATED = struct.Struct("<qq")
 
 #: Slot header: request seq, reply seq, op, request length, status, reply length.
 _HEADER = struct.Struct("<QQIIiI")
@@ -121,6 +136,8 @@ _HELLO_MAX = 4096
 _HELLO_WITHIN = 5.0
 #: Most slots a rank may have (their bells travel in one message).
 MAX_SLOTS = 32
+#: Slots a rank's waiting reads leave to its other calls (where it has more than this many).
+KEPT_FREE = 1
 #: The descriptors a rank gets besides its slots' bells: its area, its doorbell, the node's
 #: area, arrivals and tokens, and the barriers' release eventfds.
 _NODE_FDS = 5 + _OUTCOMES
@@ -176,6 +193,14 @@ class Call:
         """The calling rank's process."""
         return self._member.pid
 
+    @property
+    def seat(self) -> int:
+        """The calling rank's local rank, for a call only a seated rank makes (a guest's
+        ``rank`` is None)."""
+        if self.rank is None:
+            raise BadMessage("a call only a seated rank makes, from a guest")
+        return self.rank
+
     def reply(self, payload: bytes = b"") -> None:
         self._answer(OK, payload)
 
@@ -196,9 +221,9 @@ class Call:
 class _Member:
     """The relay's side of one joined rank."""
 
-    def __init__(self, rank: int, pid: int, conn: socket.socket, geometry: Geometry) -> None:
-        self.rank, self.pid, self.conn = rank, pid, conn
-        self.memfd = os.memfd_create(f"dp-relay-{rank}", os.MFD_CLOEXEC)
+    def __init__(self, rank: int | None, pid: int, conn: socket.socket, geometry: Geometry) -> None:
+        self.rank, self.pid, self.conn = rank, pid, conn  # rank None: a guest (no seat)
+        self.memfd = os.memfd_create(f"dp-relay-{'guest' if rank is None else rank}", os.MFD_CLOEXEC)
         os.ftruncate(self.memfd, geometry.area_bytes)
         self.area = mmap.mmap(self.memfd, geometry.area_bytes)
         self.doorbell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -255,8 +280,10 @@ class LocalServer:
     ``on_gone(rank, how)`` is called once for a rank whose process ended or who closed
     (``how`` says which), on the server's thread.
     ``ranks``: how many local ranks may join; a rank says its number, ``first_rank`` to
-    ``first_rank + ranks - 1`` (the node's ranks in the job; 0 by default). ``info``: what
-    every joining rank is told besides the layout (the node's place in the job)."""
+    ``first_rank + ranks - 1`` (the node's ranks in the job; 0 by default), or none (a
+    guest, module docstring). ``info``: what every joining rank is told besides the layout
+    (the node's place in the job). ``may_replace(local_rank, pid)``: whether a seat's live
+    holder may be replaced by a guest asking for it (by default never)."""
 
     def __init__(
         self,
@@ -268,6 +295,7 @@ class LocalServer:
         on_barrier: Callable[[int, bytes | None, float], None] | None = None,
         first_rank: int = 0,
         info: dict | None = None,
+        may_replace: Callable[[int, int], bool] | None = None,
     ) -> None:
         if ranks < 1:
             raise ConfigError(f"a relay serves at least one local rank, not {ranks}")
@@ -276,6 +304,7 @@ class LocalServer:
         self.info = dict(info or {})
         self.geometry = geometry or Geometry()
         self._handler, self._on_gone = handler, on_gone
+        self._may_replace = may_replace or (lambda local, pid: False)
         self._on_barrier = on_barrier or (lambda generation, name, timeout: self.release(generation))
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -321,6 +350,7 @@ class LocalServer:
         self._listener.setblocking(False)
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # close(), from another thread
         self._members: dict[int, _Member] = {}
+        self._guests: dict[int, _Member] = {}  # by connection: joined without a seat
         self._stop = False
         self._poll = select.epoll()
         self._poll.register(self._listener.fileno(), select.EPOLLIN)
@@ -376,9 +406,10 @@ class LocalServer:
         self._stop = True
         _eventfd_ring(self._wake)
         self._thread.join(timeout=10)
-        for member in list(self._members.values()):
+        for member in [*self._members.values(), *self._guests.values()]:
             member.close()
         self._members.clear()
+        self._guests.clear()
         for hello in list(self._hellos.values()):
             hello.conn.close()
         self._hellos.clear()
@@ -454,6 +485,9 @@ class LocalServer:
                     continue
                 payload = bytes(area[at + _HEADER_BYTES : at + _HEADER_BYTES + length])
                 call = Call(self, member, slot, req, op, payload)
+                if op == SEAT:
+                    self._seat(call)
+                    continue
                 try:
                     self._handler(call)
                 except Exception as err:  # a handler's bug must not take the node down
@@ -497,7 +531,7 @@ class LocalServer:
 
     def _members_changed(self) -> None:
         """A member joined or went: the next barrier's count starts over."""
-        self._live = sorted((m for m in self._members.values() if not m.gone), key=lambda m: m.rank)
+        self._live = sorted((m for m in self._members.values() if not m.gone), key=lambda m: m.rank or 0)
         self._reached = 0
 
     def release(self, generation: int, status: int = OK, payload: bytes = b"") -> None:
@@ -627,14 +661,11 @@ class LocalServer:
             raise BadMessage(f"local protocol {hello.get('protocol')!r}; this relay speaks {LOCAL_PROTOCOL}")
         said = hello.get("rank")
         first, last = self.first_rank, self.first_rank + self.ranks - 1
-        if not isinstance(said, int) or isinstance(said, bool) or not first <= said <= last:
-            raise ConfigError(f"rank {said!r} is not one of this node's, {first}..{last}")
-        rank = said - first
-        held = self._members.get(rank)
-        if held is not None and not held.gone and held.pidfd is not None and _readable([held.pidfd], 0):
-            self._gone(held, "its process ended")  # a restarted worker came before its old one's end was read
-        if held is not None and not held.gone:
-            raise ConfigError(f"local rank {rank} is already held by pid {held.pid}")
+        rank: int | None = None  # a guest: no rank said, or its seat held by a live process
+        if said is not None:
+            if not isinstance(said, int) or isinstance(said, bool) or not first <= said <= last:
+                raise ConfigError(f"rank {said!r} is not one of this node's, {first}..{last}")
+            rank = said - first if self._free(said - first) else None
         member = _Member(rank, pid, conn, self.geometry)
         geo = self.geometry
         header = {
@@ -654,8 +685,11 @@ class LocalServer:
         except OSError:
             member.close()
             raise
-        self._members[rank] = member
-        self._members_changed()
+        if rank is None:
+            self._guests[conn.fileno()] = member
+        else:
+            self._members[rank] = member
+            self._members_changed()
         self._poll.register(member.doorbell, select.EPOLLIN)
         self._fd_owner[member.doorbell] = ("door", member)
         self._poll.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
@@ -664,11 +698,57 @@ class LocalServer:
             self._poll.register(member.pidfd, select.EPOLLIN)
             self._fd_owner[member.pidfd] = ("pid", member)
 
+    def _free(self, local: int) -> bool:
+        """Whether seat ``local`` is free: no one took it, or its holder is gone (a process
+        whose end was not read yet is found gone here: a restarted worker may come first)."""
+        held = self._members.get(local)
+        if held is not None and not held.gone and held.pidfd is not None and _readable([held.pidfd], 0):
+            self._gone(held, "its process ended")
+        return held is None or held.gone
+
+    def _seat(self, call: Call) -> None:
+        """A guest's :data:`SEAT` request (on the loop's thread, which alone changes seats)."""
+        member = call._member
+        try:
+            (wanted,) = _SEAT.unpack(call.payload)
+        except struct.error:
+            call.fail(BadMessage("a seat request of the wrong size"))
+            return
+        first = self.first_rank
+        if member.rank is not None:  # seated already (at its hello, or an earlier request)
+            if wanted not in (-1, first + member.rank):
+                call.fail(ConfigError(f"local rank {member.rank} asked for rank {wanted}'s seat too"))
+                return
+            local: int | None = member.rank
+        elif wanted != -1 and not first <= wanted < first + self.ranks:
+            call.fail(ConfigError(f"rank {wanted} is not one of this node's, {first}..{first + self.ranks - 1}"))
+            return
+        else:
+            local = None
+            for seat in range(self.ranks) if wanted == -1 else [wanted - first]:
+                held = self._members.get(seat)
+                if not self._free(seat) and held is not None and self._may_replace(seat, held.pid):
+                    self._gone(held, "its seat was given to another process (it had been declared lost)")
+                if self._free(seat):
+                    local = seat
+                    break
+            if local is not None:
+                self._guests.pop(member.conn.fileno(), None)
+                with member.lock:
+                    member.rank = local
+                    # A new member starts at the node's barrier count (as one seated at its hello).
+                    _ARRIVAL.pack_into(member.area, 8, self._completed, 0, 0.0)
+                self._members[local] = member
+                self._members_changed()
+        call.reply(_SEATED.pack(-1, -1) if local is None else _SEATED.pack(local, first + local))
+
     def _gone(self, member: _Member, how: str) -> None:
         with member.lock:
             if member.gone:
                 return
             member.gone = True
+        if member.rank is None:  # a guest: nothing of the node's was its
+            self._guests.pop(member.conn.fileno(), None)
         self._members_changed()
         for fd in (member.doorbell, member.conn.fileno(), member.pidfd):
             if fd is not None and fd >= 0:
@@ -679,7 +759,7 @@ class LocalServer:
                     pass
         with member.lock:  # no answer is being written (they look at gone under this lock)
             member.close()
-        if self._on_gone is not None:
+        if self._on_gone is not None and member.rank is not None:
             try:
                 self._on_gone(member.rank, how)
             except Exception:
@@ -693,12 +773,13 @@ class NoReply(ControlTimeout):
 
 class LocalClient:
     """A rank's end: joins the relay at ``path`` as ``rank`` (one of the node's; the relay's
-    local rank ``rank - first_rank``). Thread-safe: each call takes a free slot of its own.
+    local rank ``rank - first_rank``), or as a guest (``rank`` None, or its seat held:
+    :attr:`local_rank` None; see :meth:`seat`). Thread-safe: each call takes a free slot of its own.
     ``info``: what the relay told it (the node's place in the job). The relay must be a
     process of this user (checked with ``SO_PEERCRED``): a socket put at ``path`` by another
     user is refused before anything is sent to it."""
 
-    def __init__(self, path: str | os.PathLike[str], rank: int, timeout: float = 30.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], rank: int | None, timeout: float = 30.0) -> None:
         self.rank = rank
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.settimeout(timeout)
@@ -730,7 +811,7 @@ class LocalClient:
                 os.close(fd)
             raise
         self.info: dict = header.get("info") or {}
-        self.local_rank: int = header["rank"]
+        self.local_rank: int | None = header["rank"]
         memfd, self._doorbell, node_fd, self._arrivals, self._tokens = fds[:5]
         self._released = fds[5:_NODE_FDS]
         self._bells = fds[_NODE_FDS:]
@@ -761,6 +842,18 @@ class LocalClient:
                 return
             self._interrupts += 1
             _eventfd_ring(self._interrupt)
+
+    def seat(self, rank: int | None, timeout: float) -> int | None:
+        """Take a seat, as a guest (:attr:`local_rank` None): ``rank``'s, or with None the
+        lowest free one; the job rank seated at (this client's from then on), or None where
+        that seat, or every seat, is held by a live process. Seated already: its own rank."""
+        local, job_rank = _SEATED.unpack(self.call(SEAT, _SEAT.pack(-1 if rank is None else rank), timeout))
+        if local < 0:
+            return None
+        with self._using:  # the node's barrier count, which the relay wrote into the area
+            self._generation = _ARRIVAL.unpack_from(self._area, 8)[0]
+        self.local_rank, self.rank = local, job_rank
+        return job_rank
 
     def beat(self) -> None:
         """Say the rank is alive (the relay reads how long ago it last did)."""
@@ -820,8 +913,11 @@ class LocalClient:
             return outcome
         raise _error_from(outcome)
 
-    def call(self, op: int, payload: bytes, timeout: float) -> bytes:
+    def call(self, op: int, payload: bytes, timeout: float, waiting: bool = False) -> bytes:
         """Send ``op`` with ``payload`` and wait up to ``timeout`` seconds for the reply's bytes.
+        ``waiting``: the call may wait for long at the relay (a read that waits for its key);
+        such calls leave :data:`KEPT_FREE` slots to the others, so that reads waiting never
+        hold up a rank's writes or its liveness's reads.
         A handler's error is raised as its type (a :class:`dataparallel.errors` one by name);
         the relay gone or this client closed: ChannelClosed; no reply in time: ControlTimeout
         (the slot stays taken until the late reply comes, so it can never be misread as
@@ -831,7 +927,7 @@ class LocalClient:
             raise BadMessage(f"a request of {len(payload)} bytes; the relay's slots take {geo.slot_bytes}")
         deadline = time.monotonic() + timeout
         with self._using:
-            slot = self._take(deadline)
+            slot = self._take(deadline, waiting)
             seq = self._seq[slot] + 1
             self._seq[slot] = seq
             at = geo.slot_at(slot)
@@ -923,10 +1019,11 @@ class LocalClient:
         elif ready:
             raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
 
-    def _take(self, deadline: float) -> int:
+    def _take(self, deadline: float, waiting: bool = False) -> int:
         start = time.monotonic()
+        kept = KEPT_FREE if waiting and self.geometry.slots > KEPT_FREE else 0
         with self._free_cv:
-            while not self._free:
+            while len(self._free) <= kept:
                 if self._closed:
                     raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
                 left = deadline - time.monotonic()

@@ -71,7 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from ...errors import BadMessage, ChannelClosed, ControlError, ControlTimeout, PeerLost
+from ...errors import BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from ..liveness import loss_report
 from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes
 
@@ -85,6 +85,21 @@ V = TypeVar("V")  # what it finds
 
 #: Where the ranks' keys live in the relays' channel.
 RANKS = "ranks/"
+
+
+def nodes_job(job: str) -> str:
+    """The job a job's node relays join upstream as its nodes (the ranks' keys live there,
+    under :data:`RANKS`)."""
+    return f"{job}~nodes"
+
+
+def observe_ranks(channel: ControlChannel) -> bool:
+    """Point ``channel``, an observer's of :func:`nodes_job` (``dp.observe``'s, attached to
+    the relays' run), at the current run of the ranks its relays serve, which it then follows
+    on each look: False where the relays serve no run of ranks."""
+    channel._ranks_under = RANKS
+    return channel._attach_core_run(RANKS)
+
 
 #: The pass-through operations' numbers on the local leg.
 SET, GET, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS, MULTI_GET, MULTI_SET, APPEND = range(1, 11)
@@ -100,6 +115,9 @@ DELETE_MANY = 14
 #: How many ranks of the job had arrived at a rank's barrier (generation, name): for the
 #: message of a barrier that timed out, as a direct channel's says.
 PROGRESS = 15
+
+#: The operations only a seated rank makes (a guest, holding no rank, makes none of them).
+SEATED = frozenset({WATCH, UNWATCH, LOSS, PROGRESS})
 
 #: The operations that write: a rank declared lost has none of them in flight when its loss
 #: is published (see :meth:`NodeRelay._lose`).
@@ -136,6 +154,7 @@ def _settle_at_exit() -> None:
     for relay in relays:
         relay._stopping.set()
         relay._watches_changed.set()
+        relay._retick.set()
     deadline = time.monotonic() + LOSS_WAIT + 1.0
     for relay in relays:
         relay._loss_thread.join(max(deadline - time.monotonic(), 0.0))
@@ -395,6 +414,17 @@ def _answer_all(calls: list[Call], what: str, work: Callable[[], list[bytes]]) -
             call.reply(reply)
 
 
+def _answered(call: Call, serve: Callable[[Call], None]) -> None:
+    """``serve(call)`` on a pool's thread; a bug in it fails the call rather than leave its
+    rank waiting out its timeout (a pool's task's exception is otherwise kept unseen)."""
+    try:
+        serve(call)
+    except Exception as err:
+        log.exception("relay: serving operation %d failed", call.op)
+        if not call._done:
+            call.fail(ControlError(f"the node relay failed: {type(err).__name__}: {err}"))
+
+
 def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
     """One pass-through operation on ``up``'s hooks, its answer framed (sets,
     adds, compare_sets, gets and multi_gets are served in batches: :class:`NodeRelay`)."""
@@ -449,8 +479,8 @@ class NodeRelay:
         self._by = f"node {node_rank}'s relay"
         # A rank declared lost, (local rank, pid) -> the error its calls get from then on and
         # its loss report (what its own loss reads answer); and each rank's writes in flight.
-        self._fenced: dict[tuple[int, int], tuple[ChannelClosed, bytes]] = {}
-        self._writing: dict[tuple[int, int], int] = {}
+        self._fenced: dict[tuple[int | None, int], tuple[ChannelClosed, bytes]] = {}
+        self._writing: dict[tuple[int | None, int], int] = {}
         self._written = threading.Condition()
         geometry = geometry or Geometry()
         # A thread for every call that can be in flight (each slot of each rank may wait in a
@@ -484,6 +514,7 @@ class NodeRelay:
         self._slept = 1.0  # the judge's current period (a second while no rank is watched)
         self._stopping = threading.Event()
         self._watches_changed = threading.Event()
+        self._retick = threading.Event()  # a rank's watch: the ticks take its interval at once
         # The ranks' concurrent writes and watches, a request per batch (module docstring).
         self._sets = Batched(self._pool, self._serve_sets)
         self._compare_sets = Batched(self._pool, self._serve_compare_sets)
@@ -510,6 +541,7 @@ class NodeRelay:
             self._barrier,
             first_rank=self.first_rank,
             info=info,
+            may_replace=lambda local, pid: (local, pid) in self._fenced,
         )
         self.path = self.server.path
         # Which ranks are this node's, for the other relays to name them should it be lost.
@@ -529,6 +561,7 @@ class NodeRelay:
     def close(self) -> None:
         self._stopping.set()
         self._watches_changed.set()
+        self._retick.set()
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._crossing.shutdown(wait=False, cancel_futures=True)
@@ -548,6 +581,13 @@ class NodeRelay:
                 call.reply(pack(fenced[1], struct.pack("<d", 0.0)))  # its own loss: it fails on reading it
             else:
                 call.fail(fenced[0])
+            return
+        if call.rank is None and call.op in SEATED:
+            call.fail(ConfigError(f"operation {call.op} is a rank's: this process holds no seat at {self._by}"))
+            return
+        broken = self.upstream.failure
+        if broken is not None:  # the node's channel ended (its coordinator gone, the node lost): so do its ranks'
+            call.fail(self._upstream_ended(broken))
             return
         if call.op in WRITES:
             self._count_write(call)
@@ -578,15 +618,15 @@ class NodeRelay:
                 call.fail(BadMessage(f"relay: a bad request ({err})"))
             return
         if call.op == UNWATCH:
-            self._pool.submit(self._unwatch, call)
+            self._pool.submit(_answered, call, self._unwatch)
             return
         if call.op == LOSS:
             self._answer_loss(call)
             return
         if call.op == PROGRESS:
-            self._pool.submit(self._progress, call)
+            self._pool.submit(_answered, call, self._progress)
             return
-        self._pool.submit(self._serve, call)
+        self._pool.submit(_answered, call, self._serve)
 
     def _serve_watches(self, batch: list[tuple[Call, Watched]]) -> None:
         """Ranks joined: beat for them at once (a process claiming one of their ranks
@@ -604,8 +644,9 @@ class NodeRelay:
                         self._read_report(key)
                 with self._watch_lock:
                     for call, watched in batch:
-                        self._watched[call.rank] = watched
+                        self._watched[call.seat] = watched
             self._watches_changed.set()
+            self._retick.set()
             return [b""] * len(batch)
 
         _answer_all(calls, "watching joined ranks", watch)
@@ -613,12 +654,12 @@ class NodeRelay:
         # report then (_gone): it is reported now.
         alive = self.server.members()
         for call, _ in batch:
-            if call.rank not in alive:
+            if call.seat not in alive:
                 with self._watch_lock:
-                    watched = self._watched.pop(call.rank, None)
+                    watched = self._watched.pop(call.seat, None)
                 if watched is not None:  # not reported by _gone, which came first
-                    how = f"its process ended while it joined (pid {self.server.pid_of(call.rank)} on this node)"
-                    self._lose(call.rank, watched.loss_key, how)
+                    how = f"its process ended while it joined (pid {self.server.pid_of(call.seat)} on this node)"
+                    self._lose(call.seat, watched.loss_key, how)
 
     def _serve_sets(self, batch: list[tuple[Call, str, bytes]]) -> None:
         """One ``_set``, or for several one ``_multi_set`` (a key set twice: the later value,
@@ -692,14 +733,14 @@ class NodeRelay:
         """A rank leaves cleanly: no more beats for it, none still being written (its own
         departure mark comes after this reply), and its end is no loss."""
         with self._watch_lock:
-            self._watched.pop(call.rank, None)
+            self._watched.pop(call.seat, None)
         with self._beating:
             pass
         call.reply(b"")
 
     def _answer_loss(self, call: Call) -> None:
         with self._watch_lock:
-            watched = self._watched.get(call.rank)
+            watched = self._watched.get(call.seat)
         if watched is None:
             call.fail(BadMessage("relay: a loss report read by a rank that is not watched"))
             return
@@ -715,10 +756,15 @@ class NodeRelay:
         return b"%d" % self._ticks
 
     def _serve(self, call: Call) -> None:
-        what = f"operation {call.op} of rank {self.first_rank + call.rank}"
+        who = "a guest (no rank)" if call.rank is None else f"rank {self.first_rank + call.rank}"
+        what = f"operation {call.op} of {who}"
         _answer_all([call], what, lambda: [_serve_op(self.upstream, call.op, unpack(call.payload))])
 
     def _barrier(self, generation: int, name: bytes | None, timeout: float) -> None:
+        broken = self.upstream.failure
+        if broken is not None:
+            self.server.release(generation, ERROR, error_bytes(self._upstream_ended(broken)))
+            return
         if name is None:
             error = BadMessage(f"the ranks of node {self.node_rank} entered different barriers")
             self.server.release(generation, ERROR, error_bytes(error))
@@ -851,9 +897,20 @@ class NodeRelay:
         if pid is not None:
             writer = (local, pid)
             error = ChannelClosed(f"rank {rank} of job {self.job!r} was declared lost: {how} (noticed by {self._by})")
-            error.fenced = True  # type: ignore[attr-defined]  # crosses to the rank with its fields
+            error.fatal = True  # type: ignore[attr-defined]  # crosses to the rank with its fields
             self._fenced[writer] = (error, report)
         self._reporting.submit(self._publish_loss, rank, key, report, writer)
+
+    def _upstream_ended(self, broken: ControlError) -> ControlError:
+        """What every call of a rank gets once the relay's own channel has failed (its
+        coordinator gone, the node declared lost): the same failure, naming the relay, marked
+        fatal (the rank's channel fails on it, as a directly connected rank's fails on its
+        coordinator's end). Never blocks (the local leg's thread calls it)."""
+        error = type(broken).__new__(type(broken))
+        Exception.__init__(error, f"{self._by}'s channel failed: {broken}")
+        error.__dict__.update(broken.__dict__)
+        error.fatal = True  # type: ignore[attr-defined]
+        return error
 
     def _report_loss(self, rank: int, key: str, how: str) -> None:
         """Publish rank's loss (a rank of another node) where its run's ranks read losses."""
@@ -878,8 +935,14 @@ class NodeRelay:
     def _supervise(self) -> None:
         """Once a tick (the shortest heartbeat interval of the watched ranks, a second while
         none): report a node the relays' own liveness lost, read the run's loss report, and
-        write the live ranks' heartbeats upstream in one request."""
-        while not self._stopping.wait(self._period()):
+        write the live ranks' heartbeats upstream in one request. A rank's watch starts the
+        next tick at once (the first may come a second after the relay started, when it
+        watched no rank; a rank whose liveness timeout is a second must not wait for it)."""
+        while True:
+            self._retick.wait(self._period())
+            self._retick.clear()
+            if self._stopping.is_set():
+                return
             try:
                 self._tick()
             except Exception as err:  # the upstream failing: the ranks' own reads say so

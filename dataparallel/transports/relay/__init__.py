@@ -6,6 +6,12 @@ for joining) as the job rank it was given; every hook passes through to the rela
 channel, and a barrier (``rendezvous`` included) is met by the node's ranks in shared memory
 and crosses the network once per node. The relay says the job's name and size; a rank that
 was given others is refused.
+
+A channel that holds no rank (an observer, ``dp.observe``; ``rank=None`` until it is
+assigned one; a torchrun agent's) joins as a guest, whose calls pass through the same way;
+``rank=None`` is assigned the lowest free rank of the node (its seat), then claims it as a
+given rank does. A rank whose seat is held by a live process joins as a guest too: its
+claim then fails naming the holder, as a directly connected rank's does.
 """
 
 from __future__ import annotations
@@ -82,24 +88,29 @@ class RelayedChannel(ControlChannel):
 
     def __init__(self, url: ChannelURL, **kwargs) -> None:
         super().__init__(url, **kwargs)
-        if self.rank is None:
-            raise ConfigError(f"{url.shown!r}: a rank behind a node relay is given its rank by its launcher")
-        self._local = LocalClient(url.path, self.rank, timeout=self.timeout)
-        info = self._local.info
+        self._barriers = threading.Lock()
+        self._within = threading.local()  # .deadline: the wait this thread's calls are made for
+        self._watched = False
+        self._local = self._join_relay(url.path)
+
+    def _join_relay(self, path: str) -> LocalClient:
+        """The local leg of the relay at ``path``, its job and size checked against this
+        channel's, the upstream's flags taken on."""
+        local = LocalClient(path, self.rank, timeout=self.timeout)
+        info = local.info
         problems = []
-        if info.get("world_size") != self.world_size:
+        if self.world_size and info.get("world_size") != self.world_size:  # an observer's is 0: any
             problems.append(f"world size {self.world_size}, the relay's job has {info.get('world_size')}")
         if info.get("job") != self.job:
             problems.append(f"job {self.job!r}, the relay's is {info.get('job')!r}")
         if problems:
-            self._local.close()
-            raise ConfigError(f"{url.shown!r}: rank {self.rank} was given " + "; ".join(problems))
+            local.close()
+            who = "a channel that holds no rank" if self.rank is None else f"rank {self.rank}"
+            raise ConfigError(f"{self.url.shown!r}: {who} was given " + "; ".join(problems))
         for flag in UPSTREAM_FLAGS:  # the upstream's, which every call passes through
             if flag in info:
                 setattr(self, flag, type(getattr(self, flag))(info[flag]))
-        self._barriers = threading.Lock()
-        self._within = threading.local()  # .deadline: the wait this thread's calls are made for
-        self._watched = False
+        return local
 
     def _call(self, op: int, payload: bytes, waits: float | None = None) -> bytes:
         """``op`` through the relay, answered within the channel's timeout, or for a waiting
@@ -116,17 +127,18 @@ class RelayedChannel(ControlChannel):
         if closing is not None:
             bound = min(bound, closing)
         try:
-            return self._local.call(op, payload, timeout=bound)
-        except ChannelClosed as err:
-            if getattr(err, "fenced", False) and not self._closed:  # the relay declared this rank lost
-                self._fail(err)
-            raise
+            return self._local.call(op, payload, timeout=bound, waiting=waits is not None)
         except NoReply as err:
             if waits is not None:
                 raise
             if within is not None:  # the barrier's wait goes on (and ends at its deadline)
                 raise ReadUnanswered(f"node relay: no answer within {bound:.2f}s ({err})") from None
             raise ChannelClosed(f"node relay: no answer within {bound:.2f}s ({err})") from None
+        except ControlError as err:
+            # The relay declared this rank lost, or its own channel ended: this one ends too.
+            if getattr(err, "fatal", False) and not self._closed:
+                self._fail(err)
+            raise
 
     # ------------------------------------------------------------------ hooks
     def _set(self, key: str, value: bytes) -> None:
@@ -183,14 +195,32 @@ class RelayedChannel(ControlChannel):
         self._call(APPEND, pack(_key(key), value))
 
     def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
-        # As the core's, but the rank's process record travels with its watch (one request).
-        assert rank is not None  # given by the launcher (checked at construction)
+        # As the core's, but a rank=None is the node's lowest free seat's rank (taken first:
+        # the local leg hands seats out), and the rank's process record travels with its
+        # watch (one request).
+        if rank is None:
+            rank = self._seat(None)
+            if rank is None:
+                return None, b""  # every seat of the node is held by a live process
         owner = self._compare_set(self._scoped(claim_key(rank)), b"", claimant)
         if owner != claimant:
             return None, owner
+        if self._local.local_rank is None and self._seat(rank) is None:
+            # Its holder's run is over, yet that process lives on the node (frozen, say).
+            raise ControlError(
+                f"rank {rank} of job {self.job!r}: its seat at the node relay is still held by a live process "
+                "(of a run that is over): stop it, or wait for the relay to declare it lost"
+            )
         self.rank = rank
         self._watch(self._scoped(peer_key(rank)), peer)
         return rank, b""
+
+    def _seat(self, rank: int | None) -> int | None:
+        """The local leg's seat for ``rank`` (None: the lowest free one), as :meth:`LocalClient.seat`."""
+        try:
+            return self._local.seat(rank, self.timeout + _SLACK)
+        except NoReply as err:
+            raise ChannelClosed(f"node relay: no answer to a seat request ({err})") from None
 
     def _watch(self, peer_key: str, peer: bytes) -> None:
         # The relay speaks for this rank's liveness: told where this run's losses are
@@ -246,6 +276,8 @@ class RelayedChannel(ControlChannel):
         (the collectives' contract); here a second thread's barrier waits for the first's,
         within its own timeout."""
         self._usable()
+        if self._local.local_rank is None:
+            raise ConfigError(f"barrier {name!r}: this channel holds no rank (a relay's barriers are its ranks')")
         budget = self._budget(timeout)
         deadline = time.monotonic() + budget
         if not self._barriers.acquire(timeout=budget):

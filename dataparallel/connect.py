@@ -148,7 +148,9 @@ def observe(
             # --relay``) keeps its ranks' keys in the relays' job, which is followed from then on.
             try:
                 channel = attached(nodes_job(job), True)
-            except ControlError:
+            except ControlError as behind:
+                if type(behind) is not ControlError:  # the relays' job is there and refused (a token)
+                    raise
                 raise err from None
             channel.observed_job = job
         try:

@@ -1,9 +1,7 @@
-import contextlib
 import itertools
-import types
 
 import pytest
-from etcdserver import EtcdServer
+from etcdserver import silenced_server
 
 from dataparallel.testing import ChannelConformance
 
@@ -19,11 +17,6 @@ class TestEtcdChannel(ChannelConformance):
     def _scratch(self, tmp_path):
         self.scratch = tmp_path
 
-    @contextlib.contextmanager
     def silenceable_server(self, channel_url):
         """etcd's store is no rank's: a server of its own, for the timeout tests to freeze or kill."""
-        server = EtcdServer(self.scratch / f"silenced{next(_prefixes)}").start().wait_ready()
-        try:
-            yield types.SimpleNamespace(url=f"{server.url}/silenced", pid=server.proc.pid)
-        finally:
-            server.stop()
+        return silenced_server(self.scratch / f"silenced{next(_prefixes)}")

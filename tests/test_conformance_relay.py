@@ -1,14 +1,13 @@
-"""The conformance suite's key/value and Store contract through node relays: every rank a
-``relay+SCHEME://`` channel behind a relay of the farm (:mod:`dataparallel.testing.relayfarm`,
-two ranks a node) joined to the transport under test. The linearizability workload through
-relays, under faults, is ``RelayTests`` in every transport's own suite."""
+"""The conformance suite through node relays (but its run tests): every rank, and every
+channel that holds no rank, a ``relay+SCHEME://`` channel behind a relay of the farm
+(:mod:`dataparallel.testing.relayfarm`, two ranks a node) joined to the transport under test.
+The linearizability workload through relays, under faults, is ``RelayTests`` in every
+transport's own suite."""
 
-import contextlib
 import itertools
-import types
 
 import pytest
-from etcdserver import EtcdServer
+from etcdserver import silenced_server
 
 import dataparallel as dp
 from dataparallel.testing import RelayedConformance, close_all, free_port, run_all
@@ -53,14 +52,9 @@ class TestRelayedEtcd(RelayedConformance):
         self.scratch = tmp_path
         return f"{etcd.url}/relayed{next(_names)}"
 
-    @contextlib.contextmanager
     def upstream_server(self, upstream_url):
         """etcd's store is no rank's: a server of its own, for the timeout tests to freeze or kill."""
-        server = EtcdServer(self.scratch / f"silenced{next(_names)}").start().wait_ready()
-        try:
-            yield types.SimpleNamespace(url=f"{server.url}/silenced", pid=server.proc.pid)
-        finally:
-            server.stop()
+        return silenced_server(self.scratch / f"silenced{next(_names)}")
 
 
 def test_the_farm_puts_every_two_ranks_behind_a_relay_of_their_own(relay_farm):

@@ -782,6 +782,26 @@ def test_a_node_lost_with_its_relay_is_peer_lost_to_the_other_nodes_ranks(tmp_pa
         up.close()
 
 
+def test_a_guest_passes_through_but_makes_no_rank_s_call(tmp_path):
+    """A process without a seat at the relay (an observer, a rank=None not yet seated) reads
+    and writes through it as a rank does, but a rank's own calls (its watch, its loss
+    reads, a barrier's count) are refused: nobody watches a guest."""
+    from dataparallel.control.relay.local import LocalClient
+    from dataparallel.control.relay.node import LOSS, SET, WATCH, pack
+
+    nodes = Nodes(tmp_path, f"memory://guest-{free_port()}", nodes=1, per_node=1)
+    try:
+        with LocalClient(nodes.relays[0].path, None, timeout=10) as guest:
+            assert guest.local_rank is None
+            guest.call(SET, pack(b"from-a-guest", b"x"), timeout=5)
+            assert nodes.upstreams[0]._get(RANKS + "from-a-guest", 1.0) == b"x"
+            for op in (WATCH, LOSS):
+                with pytest.raises(dp.ConfigError, match="holds no seat"):
+                    guest.call(op, pack(), timeout=5)
+    finally:
+        nodes.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_ranks_waiting_reads_never_hold_up_its_other_calls(tmp_path):
     """A rank with more reads waiting for their keys than it has slots at the relay: a write

@@ -279,8 +279,10 @@ def test_guests_pass_through_and_take_seats_only_where_free(tmp_path):
         assert other.local_rank is None and other.seat(None, timeout=5) == 1 and other.local_rank == 1
         assert other.seat(None, timeout=5) == 1  # seated already: its own
         assert guest.seat(None, timeout=5) is None  # every seat held
-        with pytest.raises(ConfigError, match=r"not one of this node's, 0\.\.1"):
-            LocalClient(path, None).seat(5, timeout=5)
+        with LocalClient(path, None) as stray, pytest.raises(ConfigError, match=r"not one of this node's, 0\.\.1"):
+            stray.seat(5, timeout=5)
+        with LocalClient(path, None) as guest_only, pytest.raises(ConfigError, match="no seat"):
+            guest_only.arrive("b", 1.0)
         # The two seated ranks meet; the guest is not waited for.
         outcomes = []
         threads = [threading.Thread(target=lambda c=c: outcomes.append(c.barrier("b", 5))) for c in (holder, other)]

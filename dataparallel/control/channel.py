@@ -920,7 +920,7 @@ class ControlChannel(Collectives, abc.ABC):
 
     @property
     def _token_differs(self) -> str:
-        return f"job {self.job!r}: this process's token differs from the one the job was started with"
+        return f"job {self.observed_job!r}: this process's token differs from the one the job was started with"
 
     def check_token(self) -> None:
         """Raise :class:`AuthError` unless this process's token is the one the job's run was
@@ -929,7 +929,7 @@ class ControlChannel(Collectives, abc.ABC):
         key, digest = self._token_check()
         if not self._check([key]):
             raise ControlError(
-                f"job {self.job!r}: no rank of its run has joined yet (nothing to compare the token with)"
+                f"job {self.observed_job!r}: no rank of its run has joined yet (nothing to compare the token with)"
             )
         if not hmac.compare_digest(self._get(key, self.timeout) or b"", digest):
             raise AuthError(self._token_differs)
@@ -945,8 +945,11 @@ class ControlChannel(Collectives, abc.ABC):
         return self._compare_set(key, b"", digest) == digest
 
     def _token_check(self) -> tuple[str, bytes]:
-        """Where the run keeps its token check, and what this process's token makes of it."""
-        digest = hmac.digest(purpose_key(self.token, "token-check"), self.job.encode(), "sha256").hex().encode()
+        """Where the run keeps its token check, and what this process's token makes of it (over
+        the name of the job whose ranks started the run: an observer of a job behind node
+        relays reads it in the relays' job)."""
+        job = self.observed_job.encode()
+        digest = hmac.digest(purpose_key(self.token, "token-check"), job, "sha256").hex().encode()
         return self._scoped(f"{RESERVED_PREFIX}token"), digest
 
     def peer_info(self, rank: int) -> dict[str, Any] | None:

@@ -2329,6 +2329,35 @@ class RelayedConformance(
             job = getattr(served, "job", "silenced")
             yield cast(SilencedServer, _Served(relayfarm.PREFIX + served.url, served.pid, job))
 
+    @pytest.mark.timeout(60)
+    def test_a_job_behind_relays_is_observed_on_their_channel_by_its_own_name(
+        self, upstream_url: str, open_ranks: OpenRanks
+    ) -> None:
+        """What ``dataparallel status URL --job JOB`` does for a job behind node relays:
+        ``dp.observe`` at the channel the relays joined, naming the ranks' job, reads every
+        rank (the relays' job, and the ranks' run behind it); the job is shown by its own
+        name; another token is refused (AuthError), as for a job of direct ranks."""
+        from dataparallel.control.status import read_job
+
+        token = "relayed-token"
+        chs = open_ranks(3, job="behind", token=token)
+        chs[0].status.at(epoch=1, step=2)
+        chs[0].status.enter("backward")
+        chs[0].status.publish(interval=0.2)
+        with dp.observe(upstream_url, job="behind", token=token, timeout=STEP_TIMEOUT) as observer:
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while True:
+                view = read_job(observer)
+                if view["ranks"] and view["ranks"][0]["phase"] == "backward":
+                    break
+                assert time.monotonic() < deadline, f"rank 0's record not read: {view}"
+                time.sleep(0.1)
+            assert view["job"] == "behind" and view["world_size"] == 3, view
+            assert [r["state"] for r in view["ranks"]] == ["running", "joined", "joined"], view["ranks"]
+            assert all(r["pid"] == os.getpid() for r in view["ranks"]), view["ranks"]
+        with pytest.raises(dp.AuthError):
+            dp.observe(upstream_url, job="behind", token="another-token", timeout=STEP_TIMEOUT).close()
+
     @contextlib.contextmanager
     def upstream_server(self, upstream_url: str) -> Iterator[SilencedServer]:
         """A server of the upstream transport's to freeze or kill: by default a rank 0 of its

@@ -486,12 +486,17 @@ class LocalServer:
                 payload = bytes(area[at + _HEADER_BYTES : at + _HEADER_BYTES + length])
                 call = Call(self, member, slot, req, op, payload)
                 if op == SEAT:
-                    self._seat(call)
+                    try:
+                        self._seat(call)
+                    except Exception as err:  # a bug must not take the node down
+                        log.exception("relay: a seat request failed")
+                        if not call._done:
+                            call.fail(ControlError(f"the node relay failed: {type(err).__name__}: {err}"))
                     continue
                 try:
                     self._handler(call)
                 except Exception as err:  # a handler's bug must not take the node down
-                    log.exception("relay handler failed on local rank %d's op %d", member.rank, op)
+                    log.exception("relay handler failed on local rank %s's op %d", member.rank, op)
                     if not call._done:
                         call.fail(ControlError(f"the node relay failed: {type(err).__name__}: {err}"))
 
@@ -877,6 +882,8 @@ class LocalClient:
         """Arrive at the node's next barrier, named ``name``, for which this rank waits up to
         ``timeout`` seconds (the relay waits upstream as long as the longest-waiting rank);
         returns its generation. A rank enters its barriers one at a time."""
+        if self.local_rank is None:
+            raise ConfigError(f"barrier {name!r}: a guest of the node relay (no seat) is in no barrier")
         with self._using, self._barrier_lock:
             self._generation += 1
             raw = barrier_name(name)
@@ -975,7 +982,7 @@ class LocalClient:
             while self._in_flight and time.monotonic() < deadline:
                 self._free_cv.wait(0.05)
             if self._in_flight:
-                log.warning("local rank %d: %d calls still in flight at close", self.rank, self._in_flight)
+                log.warning("local rank %s: %d calls still in flight at close", self.rank, self._in_flight)
                 return  # their descriptors stay open rather than be closed under them
         self._conn.close()
         for fd in [self._doorbell, self._arrivals, self._tokens, *self._released, *self._bells, self._interrupt]:

@@ -485,7 +485,9 @@ class NodeRelay:
         geometry = geometry or Geometry()
         # A thread for every call that can be in flight (each slot of each rank may wait in a
         # get); the node's barriers cross one at a time, in order, on a thread of their own.
-        self._pool = ThreadPoolExecutor(max_workers=local_ranks * geometry.slots, thread_name_prefix="dp-relay")
+        # Threads are made as calls need them; two processes' worth more for guests (an agent's
+        # channel, an observer), whose waiting reads must not take the ranks' threads.
+        self._pool = ThreadPoolExecutor(max_workers=(local_ranks + 2) * geometry.slots, thread_name_prefix="dp-relay")
         self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
         # Loss reports on a thread of their own: never queued behind the ranks' waiting reads.
         self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-loss")

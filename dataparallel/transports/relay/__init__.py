@@ -195,22 +195,23 @@ class RelayedChannel(ControlChannel):
         self._call(APPEND, pack(_key(key), value))
 
     def _claim_rank(self, rank: int | None, claimant: bytes, peer: bytes) -> tuple[int | None, bytes]:
-        # As the core's, but a rank=None is the node's lowest free seat's rank (taken first:
-        # the local leg hands seats out), and the rank's process record travels with its
-        # watch (one request).
+        # As the core's, but the seat at the relay comes first (a rank=None is the node's
+        # lowest free seat's rank: the local leg hands seats out; a rank claimed is then
+        # never left claimed by a process without a seat), and the rank's process record
+        # travels with its watch (one request).
         if rank is None:
             rank = self._seat(None)
             if rank is None:
                 return None, b""  # every seat of the node is held by a live process
+        elif self._local.local_rank is None and self._seat(rank) is None:
+            # Its seat is held by a live process: the holder the run knows is named (and the
+            # core judges whether it lives), or, where this run has none, that process.
+            key = self._scoped(claim_key(rank))
+            owner = self._get(key, 1e-3) if self._check([key]) else None
+            return None, owner or f"a live process holding rank {rank}'s seat at its node's relay".encode()
         owner = self._compare_set(self._scoped(claim_key(rank)), b"", claimant)
         if owner != claimant:
             return None, owner
-        if self._local.local_rank is None and self._seat(rank) is None:
-            # Its holder's run is over, yet that process lives on the node (frozen, say).
-            raise ControlError(
-                f"rank {rank} of job {self.job!r}: its seat at the node relay is still held by a live process "
-                "(of a run that is over): stop it, or wait for the relay to declare it lost"
-            )
         self.rank = rank
         self._watch(self._scoped(peer_key(rank)), peer)
         return rank, b""
@@ -314,8 +315,8 @@ class RelayedChannel(ControlChannel):
                     )
                 finally:
                     self._within.deadline = None
-            except ChannelClosed as err:
-                if not self._closed:
+            except ControlError as err:
+                if (isinstance(err, ChannelClosed) or getattr(err, "fatal", False)) and not self._closed:
                     self._fail(err)
                 raise
         finally:

@@ -571,6 +571,22 @@ def _entry(rank: int, phase: str | None, epoch: int | None = 0, step: int | None
     return {**entry, **more}
 
 
+def test_a_stale_record_is_no_straggler_s_yardstick() -> None:
+    """A rank whose record is older than two of its intervals (frozen, say, and not yet named
+    silent) is not scored, and nobody is scored against its last, fast steps; fresh, it is
+    the fastest, and the others a fifth slower and more are stragglers."""
+    from dataparallel.control.status import straggler_scores
+
+    def ranks(age: float) -> list[dict]:
+        fast = _entry(0, "backward", own_s=0.017, heartbeat_age=age, interval=1.0)
+        return [fast, *(_entry(r, "backward", own_s=0.023, heartbeat_age=0.3, interval=1.0) for r in (1, 2))]
+
+    assert [s["rank"] for s in straggler_scores(ranks(0.8))] == [1, 2]
+    stale = ranks(2.5)
+    assert straggler_scores(stale) == [] and stale[0].get("scores") is None, stale[0]
+    assert [r["scores"]["vs_fastest"] for r in stale[1:]] == [1.0, 1.0]
+
+
 def test_diagnose_names_only_ranks_that_hold_others_up() -> None:
     """Ranks that all wait at one place (a long validation, a slow first step) are no stall;
     a rank still validating while the others report is, whatever its number; a rank still

@@ -489,9 +489,14 @@ def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     against its own best: 1.0 is as fast, 0.5 twice as slow), set in its entry as
     ``scores``; returns the stragglers (a score below :data:`STRAGGLER_BELOW`, by at least
     :data:`STRAGGLER_FLOOR` seconds a step), slowest first, each ``{"rank", "vs_fastest",
-    "vs_own_best", "own_s", "cause"}``."""
+    "vs_own_best", "own_s", "cause"}``. A rank whose record is older than
+    :data:`STALE_AFTER` of its intervals is not scored, nor anyone against it: what it says of
+    its speed is of a time the others' records are not (a frozen rank's last fast steps would
+    make the others look slow until it is named silent)."""
     timed = [
-        r for r in ranks if r.get("state") == "running" and isinstance(r.get("own_s"), int | float) and r["own_s"] > 0
+        r
+        for r in ranks
+        if r.get("state") == "running" and isinstance(r.get("own_s"), int | float) and r["own_s"] > 0 and not _stale(r)
     ]
     if not timed:
         return []
@@ -510,6 +515,18 @@ def straggler_scores(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
             found.append({"rank": r["rank"], **scores, "own_s": own, "cause": cause, "_low": low})
     found.sort(key=lambda f: f.pop("_low"))
     return found
+
+
+#: A record older than this many of its rank's publishing intervals is stale for scoring.
+STALE_AFTER = 2.0
+
+
+def _stale(entry: Mapping[str, Any]) -> bool:
+    age, interval = entry.get("heartbeat_age"), entry.get("interval")
+    if not isinstance(age, int | float):
+        return False
+    every = float(interval) if isinstance(interval, int | float) and interval > 0 else 1.0
+    return age > STALE_AFTER * every
 
 
 def _most_in(record: Mapping[str, Any]) -> str:
@@ -743,6 +760,7 @@ def read_job(
             "own_best_s": None,
             "scores": None,
             "heartbeat_age": None,
+            "interval": None,
             "stacks_at": None,
             "stacks_signal": None,
             "identity": None,
@@ -783,6 +801,7 @@ def read_job(
                 entry["split"] = dict(rec.get("split") or {})
                 entry["phase_s"] = round(float(rec.get("phase_s") or 0.0) + age, 3)
                 entry["heartbeat_age"] = round(age, 3)
+                entry["interval"] = interval
                 if rec.get("phase") in ("closed", "failed"):
                     entry["state"] = rec["phase"]
                 else:

@@ -1693,6 +1693,11 @@ def _at_port(url: str, port: int) -> tuple[str, int]:
     return re.subn(r"(//[^/?]*:)\d+", rf"\g<1>{port}", url, count=1)
 
 
+def _network_path(url: str) -> bool:
+    """Whether ``url`` names a HOST:PORT (a network path a proxy can go dark on)."""
+    return re.search(r"//[^/?,]*:\d+", url) is not None
+
+
 def _resume_and_kill(proc: subprocess.Popen[str]) -> None:
     """End a worker the test may have left frozen (SIGSTOP): resumed, killed, reaped."""
     if proc.poll() is None:
@@ -2072,7 +2077,7 @@ class TimeoutTests(ChannelHarness):
             servers = [stack.enter_context(self.silenceable_server(channel_url)) for _ in range(2)]
             conditions, urls = ["frozen", "killed"], [servers[0].url, servers[1].url]
             proxy = None
-            if re.search(r"//[^/?,]*:\d+", channel_url):  # a network path to go dark
+            if _network_path(channel_url):  # a network path to go dark
                 servers.append(stack.enter_context(self.silenceable_server(channel_url)))
                 proxy, dark_url = proxy_in_front(servers[2].url)
                 assert proxy is not None, f"{servers[2].url}: no HOST:PORT to put a proxy in front of"
@@ -2119,7 +2124,7 @@ class TimeoutTests(ChannelHarness):
         channel's own to kill (ranks that are threads of one process, a store in a file), the
         channel's own liveness is stopped instead."""
         t = self.PROMISE
-        served = self.cross_process and re.search(r"//[^/?,]*:\d+", channel_url) is not None
+        served = self.cross_process and _network_path(channel_url)
         with contextlib.ExitStack() as stack:
             if served:
                 server = stack.enter_context(self.silenceable_server(channel_url))
@@ -2321,7 +2326,7 @@ class RelayedConformance(
         its own is the peer to freeze or kill, as :class:`TimeoutTests`' default has it."""
         upstream = channel_url[len(relayfarm.PREFIX) :]
         own = type(self).upstream_server is not RelayedConformance.upstream_server
-        if not own and re.search(r"//[^/?,]*:\d+", upstream) is None:
+        if not own and not _network_path(upstream):
             with TimeoutTests.silenceable_server(self, channel_url) as served:
                 yield served
             return

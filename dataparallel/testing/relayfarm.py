@@ -53,6 +53,11 @@ SCHEMES = ("memory", "zmq", "grpc", "tcpstore", "etcd")
 PREFIX = "relay+"
 
 
+def nodes_of(world_size: int) -> int:
+    """How many nodes of :data:`PER_NODE` ranks a job of ``world_size`` ranks spans."""
+    return -(-world_size // PER_NODE)
+
+
 def register(*schemes: str) -> None:
     """Make ``relay+SCHEME`` a :class:`FarmChannel` for each of ``schemes`` (default
     :data:`SCHEMES`), in this process."""
@@ -147,7 +152,7 @@ class FarmChannel(RelayedChannel):
         if rank is not None or self._asked is None or self._local.local_rank is not None:
             return super()._claim_rank(rank, claimant, peer)
         got: tuple[int | None, bytes] = (None, b"")
-        for node in range(-(-self.world_size // PER_NODE)):
+        for node in range(nodes_of(self.world_size)):
             if node != self._node:
                 path = ask(**self._asked, rank=None, node=node)
                 moved = self._join_relay(path)
@@ -259,7 +264,7 @@ class RelayFarm:
                     if (up, of) == (upstream, job) and entry.relay is not None:
                         return str(entry.relay.path)
             raise ControlError(f"job {job!r} has no run at {upstream}: no relay of it in the farm")
-        nodes = -(-world_size // PER_NODE)
+        nodes = nodes_of(world_size)
         node = (node or 0) if rank is None else rank // PER_NODE
         if not 0 <= node < nodes:
             raise ConfigError(f"node {node} of {nodes}")

@@ -345,7 +345,14 @@ def test_store_is_linearizable_across_an_etcd_kill_and_restart(tmp_path):
     try:
         faults = Faults(reset_every=1.5, events=[(1.5, restart)])
         report, _ = run_workload(
-            server.url + "/lin", tmp_path / "history", clients=4, ops=1100, min_seconds=5, faults=faults, options=OPTS
+            server.url + "/lin",
+            tmp_path / "history",
+            clients=4,
+            ops=1100,
+            min_seconds=5,
+            faults=faults,
+            options=OPTS,
+            min_operations=4000,
         )
     finally:
         server.stop()

@@ -1735,8 +1735,9 @@ class LinearizabilityTests(ChannelHarness):
 
     LIVENESS = FAST_LIVENESS
     #: Operations a run must record, at the least, so that the check is not vacuous: the
-    #: clients that are neither killed nor frozen do 1100 each, but on a loaded machine one of
-    #: them may be starved past the liveness timeout and cut off too; two always finish.
+    #: clients that are neither killed nor frozen do 1100 each, and on a loaded machine, where
+    #: some of them may be starved past the liveness timeout and cut off too, those still
+    #: running go on until the run has recorded this many.
     MIN_OPERATIONS = 2200
 
     @pytest.mark.timeout(240)
@@ -1760,7 +1761,14 @@ class LinearizabilityTests(ChannelHarness):
             resets = 1.0 if urlsplit(channel_url).port else 0.0
             faults = Faults(reset_every=resets, freeze_at=1.5, kill_at=2.5)
             report, _ = run_workload(
-                channel_url, tmp_path, clients=5, ops=1100, min_seconds=6, faults=faults, options=self.LIVENESS
+                channel_url,
+                tmp_path,
+                clients=5,
+                ops=1100,
+                min_seconds=6,
+                faults=faults,
+                options=self.LIVENESS,
+                min_operations=self.MIN_OPERATIONS,
             )
         assert report.ok, str(report)
         assert report.operations >= self.MIN_OPERATIONS, f"only {report.operations} operations recorded"
@@ -1866,7 +1874,15 @@ class RelayTests(ChannelHarness):
             events = [] if proxy is None else [(0.5, partial(proxy.reset_every, 1.0))]
             faults = Faults(freeze_at=1.5, kill_at=2.5, events=events)
             report, _ = run_workload(
-                "", tmp_path / "lin", clients=5, ops=1100, min_seconds=6, faults=faults, rank_urls=urls, job=job
+                "",
+                tmp_path / "lin",
+                clients=5,
+                ops=1100,
+                min_seconds=6,
+                faults=faults,
+                rank_urls=urls,
+                job=job,
+                min_operations=self.MIN_OPERATIONS,
             )
             resets = proxy.resets if proxy is not None else None
         finally:

@@ -278,11 +278,15 @@ class Faults:
     events: Sequence[tuple[float, Callable[[], object]]] = ()
 
 
-def client_ops(ch: Any, out: Path, client: int, ops: int, min_seconds: float, keys: int, seed: int) -> int:
+def client_ops(
+    ch: Any, out: Path, client: int, ops: int, min_seconds: float, keys: int, seed: int, stop: Path | None = None
+) -> int:
     """Random single-key operations on ``keys`` keys, every one recorded in ``out`` (JSON
     lines, flushed as they happen, so a killed client's last call is on disk). Runs for
-    ``ops`` operations and at least ``min_seconds``; stops early once the channel is broken
-    (its coordinator gone, or this client declared lost and cut off)."""
+    ``ops`` operations and at least ``min_seconds``, and with ``stop``, on until that file
+    exists (the workload's clients together have recorded enough); stops early once the
+    channel is broken (its coordinator gone, or this client declared lost and cut off)."""
+    import os
     import random
     import time
 
@@ -299,7 +303,7 @@ def client_ops(ch: Any, out: Path, client: int, ops: int, min_seconds: float, ke
 
         for i in range(10**9):
             if done >= ops:
-                if time.monotonic() - start >= min_seconds:
+                if time.monotonic() - start >= min_seconds and (stop is None or os.path.exists(stop)):
                     break
                 time.sleep(0.005)  # enough recorded: stay busy until the faults are done, slowly
             key, roll = rng.choice(names), rng.random()
@@ -367,11 +371,16 @@ def run_workload(
     timeout: float = 120.0,
     rank_urls: Sequence[str] | None = None,
     job: str | None = None,
+    min_operations: int = 0,
 ) -> tuple[Report, list[Operation]]:
     """Run ``clients`` client processes of one job against ``url`` (rank 0, in this process,
     only hosts and watches), inject ``faults``, then check the merged history.
     ``rank_urls``: each rank's own URL instead (rank 0's first), as ranks behind node relays
-    have; ``job``: the job's name (default: one of its own)."""
+    have; ``job``: the job's name (default: one of its own). ``min_operations``: the clients
+    that are still running go on past ``ops`` each until the run has recorded that many
+    operations in all (within ``timeout``): on a loaded machine, clients besides the frozen
+    and the killed one may be starved past the liveness timeout and cut off, and the
+    history must still not be too short to mean anything."""
     import os
     import signal
     import subprocess
@@ -393,13 +402,17 @@ def run_workload(
     host = dp.connect(rank_urls[0] if rank_urls else full, rank=0, world_size=clients + 1, job=job, timeout=60)
     proxy, client_url = proxy_in_front(full) if faults.reset_every else (None, full)
     procs: list[subprocess.Popen[str]] = []
+    stop = workdir / "enough"
+    stop.unlink(missing_ok=True)
+    if not min_operations:
+        stop.touch()
     try:
         for c in range(clients):
             own = rank_urls[c + 1] if rank_urls else client_url
             cmd = [sys.executable, "-m", "dataparallel.testing.linearizability", "--url", own]
             cmd += ["--rank", str(c + 1), "--world-size", str(clients + 1), "--job", job]
             cmd += ["--out", str(workdir / f"client{c}.jsonl"), "--ops", str(ops)]
-            cmd += ["--min-seconds", str(min_seconds), "--keys", str(keys), "--seed", str(c)]
+            cmd += ["--min-seconds", str(min_seconds), "--keys", str(keys), "--seed", str(c), "--stop", str(stop)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         host.rendezvous(timeout=60)
 
@@ -421,6 +434,11 @@ def run_workload(
             timer.daemon = True
             timer.start()
         deadline = time.monotonic() + timeout
+        while not stop.exists() and time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if _recorded(workdir) >= min_operations:
+                stop.touch()
+            else:
+                time.sleep(0.2)
         for proc in procs:
             try:
                 _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -445,6 +463,16 @@ def run_workload(
     return check(history), history
 
 
+def _recorded(workdir: Path) -> int:
+    """How many calls the clients in ``workdir`` have completed so far (a lower bound of
+    what their history will hold: a call whose outcome is unknown counts there too)."""
+    total = 0
+    for path in workdir.glob("client*.jsonl"):
+        with open(path, "rb") as f:
+            total += sum(1 for line in f if line.startswith(b'{"type": "done"') and line.endswith(b"}\n"))
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -460,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-seconds", type=float, default=0.0)
     parser.add_argument("--keys", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", type=Path, default=None, help="after --ops, go on until this file exists")
     args = parser.parse_args(argv)
     from .relayfarm import register_if_farmed
 
@@ -467,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     ch = dp.connect(args.url, rank=args.rank, world_size=args.world_size, job=args.job, timeout=60)
     try:
         ch.rendezvous(timeout=60)
-        client_ops(ch, args.out, args.rank, args.ops, args.min_seconds, args.keys, args.seed)
+        client_ops(ch, args.out, args.rank, args.ops, args.min_seconds, args.keys, args.seed, args.stop)
     finally:
         try:
             ch.close()

@@ -1,4 +1,4 @@
-"""The conformance suite through node relays (but its run tests): every rank, and every
+"""The conformance suite through node relays: every rank, and every
 channel that holds no rank, a ``relay+SCHEME://`` channel behind a relay of the farm
 (:mod:`dataparallel.testing.relayfarm`, two ranks a node) joined to the transport under test.
 The linearizability workload through relays, under faults, is ``RelayTests`` in every

@@ -134,6 +134,8 @@ FULL_ONLY: dict[str, set[str]] = {
         "TestRelayedZmq::test_every_call_keeps_its_timeout_when_the_coordinator_freezes_dies_or_goes_dark",
         "TestRelayedZmq::test_a_connect_to_nothing_keeps_its_timeout",
         "TestRelayedZmq::test_a_process_whose_connect_failed_exits_with_its_own_status",
+        "TestRelayedMemory::test_a_killed_jobs_rerun_under_the_same_name_starts_clean",
+        "TestRelayedZmq::test_a_killed_jobs_rerun_under_the_same_name_starts_clean",
     },
     "test_conformance_teeth.py": {
         "test_a_transport_atomic_only_within_a_process_fails_fast_naming_the_primitive",

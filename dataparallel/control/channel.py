@@ -283,6 +283,7 @@ class ControlChannel(Collectives, abc.ABC):
         #: value, monotonic time first seen), and the ranks seen alive.
         self._run_seen: dict[int, tuple[bytes | None, float]] = {}
         self._run_alive: dict[int, float] = {}
+        self._run_first: dict[int, float] = {}
         self._run_verdict = ""
         #: The job's settings as ``dp.connect`` resolved them, once (flags and arguments, the
         #: ``DP_*`` environment, ``dataparallel.toml``): what ``dp.fit`` falls back on for
@@ -769,7 +770,7 @@ class ControlChannel(Collectives, abc.ABC):
         expected = self._run_id if retry and self._run_verdict == "over" else b""
         current = self._compare_set(_RUN, expected, fresh)
         if current != self._run_id:
-            self._run_seen, self._run_alive = {}, {}
+            self._run_seen, self._run_alive, self._run_first = {}, {}, {}
         self._run_id = current
         self._run_prefix = f"{_RUN}/{current.decode(errors='replace')}/"
         self._run_verdict = ""
@@ -797,8 +798,12 @@ class ControlChannel(Collectives, abc.ABC):
                 continue
             present.append(rank)
             seen = self._run_seen.get(rank)
+            first = self._run_first.setdefault(rank, now)
             if seen is None or seen[0] != value:
-                if seen is not None:
+                # Life is a beat seen more than two intervals after the first look: one
+                # already on its way then (a node relay carries its ranks' beats upstream up
+                # to a tick late) is no proof that the holder still beats.
+                if seen is not None and now - first > 2 * self.heartbeat_interval:
                     self._run_alive[rank] = now
                 self._run_seen[rank] = (value, now)
             else:

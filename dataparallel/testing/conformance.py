@@ -2324,10 +2324,10 @@ class StatusTests(ChannelHarness):
 
 
 class RelayedConformance(
-    StatusTests, PrimitiveTests, MembershipTests, StoreTests, CollectiveTests, LivenessTests, TimeoutTests
+    StatusTests, PrimitiveTests, MembershipTests, StoreTests, CollectiveTests, LivenessTests, RunTests, TimeoutTests
 ):
-    """The suite's key/value, membership, Store, collective, liveness, status and timeout
-    tests with every rank, and every channel that holds no rank, behind a node relay of a
+    """The suite's key/value, membership, Store, collective, liveness, run, status and
+    timeout tests with every rank, and every channel that holds no rank, behind a node relay of a
     farm (:mod:`.relayfarm`) joined to the channel under test. Subclass it and define an
     ``upstream_url`` fixture: what ``channel_url`` is for :class:`ChannelConformance`; where
     the transport's store is no rank's (``etcd://``), override :meth:`upstream_server` too, as

@@ -42,8 +42,10 @@ rank (an observer, ``rank=None`` before its rank is known) or whose rank's seat 
 live process (its claim upstream then says by whom, as a directly connected rank's would).
 A guest's calls pass through like any rank's, but it is in no barrier and nobody watches it.
 It takes a seat with :data:`SEAT`: the one its rank names, or the lowest free one; a seat
-held by a process whose end was not read yet, or that the relay declared lost
-(``may_replace``), is taken from it.
+held by a process whose end was not read yet, or by a member the relay declared lost
+(``may_replace``), is taken from it. Each joined connection is a member of its own (its
+:attr:`Call.incarnation`): a process that connects again, its rank's new channel, is not the
+member that was declared lost.
 
 **Liveness.** A rank stamps its slot area with ``time.monotonic()`` (one clock for every
 process on the machine) whenever it is asked to beat; the relay reads how long each rank has
@@ -58,6 +60,7 @@ every call, which is the cost the relay exists to remove.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import mmap
@@ -98,6 +101,7 @@ _HEADER_BYTES = 64
 #: then the last barrier generation it arrived at and that barrier's name (length, bytes).
 _AREA_HEAD = 320
 _BEAT = struct.Struct("<d")
+_incarnations = itertools.count(1)
 _ARRIVAL = struct.Struct("<QId")  # at offset 8: generation, name length, timeout; the name follows
 _GENERATION = struct.Struct("<Q")  # the generation alone
 _NAME_AT = 8 + _ARRIVAL.size
@@ -179,6 +183,12 @@ class Call:
 
     __slots__ = ("_done", "_member", "_seq", "_server", "_slot", "after", "op", "payload", "rank")
 
+    @property
+    def incarnation(self) -> int:
+        """Which of the relay's members (joined connections) calls: one number each, never
+        reused while the server runs."""
+        return self._member.incarnation
+
     def __init__(self, server: LocalServer, member: _Member, slot: int, seq: int, op: int, payload: bytes) -> None:
         self.rank = member.rank
         self.op = op
@@ -223,6 +233,7 @@ class _Member:
 
     def __init__(self, rank: int | None, pid: int, conn: socket.socket, geometry: Geometry) -> None:
         self.rank, self.pid, self.conn = rank, pid, conn  # rank None: a guest (no seat)
+        self.incarnation = next(_incarnations)
         self.memfd = os.memfd_create(f"dp-relay-{'guest' if rank is None else rank}", os.MFD_CLOEXEC)
         os.ftruncate(self.memfd, geometry.area_bytes)
         self.area = mmap.mmap(self.memfd, geometry.area_bytes)
@@ -282,8 +293,8 @@ class LocalServer:
     ``ranks``: how many local ranks may join; a rank says its number, ``first_rank`` to
     ``first_rank + ranks - 1`` (the node's ranks in the job; 0 by default), or none (a
     guest, module docstring). ``info``: what every joining rank is told besides the layout
-    (the node's place in the job). ``may_replace(local_rank, pid)``: whether a seat's live
-    holder may be replaced by a guest asking for it (by default never)."""
+    (the node's place in the job). ``may_replace(local_rank, incarnation)``: whether a seat's
+    live holder (that member) may be replaced by a guest asking for it (by default never)."""
 
     def __init__(
         self,
@@ -304,7 +315,7 @@ class LocalServer:
         self.info = dict(info or {})
         self.geometry = geometry or Geometry()
         self._handler, self._on_gone = handler, on_gone
-        self._may_replace = may_replace or (lambda local, pid: False)
+        self._may_replace = may_replace or (lambda local, incarnation: False)
         self._on_barrier = on_barrier or (lambda generation, name, timeout: self.release(generation))
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -367,6 +378,12 @@ class LocalServer:
         member = self._members.get(rank)
         return member.pid if member is not None else None
 
+    def incarnation_of(self, rank: int) -> int | None:
+        """Local rank ``rank``'s latest member (:attr:`Call.incarnation`; gone or not), if one
+        joined."""
+        member = self._members.get(rank)
+        return member.incarnation if member is not None else None
+
     def reached(self, generation: int) -> int:
         """How many live local ranks have arrived at barrier ``generation`` or past it."""
         return self._count_ahead(generation - 1)
@@ -393,6 +410,12 @@ class LocalServer:
 
     def silent(self, rank: int) -> float | None:
         """Seconds since ``rank`` last beat (None: not joined, or never beat)."""
+        beat = self.last_beat(rank)
+        return None if beat is None else max(0.0, time.monotonic() - beat)
+
+    def last_beat(self, rank: int) -> float | None:
+        """When ``rank`` last beat, by this host's monotonic clock (None: not joined, or
+        never beat)."""
         member = self._members.get(rank)
         if member is None:
             return None
@@ -400,7 +423,7 @@ class LocalServer:
             if member.gone:
                 return None
             (beat,) = _BEAT.unpack_from(member.area, 0)
-        return None if beat == 0.0 else max(0.0, time.monotonic() - beat)
+        return None if beat == 0.0 else beat
 
     def close(self) -> None:
         self._stop = True
@@ -732,7 +755,7 @@ class LocalServer:
             local = None
             for seat in range(self.ranks) if wanted == -1 else [wanted - first]:
                 held = self._members.get(seat)
-                if not self._free(seat) and held is not None and self._may_replace(seat, held.pid):
+                if not self._free(seat) and held is not None and self._may_replace(seat, held.incarnation):
                     self._gone(held, "its seat was given to another process (it had been declared lost)")
                 if self._free(seat):
                     local = seat

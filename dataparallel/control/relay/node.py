@@ -22,10 +22,13 @@ each, and through it:
   its ranks' processes end (at once) and their beats stop (a frozen rank, after the rank's
   liveness timeout), and reports such a rank lost where its run's ranks read losses; once a
   tick it writes the heartbeat keys of its live ranks upstream in one request (what the
-  core's membership reads to tell a live holder of a rank from a gone one); and a node whose
+  core's membership reads to tell a live holder of a rank from a gone one), each rank's
+  only when the rank beat in shared memory since (a frozen rank's key stands still upstream
+  as a frozen direct rank's does); and a node whose
   relay is lost upstream (the relays' own liveness) is reported lost by the others, as its
   first rank, naming the node's ranks. A rank it declares lost is cut off first: every later
-  call of its process is refused (ChannelClosed, "declared lost"), and its loss is published
+  call of its channel is refused (ChannelClosed, "declared lost"; the same process joining
+  again is a new member, as it is a new session upstream), and its loss is published
   once none of its writes is in flight, so no write of a lost rank lands after the others
   were told (a frozen rank that resumes fails on its next call or liveness tick).
 
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import logging
 import os
 import struct
@@ -477,8 +481,10 @@ class NodeRelay:
         self._on_gone = on_gone
         self.job = job
         self._by = f"node {node_rank}'s relay"
-        # A rank declared lost, (local rank, pid) -> the error its calls get from then on and
-        # its loss report (what its own loss reads answer); and each rank's writes in flight.
+        # A rank declared lost, (local rank, member) -> the error its calls get from then on
+        # and its loss report (what its own loss reads answer); and each member's writes in
+        # flight. A member is one joined connection (Call.incarnation): the rank's process
+        # joining again (its new channel, a rerun of its job) is another.
         self._fenced: dict[tuple[int | None, int], tuple[ChannelClosed, bytes]] = {}
         self._writing: dict[tuple[int | None, int], int] = {}
         self._written = threading.Condition()
@@ -495,6 +501,7 @@ class NodeRelay:
         # being written upstream holds _beating, which a rank's withdrawal waits for (so that
         # no beat of the relay's lands after the rank's own departure mark).
         self._watched: dict[int, Watched] = {}
+        self._carried: dict[int, float] = {}  # local rank -> its beat in shared memory last carried upstream
         self._watch_lock = threading.Lock()
         self._beating = threading.Lock()
         self._ticks = 0
@@ -504,6 +511,13 @@ class NodeRelay:
         # generations handed on, those being crossed, and the arrivals this node last
         # published (name, round, count written).
         self._rounds: dict[str, int] = {}
+        # The ranks' run their barriers belong to (its loss key, which names the run; set by
+        # their watches) and its tag in the barriers' names upstream: the relays' own run
+        # outlives the ranks' runs (a crashed run left barriers half-crossed upstream), and a
+        # new run's barriers meet none of them. Crossings of a run given up: their executors.
+        self._run: str | None = None
+        self._run_tag = ""
+        self._given_up: list[ThreadPoolExecutor] = []
         self._round_of: dict[int, tuple[str, int]] = {}
         self._crossing_now: set[int] = set()
         self._marked: tuple[str, int, int | None] | None = None
@@ -543,7 +557,7 @@ class NodeRelay:
             self._barrier,
             first_rank=self.first_rank,
             info=info,
-            may_replace=lambda local, pid: (local, pid) in self._fenced,
+            may_replace=lambda local, incarnation: (local, incarnation) in self._fenced,
         )
         self.path = self.server.path
         # Which ranks are this node's, for the other relays to name them should it be lost.
@@ -567,6 +581,8 @@ class NodeRelay:
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._crossing.shutdown(wait=False, cancel_futures=True)
+        for given_up in self._given_up:
+            given_up.shutdown(wait=False, cancel_futures=True)
         self._reporting.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> NodeRelay:
@@ -577,7 +593,7 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ serving
     def _handle(self, call: Call) -> None:
-        fenced = self._fenced.get((call.rank, call.pid))
+        fenced = self._fenced.get((call.rank, call.incarnation))
         if fenced is not None:  # declared lost: cut off, as a coordinator drops a lost rank's session
             if call.op == LOSS:
                 call.reply(pack(fenced[1], struct.pack("<d", 0.0)))  # its own loss: it fails on reading it
@@ -609,6 +625,7 @@ class NodeRelay:
                     loss, beat, peer, liveness, record = fields
                     interval, timeout = struct.unpack("<dd", liveness)
                     watched = Watched(_text(loss), _text(beat), interval, timeout, (_text(peer), record))
+                    self._enter_run(watched.loss_key)
                     self._watches.submit((call, watched))
                 elif call.op == SET:
                     key, value = fields
@@ -774,13 +791,45 @@ class NodeRelay:
         if self.nodes == 1:  # the node is the whole job: its ranks have all met
             self.server.release(generation, OK)
             return
-        text = name.decode("utf-8", errors="surrogatepass")
+        text = self._upstream_name(name.decode("utf-8", errors="surrogatepass"))
         round_ = self._rounds.get(text, 0)
         self._rounds[text] = round_ + 1
         self._round_of[generation] = (text, round_)
         self._round_of.pop(generation - ROUNDS_KEPT, None)
         self._crossing_now.add(generation)
         self._crossing.submit(self._cross, generation, text, timeout if timeout > 0 else None)
+
+    def _upstream_name(self, name: str) -> str:
+        """A barrier's name upstream: the ranks' name, tagged with their run."""
+        return f"{name}@{self._run_tag}" if self._run_tag else name
+
+    def _enter_run(self, loss_key: str) -> None:
+        """A rank watched for the run whose losses are kept at ``loss_key``: where that is a
+        new run of the ranks' job (the last one crashed, or ended, and this relay outlived
+        it), the last run's barriers are over. One still crossing upstream (its node's ranks
+        all arrived, another node's never will) is given up: its ranks, all gone or cut off,
+        are released with an error, its crossing thread left to end with its timeout or the
+        relay's channel, and the new run's barriers cross on a thread of their own, under
+        names of their own, counting rounds from the first. Called on the local leg's thread,
+        as the barriers are handed on, so no barrier of the new run is handed before."""
+        if loss_key == self._run:
+            return
+        before, self._run = self._run, loss_key
+        self._run_tag = hashlib.blake2s(loss_key.encode(), digest_size=4).hexdigest()
+        if before is None:
+            return
+        stale = sorted(self._crossing_now)
+        if stale:
+            self._given_up.append(self._crossing)
+            self._crossing.shutdown(wait=False, cancel_futures=True)
+            self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
+        self._rounds.clear()
+        self._round_of.clear()
+        self._crossing_now.clear()
+        self._marked = None
+        over = ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this barrier's run is over")
+        for generation in stale:
+            self.server.release(generation, ERROR, error_bytes(over))
 
     def _cross(self, generation: int, name: str, timeout: float | None) -> None:
         try:
@@ -789,7 +838,8 @@ class NodeRelay:
             self.server.release(generation, ERROR, error_bytes(self._node_lost(err)))
         except ControlTimeout as err:  # counted in ranks, as the ranks' own timeout's message is
             total, complete = self._arrived(generation, name)
-            timeout_ = ControlTimeout(f"barrier {name!r}", err.waited, arrived_hint(total, self.world_size, complete))
+            shown = name.rpartition("@")[0] if self._run_tag and name.endswith("@" + self._run_tag) else name
+            timeout_ = ControlTimeout(f"barrier {shown!r}", err.waited, arrived_hint(total, self.world_size, complete))
             self.server.release(generation, ERROR, error_bytes(timeout_))
         except ControlError as err:
             self.server.release(generation, ERROR, error_bytes(err))
@@ -803,9 +853,9 @@ class NodeRelay:
 
     def _arrived(self, generation: int, name: str) -> tuple[int, bool]:
         """How many ranks of the job had arrived at this node's barrier ``generation``
-        (``name``): this node's, from its ranks' areas, and the other nodes', from what they
-        published (:data:`ARRIVALS`) for the same round; and whether every node's count was
-        read within :data:`PROGRESS_WITHIN`."""
+        (``name``, as upstream): this node's, from its ranks' areas, and the other nodes',
+        from what they published (:data:`ARRIVALS`) for the same round; and whether every
+        node's count was read within :data:`PROGRESS_WITHIN`."""
         total = self.server.reached(generation)
         if self.nodes == 1:
             return total, True
@@ -831,7 +881,8 @@ class NodeRelay:
     def _progress(self, call: Call) -> None:
         def count() -> list[bytes]:
             generation_field, name = unpack(call.payload)
-            total, complete = self._arrived(_int(generation_field), name.decode("utf-8", errors="surrogatepass"))
+            text = self._upstream_name(name.decode("utf-8", errors="surrogatepass"))
+            total, complete = self._arrived(_int(generation_field), text)
             return [struct.pack("<q?", total, complete)]
 
         _answer_all([call], "a barrier's count", count)
@@ -849,7 +900,7 @@ class NodeRelay:
                 self._marked = None
                 return
             _, count, raw = under_way
-            name = raw.decode("utf-8", errors="surrogatepass")
+            name = self._upstream_name(raw.decode("utf-8", errors="surrogatepass"))
             round_ = self._rounds.get(name, 0)
         marked = self._marked
         if marked is None or marked[:2] != (name, round_):
@@ -873,7 +924,7 @@ class NodeRelay:
             self._on_gone(rank, how)
 
     def _count_write(self, call: Call) -> None:
-        writer = (call.rank, call.pid)
+        writer = (call.rank, call.incarnation)
         with self._written:
             self._writing[writer] = self._writing.get(writer, 0) + 1
 
@@ -890,14 +941,14 @@ class NodeRelay:
 
     def _lose(self, local: int, key: str, how: str) -> None:
         """Local rank ``local`` is lost (its process ended, or its beats stopped): fence it
-        (every later call of its process refused with ChannelClosed, and its own loss read
+        (every later call of its channel refused with ChannelClosed, and its own loss read
         answered with its loss, on which it fails), then publish its loss once none of its
         writes is in flight: no write of its lands after the others are told."""
-        rank, pid = self.first_rank + local, self.server.pid_of(local)
+        rank, incarnation = self.first_rank + local, self.server.incarnation_of(local)
         report = loss_report(rank, time.time(), how, self._by)
         writer = None
-        if pid is not None:
-            writer = (local, pid)
+        if incarnation is not None:
+            writer = (local, incarnation)
             error = ChannelClosed(f"rank {rank} of job {self.job!r} was declared lost: {how} (noticed by {self._by})")
             error.fatal = True  # type: ignore[attr-defined]  # crosses to the rank with its fields
             self._fenced[writer] = (error, report)
@@ -1009,11 +1060,22 @@ class NodeRelay:
         except ControlError as err:
             log.debug("relay: reading the job's losses failed: %s", err)
         with self._beating:
+            # Only a rank that beat in shared memory since its last beat carried upstream:
+            # its heartbeat key upstream moves as long as the rank itself does (a rerun of its
+            # job judges its run by those keys, as it does a direct rank's, and must not see a
+            # frozen rank alive until the relay gives it up).
             with self._watch_lock:
-                beats = [w.heartbeat_key for w in self._watched.values()]
-            if beats:
+                watched = list(self._watched.items())
+            fresh = []
+            for local, w in watched:
+                beat = self.server.last_beat(local)
+                if beat is not None and beat != self._carried.get(local):
+                    fresh.append((local, w.heartbeat_key, beat))
+            if fresh:
                 value = self._beat_value()
-                self.upstream._multi_set([(key, value) for key in beats])
+                self.upstream._multi_set([(key, value) for _, key, _ in fresh])
+                for local, _, beat in fresh:
+                    self._carried[local] = beat
 
     def _read_report(self, key: str) -> None:
         """Read the run's loss report for the node's ranks (kept once read: the first report

@@ -413,7 +413,10 @@ def run_workload(
             cmd += ["--rank", str(c + 1), "--world-size", str(clients + 1), "--job", job]
             cmd += ["--out", str(workdir / f"client{c}.jsonl"), "--ops", str(ops)]
             cmd += ["--min-seconds", str(min_seconds), "--keys", str(keys), "--seed", str(c), "--stop", str(stop)]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            # Their output to files: a pipe nobody drains while the run goes on could fill and
+            # block a client that logs a lot (under connection resets, say).
+            with open(workdir / f"client{c}.err", "w") as err_file:
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, text=True))
         host.rendezvous(timeout=60)
 
         if proxy is not None:
@@ -439,15 +442,17 @@ def run_workload(
                 stop.touch()
             else:
                 time.sleep(0.2)
-        for proc in procs:
+        stop.touch()  # the floor reached, or the time is up: the check tells which
+        for c, proc in enumerate(procs):
             try:
-                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                # A client told to stop late still closes its channel: some grace past the deadline.
+                proc.wait(timeout=max(15.0, deadline + 15.0 - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                _, err = proc.communicate()
-                raise TimeoutError(f"a client ran for more than {timeout:g}s; stderr:\n{err[-2000:]}") from None
+                proc.wait()
+                raise TimeoutError(f"a client ran for more than {timeout:g}s; stderr:\n{_tail(workdir, c)}") from None
             if proc.returncode not in (0, -signal.SIGKILL):
-                raise RuntimeError(f"a client exited {proc.returncode}; stderr:\n{err[-2000:]}")
+                raise RuntimeError(f"a client exited {proc.returncode}; stderr:\n{_tail(workdir, c)}")
         for timer in timers:
             timer.join()
     finally:
@@ -461,6 +466,14 @@ def run_workload(
         host.close()
     history = load_history(sorted(workdir.glob("client*.jsonl")))
     return check(history), history
+
+
+def _tail(workdir: Path, client: int) -> str:
+    """The end of client ``client``'s standard error."""
+    try:
+        return (workdir / f"client{client}.err").read_text(errors="replace")[-2000:]
+    except OSError as err:
+        return f"(not read: {err})"
 
 
 def _recorded(workdir: Path) -> int:

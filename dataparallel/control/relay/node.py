@@ -71,7 +71,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -495,6 +495,7 @@ class NodeRelay:
         # channel, an observer), whose waiting reads must not take the ranks' threads.
         self._pool = ThreadPoolExecutor(max_workers=(local_ranks + 2) * geometry.slots, thread_name_prefix="dp-relay")
         self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
+        self._last_crossing: Future[None] | None = None  # the latest crossing handed to it
         # Loss reports on a thread of their own: never queued behind the ranks' waiting reads.
         self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-loss")
         # Local rank -> what the relay watches and beats for it (under _watch_lock); a beat
@@ -517,7 +518,8 @@ class NodeRelay:
         # new run's barriers meet none of them. Crossings of a run given up: their executors.
         self._run: str | None = None
         self._run_tag = ""
-        self._given_up: list[ThreadPoolExecutor] = []
+        self._runs_left: set[str] = set()
+        self._given_up: list[tuple[ThreadPoolExecutor, Future[None]]] = []
         self._round_of: dict[int, tuple[str, int]] = {}
         self._crossing_now: set[int] = set()
         self._marked: tuple[str, int, int | None] | None = None
@@ -581,7 +583,7 @@ class NodeRelay:
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._crossing.shutdown(wait=False, cancel_futures=True)
-        for given_up in self._given_up:
+        for given_up, _ in self._given_up:
             given_up.shutdown(wait=False, cancel_futures=True)
         self._reporting.shutdown(wait=False, cancel_futures=True)
 
@@ -797,7 +799,7 @@ class NodeRelay:
         self._round_of[generation] = (text, round_)
         self._round_of.pop(generation - ROUNDS_KEPT, None)
         self._crossing_now.add(generation)
-        self._crossing.submit(self._cross, generation, text, timeout if timeout > 0 else None)
+        self._last_crossing = self._crossing.submit(self._cross, generation, text, timeout if timeout > 0 else None)
 
     def _upstream_name(self, name: str) -> str:
         """A barrier's name upstream: the ranks' name, tagged with their run."""
@@ -807,20 +809,25 @@ class NodeRelay:
         """A rank watched for the run whose losses are kept at ``loss_key``: where that is a
         new run of the ranks' job (the last one crashed, or ended, and this relay outlived
         it), the last run's barriers are over. One still crossing upstream (its node's ranks
-        all arrived, another node's never will) is given up: its ranks, all gone or cut off,
-        are released with an error, its crossing thread left to end with its timeout or the
+        all arrived, another node's never will) is given up: its ranks (of a run that is over:
+        gone, cut off, or told of a loss) are released with ChannelClosed, which ends their
+        channels, its crossing thread left to end with its timeout or the
         relay's channel, and the new run's barriers cross on a thread of their own, under
         names of their own, counting rounds from the first. Called on the local leg's thread,
-        as the barriers are handed on, so no barrier of the new run is handed before."""
-        if loss_key == self._run:
+        as the barriers are handed on, so no barrier of the new run is handed before. Runs
+        only move forward: a late watch for a run the relay has left (a process that joined
+        the crashed run before the next one began) changes nothing here."""
+        if loss_key == self._run or loss_key in self._runs_left:
             return
         before, self._run = self._run, loss_key
         self._run_tag = hashlib.blake2s(loss_key.encode(), digest_size=4).hexdigest()
         if before is None:
             return
+        self._runs_left.add(before)
         stale = sorted(self._crossing_now)
-        if stale:
-            self._given_up.append(self._crossing)
+        self._given_up = [(pool, last) for pool, last in self._given_up if not last.done()]
+        if stale and self._last_crossing is not None:
+            self._given_up.append((self._crossing, self._last_crossing))
             self._crossing.shutdown(wait=False, cancel_futures=True)
             self._crossing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-barrier")
         self._rounds.clear()
@@ -891,8 +898,9 @@ class NodeRelay:
         """Publish how many of this node's ranks are in the barrier under way, once it has
         lasted a tick (and again when that count changes): see :data:`ARRIVALS`."""
         crossing = max(self._crossing_now, default=None)
-        if crossing is not None and crossing in self._round_of:
-            name, round_ = self._round_of[crossing]
+        handed = None if crossing is None else self._round_of.get(crossing)  # a new run may clear it meanwhile
+        if handed is not None:
+            name, round_ = handed
             count = self.local_ranks
         else:
             under_way = self.server.under_way()

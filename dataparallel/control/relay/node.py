@@ -793,13 +793,16 @@ class NodeRelay:
         if self.nodes == 1:  # the node is the whole job: its ranks have all met
             self.server.release(generation, OK)
             return
-        text = self._upstream_name(name.decode("utf-8", errors="surrogatepass"))
+        own = name.decode("utf-8", errors="surrogatepass")
+        text = self._upstream_name(own)
         round_ = self._rounds.get(text, 0)
         self._rounds[text] = round_ + 1
         self._round_of[generation] = (text, round_)
         self._round_of.pop(generation - ROUNDS_KEPT, None)
         self._crossing_now.add(generation)
-        self._last_crossing = self._crossing.submit(self._cross, generation, text, timeout if timeout > 0 else None)
+        self._last_crossing = self._crossing.submit(
+            self._cross, generation, text, own, timeout if timeout > 0 else None
+        )
 
     def _upstream_name(self, name: str) -> str:
         """A barrier's name upstream: the ranks' name, tagged with their run."""
@@ -811,9 +814,9 @@ class NodeRelay:
         it), the last run's barriers are over. One still crossing upstream (its node's ranks
         all arrived, another node's never will) is given up: its ranks (of a run that is over:
         gone, cut off, or told of a loss) are released with ChannelClosed, which ends their
-        channels, its crossing thread left to end with its timeout or the
-        relay's channel, and the new run's barriers cross on a thread of their own, under
-        names of their own, counting rounds from the first. Called on the local leg's thread,
+        channels, its crossing thread left to end with its timeout or the relay's channel,
+        and the new run's barriers cross on a thread of their own, under names of their own,
+        counting rounds from the first. Called on the local leg's thread,
         as the barriers are handed on, so no barrier of the new run is handed before. Runs
         only move forward: a late watch for a run the relay has left (a process that joined
         the crashed run before the next one began) changes nothing here."""
@@ -838,14 +841,15 @@ class NodeRelay:
         for generation in stale:
             self.server.release(generation, ERROR, error_bytes(over))
 
-    def _cross(self, generation: int, name: str, timeout: float | None) -> None:
+    def _cross(self, generation: int, name: str, shown: str, timeout: float | None) -> None:
+        """Cross barrier ``generation`` upstream as ``name`` (``shown``: the ranks' own name,
+        for their errors)."""
         try:
             self.upstream.barrier(name, timeout=timeout)
         except PeerLost as err:  # a node, among the relays: its ranks, to the ranks
             self.server.release(generation, ERROR, error_bytes(self._node_lost(err)))
         except ControlTimeout as err:  # counted in ranks, as the ranks' own timeout's message is
             total, complete = self._arrived(generation, name)
-            shown = name.rpartition("@")[0] if self._run_tag and name.endswith("@" + self._run_tag) else name
             timeout_ = ControlTimeout(f"barrier {shown!r}", err.waited, arrived_hint(total, self.world_size, complete))
             self.server.release(generation, ERROR, error_bytes(timeout_))
         except ControlError as err:

@@ -12,6 +12,7 @@ from etcdserver import EtcdServer, cluster_leader, require_etcd, start_cluster
 from jobutil import exercise, open_job, spawn
 
 import dataparallel as dp
+import dataparallel.transports.etcd as etcd_module
 from dataparallel.testing import close_all, run_all, with_options
 from dataparallel.testing.linearizability import Faults, run_workload
 from dataparallel.testing.netproxy import TcpProxy
@@ -358,3 +359,44 @@ def test_store_is_linearizable_across_an_etcd_kill_and_restart(tmp_path):
         server.stop()
     assert report.ok, str(report)
     assert report.operations >= 4000
+
+
+def test_a_call_given_up_leaves_no_error_behind_to_hold_the_channel(tmp_path, caplog):
+    """A call whose caller's wait timed out is cancelled; should it end with an error of its
+    own instead (a gRPC call's cancellation can come out as a lost connection), that error is
+    taken, not left on the task: asyncio logs an error it finds never retrieved with its
+    traceback, whose frames hold the channel for as long as the log record lives (a channel
+    dropped unclosed was still referenced a minute on)."""
+    import asyncio
+    import gc
+    import logging
+    import weakref
+
+    server = EtcdServer(tmp_path / "data").start().wait_ready()
+    try:
+        ch = dp.connect(with_options(server.url + "/given-up", **OPTS), rank=0, world_size=1, timeout=10)
+        try:
+
+            async def refusing_its_cancellation() -> None:
+                try:
+                    await asyncio.sleep(5)
+                except asyncio.CancelledError:
+                    raise dp.ChannelClosed("the connection went with the cancellation") from None
+
+            with caplog.at_level(logging.ERROR, logger="asyncio"):
+                for call in (refusing_its_cancellation(), etcd_module._within(refusing_its_cancellation(), 5)):
+                    with pytest.raises(dp.ChannelClosed, match=r"did not answer within 0\.5s"):
+                        ch._run(call, 0.5)
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and not caplog.records:
+                    gc.collect()
+                    time.sleep(0.1)
+            assert not [r.getMessage() for r in caplog.records]
+            gone = weakref.ref(ch)
+        finally:
+            ch.close()
+        del ch
+        gc.collect()
+        assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+    finally:
+        server.stop()

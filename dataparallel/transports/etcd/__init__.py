@@ -44,8 +44,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Coroutine, Sequence
+from typing import Any, TypeVar, cast
 
 import aetcd
 import aetcd.exceptions
@@ -280,7 +280,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             client = self._new_client()
             try:
                 ping = client.get(self._root + b"__dp/ping")
-                await asyncio.wait_for(ping, timeout=min(5, deadline - time.monotonic()))
+                await _within(ping, min(5, deadline - time.monotonic()))
                 self._client = client
                 return
             except Exception as err:
@@ -366,16 +366,17 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         ends up to :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.) A wait's
         read gives ``unanswered`` (ReadUnanswered: the core reads again while the wait lasts)."""
         wait = max(timeout or self.timeout, ANSWER_GRACE)
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future = asyncio.run_coroutine_threadsafe(_outcome(coro), self._loop)
         try:
-            return future.result(timeout=wait)
+            value, error = future.result(timeout=wait)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
             raise unanswered(f"etcd at {self.url.shown} did not answer within {wait:g}s") from None
-        except ValueError:
-            raise  # _add found no number: the core's BadMessage
-        except Exception as err:
-            raise self._translate(err, getattr(coro, "__name__", "call")) from err
+        if error is None:
+            return cast(T, value)
+        if isinstance(error, ValueError):
+            raise error  # _add found no number: the core's BadMessage
+        raise self._translate(error, getattr(coro, "__name__", "call")) from error
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a client method; while a member is unreachable, fail over to the next endpoint
@@ -444,7 +445,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     def _put_within(self, key: str, value: bytes, seconds: float) -> None:
         """``_set`` given up after ``seconds`` (a write the keep-alive carries must not hold
         up the next refresh)."""
-        self._run(asyncio.wait_for(self._put(key, value), seconds), seconds)
+        self._run(_within(self._put(key, value), seconds), seconds)
 
     def _get(self, key: str, timeout: float) -> bytes | None:
         return self._run(self._get_async(self._k(key), timeout), timeout, ReadUnanswered)
@@ -469,7 +470,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 return None
 
             try:
-                return await asyncio.wait_for(first_put(), remaining)
+                return await _within(first_put(), remaining)
             except asyncio.TimeoutError:
                 return None
             except _TRANSIENT:
@@ -678,13 +679,13 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             try:
                 # Bounded well within the TTL: a refresh stuck on a dead connection must not
                 # hold up the next one.
-                reply = self._run(asyncio.wait_for(self._call("refresh_lease", self._lease.id), max(ttl / 3, 0.5)), ttl)
+                reply = self._run(_within(self._call("refresh_lease", self._lease.id), max(ttl / 3, 0.5)), ttl)
                 if reply is not None and reply.TTL <= 0:  # expired while this process was frozen
                     self._fail(ChannelClosed(self._fenced_message("found on the next keep-alive")))
                     return
                 if (
                     self._holds_run
-                    and not self._run(asyncio.wait_for(self._hold_run(), max(ttl / 3, 0.5)), ttl)
+                    and not self._run(_within(self._hold_run(), max(ttl / 3, 0.5)), ttl)
                     and not self._stop.is_set()  # not the run's end its own departure made
                 ):
                     self._fail(
@@ -748,6 +749,33 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 self._run(self._etcd.close(), 5)
             except Exception:
                 pass
+
+
+async def _outcome(coro: Awaitable[T]) -> tuple[T | None, Exception | None]:
+    """``(result, None)`` or ``(None, error)`` of ``coro``: how :meth:`EtcdChannel._run`
+    submits a call, so that the task never ends with an error. A call given up (its caller's
+    wait timed out, and its task was cancelled) may still end with an error of its own rather
+    than cancelled (a gRPC call's cancellation can come out as a lost connection): left on
+    the task, asyncio would log it as never retrieved, with a traceback whose frames hold the
+    channel for as long as the log record lives."""
+    try:
+        return await coro, None
+    except Exception as err:
+        return None, err
+
+
+async def _within(coro: Awaitable[T], seconds: float) -> T:
+    """``asyncio.wait_for(coro, seconds)``, whose own task for ``coro`` never leaves an error
+    unretrieved (see :func:`_outcome`): cancelled with its caller, it is awaited, but an error
+    it ends with instead is not taken from it."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(_retrieve)
+    return await asyncio.wait_for(task, seconds)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _wait_within(timeout: float) -> float:

@@ -142,6 +142,8 @@ _HELLO_WITHIN = 5.0
 MAX_SLOTS = 32
 #: Slots a rank's waiting reads leave to its other calls (where it has more than this many).
 KEPT_FREE = 1
+#: Seconds between looks at the timed-out calls' slots, for a call that waits for a free one.
+_RECLAIM_EVERY = 0.05
 #: The descriptors a rank gets besides its slots' bells: its area, its doorbell, the node's
 #: area, arrivals and tokens, and the barriers' release eventfds.
 _NODE_FDS = 5 + _OUTCOMES
@@ -851,6 +853,9 @@ class LocalClient:
         self._barrier_lock = threading.Lock()
         self._seq = [0] * self.geometry.slots
         self._free = list(range(self.geometry.slots))
+        # Timed-out calls' slots, each with the sequence number of the reply it still waits
+        # for: freed by the next call to look once that late reply has come (_take).
+        self._late: dict[int, int] = {}
         self._lock = threading.Lock()
         self._free_cv = threading.Condition(self._lock)
         self._closed = False
@@ -974,7 +979,8 @@ class LocalClient:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         # The slot stays taken: a late reply would otherwise answer the next call.
-                        threading.Thread(target=self._reclaim, args=(slot, seq), daemon=True).start()
+                        with self._free_cv:
+                            self._late[slot] = seq
                         raise NoReply(f"local rank {self.rank}'s reply from the node relay", timeout)
                     self._wait(self._bells[slot], left)
             except ControlTimeout:
@@ -1056,10 +1062,15 @@ class LocalClient:
             while len(self._free) <= kept:
                 if self._closed:
                     raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
+                if self._late:
+                    self._reclaim()
+                    if len(self._free) > kept:
+                        break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoReply(f"a free slot of local rank {self.rank} (every slot busy)", time.monotonic() - start)
-                self._free_cv.wait(left)
+                # A late reply rings no one: look again soon while a slot waits for one.
+                self._free_cv.wait(min(left, _RECLAIM_EVERY) if self._late else left)
             return self._free.pop()
 
     def _give(self, slot: int) -> None:
@@ -1067,18 +1078,15 @@ class LocalClient:
             self._free.append(slot)
             self._free_cv.notify_all()
 
-    def _reclaim(self, slot: int, seq: int) -> None:
-        """Free a timed-out call's slot once its late reply has come (while the client lives)."""
-        at = self.geometry.slot_at(slot)
-        while True:
-            try:
-                with self._using:
-                    if _HEADER.unpack_from(self._area, at)[1] == seq:
-                        self._give(slot)
-                        return
-            except ChannelClosed:
-                return
-            time.sleep(0.05)
+    def _reclaim(self) -> None:
+        """Free the timed-out calls' slots whose late replies have come (under ``_free_cv``,
+        by a call using the client's descriptors). Done by the next call that needs a slot
+        rather than by a thread per timed-out call: a timeout returns at once, even in a
+        process whose threads wait long for a CPU."""
+        for slot, seq in list(self._late.items()):
+            if _HEADER.unpack_from(self._area, self.geometry.slot_at(slot))[1] == seq:
+                del self._late[slot]
+                self._free.append(slot)
 
 
 class _InFlight:

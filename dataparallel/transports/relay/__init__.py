@@ -57,7 +57,7 @@ _SLACK = 0.25
 #: A timed-out barrier's count (its message's) is asked of the relay for this long at most,
 #: and never past this long after the barrier's deadline: a frozen relay's silence must not
 #: push the timeout past its promise (the deadline and half a second).
-_HINT_WITHIN, _HINT_BY = 0.35, 0.4
+_HINT_WITHIN, _HINT_BY = 0.3, 0.3
 
 
 def _key(key: str) -> bytes:
@@ -122,7 +122,7 @@ class RelayedChannel(ControlChannel):
         bound = (self.timeout if waits is None else waits) + _SLACK
         within = getattr(self._within, "deadline", None)
         if within is not None:  # a call a barrier's wait makes (its departure check): within the barrier's bound
-            bound = min(bound, max(within - time.monotonic(), 0.05) + _SLACK)
+            bound = min(bound, max(within - time.monotonic(), 0.05))
         closing = self._left_to_close(at_least=0.05)
         if closing is not None:
             bound = min(bound, closing)

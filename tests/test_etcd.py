@@ -12,7 +12,7 @@ from etcdserver import EtcdServer, cluster_leader, require_etcd, start_cluster
 from jobutil import exercise, open_job, spawn
 
 import dataparallel as dp
-import dataparallel.transports.etcd as etcd_module
+from dataparallel.control.eventloop import bounded
 from dataparallel.testing import close_all, run_all, with_options
 from dataparallel.testing.linearizability import Faults, run_workload
 from dataparallel.testing.netproxy import TcpProxy
@@ -384,7 +384,7 @@ def test_a_call_given_up_leaves_no_error_behind_to_hold_the_channel(tmp_path, ca
                     raise dp.ChannelClosed("the connection went with the cancellation") from None
 
             with caplog.at_level(logging.ERROR, logger="asyncio"):
-                for call in (refusing_its_cancellation(), etcd_module._within(refusing_its_cancellation(), 5)):
+                for call in (refusing_its_cancellation(), bounded(refusing_its_cancellation(), 5)):
                     with pytest.raises(dp.ChannelClosed, match=r"did not answer within 0\.5s"):
                         ch._run(call, 0.5)
                 deadline = time.monotonic() + 5

@@ -599,8 +599,9 @@ def test_every_call_through_a_relay_keeps_its_timeout_when_the_relay_freezes_or_
             for cond, ch in zip(conditions, channels, strict=True)
             for name, call in check._timed_calls(ch, cond.replace(" ", "-")).items()
         }
-        timings = check._time_all(calls)
-        timings.update(check._time_all({f"{c}: close": ch.close for c, ch in zip(conditions, channels, strict=True)}))
+        timings = check._time_all(calls, check.PROMISE)
+        closes = {f"{c}: close": ch.close for c, ch in zip(conditions, channels, strict=True)}
+        timings.update(check._time_all(closes, check.PROMISE))
         check._check_bounds(timings, "the node relay frozen or killed")
     finally:
         for h in hosts:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: tuple[int, asyncio.AbstractEventLoop] | None = None
@@ -26,3 +30,30 @@ def client_loop() -> asyncio.AbstractEventLoop:
             threading.Thread(target=loop.run_forever, name="dp-event-loop", daemon=True).start()
             _loop = (os.getpid(), loop)
         return _loop[1]
+
+
+async def outcome(coro: Awaitable[T]) -> tuple[T | None, Exception | None]:
+    """``(result, None)`` or ``(None, error)`` of ``coro``: how a transport's ``_run``
+    submits a call, so that the task never ends with an error. A call given up (its caller's
+    wait timed out, and its task was cancelled) may still end with an error of its own rather
+    than cancelled (a gRPC call's cancellation can come out as a lost connection): left on
+    the task, asyncio would log it as never retrieved, with a traceback whose frames hold the
+    channel for as long as the log record lives."""
+    try:
+        return await coro, None
+    except Exception as err:
+        return None, err
+
+
+async def bounded(coro: Awaitable[T], seconds: float) -> T:
+    """``asyncio.wait_for(coro, seconds)``, whose own task for ``coro`` never leaves an error
+    unretrieved (see :func:`outcome`): cancelled with its caller, it is awaited, but an error
+    it ends with instead is not taken from it."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(_retrieve)
+    return await asyncio.wait_for(task, seconds)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -84,8 +84,8 @@ def timeout_slack(timeout: float) -> float:
 
 class Timed(NamedTuple):
     """How long a call took (wall-clock seconds), what it raised, and how much of that time
-    its thread spent runnable but waiting for a CPU, as the kernel counts it: a bound on a
-    call is checked net of it (a loaded machine can keep a thread off every CPU for a
+    after its deadline its thread spent runnable but waiting for a CPU, as the kernel counts
+    it: a bound on a call is checked net of it (a loaded machine can keep a thread off every CPU for a
     second; no code returns while it is not run). Waiting for another thread (the GIL, a
     lock) is not excused."""
 
@@ -100,18 +100,21 @@ class Timed(NamedTuple):
 def _referrers(obj: object) -> str:
     """What refers to ``obj``: each referrer's type, a frame's function by name (a failure's
     clue to what keeps an object alive)."""
+    asking = {id(sys._getframe()), id(sys._getframe(1))}  # this look and its caller's
     names = [
         f"frame of {ref.f_code.co_name}" if isinstance(ref, types.FrameType) else type(ref).__name__
         for ref in gc.get_referrers(obj)
+        if id(ref) not in asking
     ]
     return ", ".join(sorted(names)) or "nothing gc tracks"
 
 
-def _waited_for_cpu() -> float:
-    """Seconds the calling thread has spent runnable but not running (the second field of
-    Linux's ``/proc/thread-self/schedstat``); 0 where the kernel does not say."""
+def _waited_for_cpu(thread: int) -> float:
+    """Seconds thread ``thread`` (a native id of this process's) has spent runnable but not
+    running (the second field of Linux's ``/proc/self/task/TID/schedstat``); 0 where the
+    kernel does not say."""
     try:
-        with open("/proc/thread-self/schedstat") as f:
+        with open(f"/proc/self/task/{thread}/schedstat") as f:
             return int(f.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return 0.0
@@ -2034,17 +2037,26 @@ class TimeoutTests(ChannelHarness):
                 raise AssertionError(f"{where}: {name} raised {type(err).__name__}, not a ControlError: {err}") from err
 
     @staticmethod
-    def _time_all(calls: dict[str, Callable[[], object]]) -> dict[str, Timed]:
-        """Run the calls at once, on threads; how long each took and what it raised."""
+    def _time_all(calls: dict[str, Callable[[], object]], promise: float) -> dict[str, Timed]:
+        """Run the calls at once, on threads; how long each took, what it raised, and how
+        long its thread waited for a CPU once ``promise`` seconds had passed (a timer looks
+        then: what it waited before delays no deadline)."""
 
         def timed(call: Callable[[], object]) -> Timed:
-            start, waited = time.monotonic(), _waited_for_cpu()
+            start, thread = time.monotonic(), threading.get_native_id()
+            at_promise: list[float] = []
+            timer = threading.Timer(promise, lambda: at_promise.append(_waited_for_cpu(thread)))
+            timer.daemon = True
+            timer.start()
             err: BaseException | None = None
             try:
                 call()
             except Exception as raised:
                 err = raised
-            return Timed(time.monotonic() - start, err, _waited_for_cpu() - waited)
+            took = time.monotonic() - start
+            timer.cancel()
+            starved = _waited_for_cpu(thread) - at_promise[0] if at_promise else 0.0
+            return Timed(took, err, max(starved, 0.0))
 
         names = list(calls)
         return dict(zip(names, run_all([partial(timed, calls[n]) for n in names]), strict=True))
@@ -2072,7 +2084,7 @@ class TimeoutTests(ChannelHarness):
                 endpoint = f"127.0.0.1:{mute.getsockname()[1]}"
                 params = RendezvousParameters("x", endpoint, "timeouts", 1, 1, read_timeout=t)
                 calls["rdzv handler at mute"] = partial(create_rdzv_handler, urlsplit(channel_url).scheme, params)
-            timings = self._time_all(calls)
+            timings = self._time_all(calls, self.PROMISE)
         self._check_bounds(timings, "nothing listening, or a mute listener")
         if swapped:
             assert all(timed.err is not None for timed in timings.values()), timings
@@ -2130,8 +2142,8 @@ class TimeoutTests(ChannelHarness):
         if not self.cross_process:
             a, b = open_ranks(2, job="silenced", timeout=t)
             _stop_liveness(a)
-            timings = self._time_all(self._timed_calls(b, "inproc"))
-            timings.update(self._time_all({"close": b.close}))
+            timings = self._time_all(self._timed_calls(b, "inproc"), self.PROMISE)
+            timings.update(self._time_all({"close": b.close}, self.PROMISE))
             self._check_bounds(timings, "rank 0 silent")
             return
         with contextlib.ExitStack() as stack:
@@ -2165,11 +2177,11 @@ class TimeoutTests(ChannelHarness):
                 for cond, ch in zip(conditions, channels, strict=True)
                 for name, call in self._timed_calls(ch, cond).items()
             }
-            timings = self._time_all(calls)
+            timings = self._time_all(calls, self.PROMISE)
             closes: dict[str, Callable[[], object]] = {
                 f"{cond}: close": ch.close for cond, ch in zip(conditions, channels, strict=True)
             }
-            timings.update(self._time_all(closes))
+            timings.update(self._time_all(closes, self.PROMISE))
         self._check_bounds(timings, "coordinator frozen, killed or dark")
 
     @pytest.mark.timeout(120)

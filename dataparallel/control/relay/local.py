@@ -981,6 +981,7 @@ class LocalClient:
                         # The slot stays taken: a late reply would otherwise answer the next call.
                         with self._free_cv:
                             self._late[slot] = seq
+                            self._free_cv.notify_all()  # a call waiting for a slot looks at it
                         raise NoReply(f"local rank {self.rank}'s reply from the node relay", timeout)
                     self._wait(self._bells[slot], left)
             except ControlTimeout:

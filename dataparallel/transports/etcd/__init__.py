@@ -44,7 +44,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
 import aetcd
@@ -53,7 +53,7 @@ import grpc
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.check import tls_diagnosis
-from dataparallel.control.eventloop import client_loop
+from dataparallel.control.eventloop import bounded, client_loop, outcome
 from dataparallel.control.keyspace import NEXT_RANK, claim_key, peer_key
 from dataparallel.control.liveness import Liveness, LostPeer, with_process
 from dataparallel.control.registry import ChannelURL
@@ -280,7 +280,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             client = self._new_client()
             try:
                 ping = client.get(self._root + b"__dp/ping")
-                await _within(ping, min(5, deadline - time.monotonic()))
+                await bounded(ping, min(5, deadline - time.monotonic()))
                 self._client = client
                 return
             except Exception as err:
@@ -366,12 +366,14 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         ends up to :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.) A wait's
         read gives ``unanswered`` (ReadUnanswered: the core reads again while the wait lasts)."""
         wait = max(timeout or self.timeout, ANSWER_GRACE)
-        future = asyncio.run_coroutine_threadsafe(_outcome(coro), self._loop)
+        future = asyncio.run_coroutine_threadsafe(outcome(coro), self._loop)
         try:
             value, error = future.result(timeout=wait)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
             raise unanswered(f"etcd at {self.url.shown} did not answer within {wait:g}s") from None
+        except concurrent.futures.CancelledError as err:  # the call cancelled on the loop (a close)
+            raise self._translate(err, getattr(coro, "__name__", "call")) from err
         if error is None:
             return cast(T, value)
         if isinstance(error, ValueError):
@@ -392,9 +394,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 # Another call failing over closed the client this one ran on (its gRPC calls
                 # end cancelled): try again on the new one. A cancellation of this task itself
                 # (a wait_for that expired, the channel closing) goes on up.
-                task = asyncio.current_task()
-                cancelling = getattr(task, "cancelling", None)  # Python 3.11+
-                if self._client is client or (cancelling is not None and cancelling()):
+                if self._client is client or _cancelling():
                     raise
                 if time.monotonic() > deadline:
                     raise ChannelClosed(
@@ -402,6 +402,8 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                     ) from None
                 continue
             except _TRANSIENT as err:
+                if _cancelling():  # this call's own cancellation, come out as a lost connection
+                    raise asyncio.CancelledError from err
                 if time.monotonic() > deadline:
                     raise ChannelClosed(
                         f"etcd at {self.url.shown} unreachable for {self.liveness_timeout:g}s: {err}"
@@ -445,7 +447,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
     def _put_within(self, key: str, value: bytes, seconds: float) -> None:
         """``_set`` given up after ``seconds`` (a write the keep-alive carries must not hold
         up the next refresh)."""
-        self._run(_within(self._put(key, value), seconds), seconds)
+        self._run(bounded(self._put(key, value), seconds), seconds)
 
     def _get(self, key: str, timeout: float) -> bytes | None:
         return self._run(self._get_async(self._k(key), timeout), timeout, ReadUnanswered)
@@ -470,7 +472,7 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 return None
 
             try:
-                return await _within(first_put(), remaining)
+                return await bounded(first_put(), remaining)
             except asyncio.TimeoutError:
                 return None
             except _TRANSIENT:
@@ -679,13 +681,13 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
             try:
                 # Bounded well within the TTL: a refresh stuck on a dead connection must not
                 # hold up the next one.
-                reply = self._run(_within(self._call("refresh_lease", self._lease.id), max(ttl / 3, 0.5)), ttl)
+                reply = self._run(bounded(self._call("refresh_lease", self._lease.id), max(ttl / 3, 0.5)), ttl)
                 if reply is not None and reply.TTL <= 0:  # expired while this process was frozen
                     self._fail(ChannelClosed(self._fenced_message("found on the next keep-alive")))
                     return
                 if (
                     self._holds_run
-                    and not self._run(_within(self._hold_run(), max(ttl / 3, 0.5)), ttl)
+                    and not self._run(bounded(self._hold_run(), max(ttl / 3, 0.5)), ttl)
                     and not self._stop.is_set()  # not the run's end its own departure made
                 ):
                     self._fail(
@@ -751,31 +753,10 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
                 pass
 
 
-async def _outcome(coro: Awaitable[T]) -> tuple[T | None, Exception | None]:
-    """``(result, None)`` or ``(None, error)`` of ``coro``: how :meth:`EtcdChannel._run`
-    submits a call, so that the task never ends with an error. A call given up (its caller's
-    wait timed out, and its task was cancelled) may still end with an error of its own rather
-    than cancelled (a gRPC call's cancellation can come out as a lost connection): left on
-    the task, asyncio would log it as never retrieved, with a traceback whose frames hold the
-    channel for as long as the log record lives."""
-    try:
-        return await coro, None
-    except Exception as err:
-        return None, err
-
-
-async def _within(coro: Awaitable[T], seconds: float) -> T:
-    """``asyncio.wait_for(coro, seconds)``, whose own task for ``coro`` never leaves an error
-    unretrieved (see :func:`_outcome`): cancelled with its caller, it is awaited, but an error
-    it ends with instead is not taken from it."""
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(_retrieve)
-    return await asyncio.wait_for(task, seconds)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (Python 3.11+; False before)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return bool(cancelling is not None and cancelling())
 
 
 def _wait_within(timeout: float) -> float:

@@ -36,12 +36,13 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 from urllib.parse import quote
 
 import aetcd
 
 from dataparallel.control.collectives import Needs, _value
+from dataparallel.control.eventloop import outcome
 from dataparallel.errors import ControlError, ControlTimeout, PeerLeft
 
 from .client import Count
@@ -265,7 +266,7 @@ class EtcdCollectives:
         except ControlError:
             work.close()
             raise
-        future = asyncio.run_coroutine_threadsafe(work, self._loop)
+        future = asyncio.run_coroutine_threadsafe(outcome(work), self._loop)
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -282,7 +283,10 @@ class EtcdCollectives:
                         slice_ = min(slice_, remaining - HINT_LEAD)  # wake to read it early
                 try:
                     # The slices only bound a stall: a loss or a broken channel interrupts the wait.
-                    return future.result(timeout=slice_)
+                    value, error = future.result(timeout=slice_)
+                    if error is not None:
+                        raise error
+                    return cast(T, value)
                 except Interrupted:  # only ever after a loss was recorded or the channel broke
                     self._raise_if_failed(what)
                     raise ControlError(f"{what} (job {self.job!r}, rank {self.rank}) was interrupted") from None
@@ -448,19 +452,19 @@ class _Arrivals:
         expected: list[int],
     ) -> None:
         self._loop, self._read, self._expected = loop, read, expected
-        self._reads: list[concurrent.futures.Future[set[int]]] = []
+        self._reads: list[concurrent.futures.Future[tuple[set[int] | None, Exception | None]]] = []
 
     def read_early(self) -> None:
         if not self._reads:
-            self._reads.append(asyncio.run_coroutine_threadsafe(self._read(), self._loop))
+            self._reads.append(asyncio.run_coroutine_threadsafe(outcome(self._read()), self._loop))
 
     def text(self) -> str:
-        late = asyncio.run_coroutine_threadsafe(self._read(), self._loop)
+        late = asyncio.run_coroutine_threadsafe(outcome(self._read()), self._loop)
         self._reads.append(late)
         concurrent.futures.wait([late], timeout=HINT_WITHIN)
         for read in reversed(self._reads):
-            if read.done() and not read.cancelled() and read.exception() is None:
-                arrived = read.result()
+            if read.done() and not read.cancelled() and read.result()[1] is None:
+                arrived = read.result()[0] or set()
                 missing = [r for r in self._expected if r not in arrived]
                 shown = f"{missing[:16]}" + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
                 came = len(self._expected) - len(missing)

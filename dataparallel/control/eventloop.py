@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Awaitable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -45,10 +46,17 @@ async def outcome(coro: Awaitable[T]) -> tuple[T | None, Exception | None]:
         return None, err
 
 
+def submit(coro: Awaitable[T], loop: asyncio.AbstractEventLoop) -> Future[tuple[T | None, Exception | None]]:
+    """Run ``coro`` on ``loop`` from another thread, as its :func:`outcome`: the future's
+    result is ``(result, error)``, and cancelling the future never leaves an error behind."""
+    return asyncio.run_coroutine_threadsafe(outcome(coro), loop)
+
+
 async def bounded(coro: Awaitable[T], seconds: float) -> T:
-    """``asyncio.wait_for(coro, seconds)``, whose own task for ``coro`` never leaves an error
-    unretrieved (see :func:`outcome`): cancelled with its caller, it is awaited, but an error
-    it ends with instead is not taken from it."""
+    """``asyncio.wait_for(coro, seconds)``, never leaving an error unretrieved (see
+    :func:`outcome`): when the wait ends first, wait_for cancels ``coro``'s task and awaits
+    it, but an error that task ends with instead of a cancellation is not read by wait_for;
+    a callback reads it."""
     task = asyncio.ensure_future(coro)
     task.add_done_callback(_retrieve)
     return await asyncio.wait_for(task, seconds)

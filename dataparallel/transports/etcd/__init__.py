@@ -53,7 +53,7 @@ import grpc
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.check import tls_diagnosis
-from dataparallel.control.eventloop import bounded, client_loop, outcome
+from dataparallel.control.eventloop import bounded, client_loop, submit
 from dataparallel.control.keyspace import NEXT_RANK, claim_key, peer_key
 from dataparallel.control.liveness import Liveness, LostPeer, with_process
 from dataparallel.control.registry import ChannelURL
@@ -365,20 +365,20 @@ class EtcdChannel(EtcdCollectives, ControlChannel):
         another member included; then cancels it: ChannelClosed. (A wait inside ``coro``
         ends up to :data:`ANSWER_GRACE` before ``timeout``, see :func:`_wait_within`.) A wait's
         read gives ``unanswered`` (ReadUnanswered: the core reads again while the wait lasts)."""
-        wait = max(timeout or self.timeout, ANSWER_GRACE)
-        future = asyncio.run_coroutine_threadsafe(outcome(coro), self._loop)
+        wait, what = max(timeout or self.timeout, ANSWER_GRACE), getattr(coro, "__name__", "call")
+        future = submit(coro, self._loop)
         try:
             value, error = future.result(timeout=wait)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
             raise unanswered(f"etcd at {self.url.shown} did not answer within {wait:g}s") from None
         except concurrent.futures.CancelledError as err:  # the call cancelled on the loop (a close)
-            raise self._translate(err, getattr(coro, "__name__", "call")) from err
+            raise self._translate(err, what) from err
         if error is None:
             return cast(T, value)
         if isinstance(error, ValueError):
             raise error  # _add found no number: the core's BadMessage
-        raise self._translate(error, getattr(coro, "__name__", "call")) from error
+        raise self._translate(error, what) from error
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a client method; while a member is unreachable, fail over to the next endpoint

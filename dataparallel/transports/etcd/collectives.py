@@ -42,7 +42,7 @@ from urllib.parse import quote
 import aetcd
 
 from dataparallel.control.collectives import Needs, _value
-from dataparallel.control.eventloop import outcome
+from dataparallel.control.eventloop import submit
 from dataparallel.errors import ControlError, ControlTimeout, PeerLeft
 
 from .client import Count
@@ -266,7 +266,7 @@ class EtcdCollectives:
         except ControlError:
             work.close()
             raise
-        future = asyncio.run_coroutine_threadsafe(outcome(work), self._loop)
+        future = submit(work, self._loop)
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -456,10 +456,10 @@ class _Arrivals:
 
     def read_early(self) -> None:
         if not self._reads:
-            self._reads.append(asyncio.run_coroutine_threadsafe(outcome(self._read()), self._loop))
+            self._reads.append(submit(self._read(), self._loop))
 
     def text(self) -> str:
-        late = asyncio.run_coroutine_threadsafe(outcome(self._read()), self._loop)
+        late = submit(self._read(), self._loop)
         self._reads.append(late)
         concurrent.futures.wait([late], timeout=HINT_WITHIN)
         for read in reversed(self._reads):

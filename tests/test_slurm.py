@@ -99,6 +99,30 @@ def test_the_digits_example_runs_unchanged_under_srun(cluster, tmp_path):
     digits_under(["srun", "-n", "3", "--kill-on-bad-exit=1"], tmp_path, **cluster.env)
 
 
+def test_srun_tasks_as_node_launchers_each_host_its_nodes_relay(cluster, tmp_path):
+    """``srun -n 2 dataparallel launch --relay --nprocs 2 train.py``: each of the step's tasks
+    is one node's launcher (node SLURM_PROCID of the step's tasks, the coordinator where the
+    step puts rank 0), which hosts its node's relay before starting its two workers; the four
+    workers train through the relays."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "train_digits.py")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DP_", "SLURM_", "OMPI_", "PMI"))}
+    argv = ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m", "dataparallel", "launch", "--relay"]
+    run = subprocess.run(
+        [*argv, "--nprocs", "2", script, "--epochs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**clean, "OMP_NUM_THREADS": "1", **cluster.env},
+        cwd=tmp_path,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "driver: 2 epochs on 4 processes over relay" in out, out[-3000:]
+    for node in range(2):
+        said = rf"node relay for ranks {2 * node}\.\.{2 * node + 1} at \S+ \(node {node} of 2 on zmq://"
+        assert re.search(said, out), out
+
+
 @pytest.mark.parametrize(
     ("env", "rank", "world"),
     [

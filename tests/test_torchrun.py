@@ -1,7 +1,8 @@
 """Real torchrun with our rendezvous backends: two torchrun agents (2 nodes x 1 process, on
 this machine) meet through dp-zmq, dp-grpc and dp-etcd; the workers' script uses
 `dp.connect()` unchanged; a worker that fails on the first attempt is restarted by torchrun
-and the job completes."""
+and the job completes. With ``--rdzv-conf relay=1`` (2 nodes x 2 processes) each agent hosts
+its node's relay, and the workers' channel is the relay."""
 
 from __future__ import annotations
 
@@ -60,16 +61,18 @@ ch.close()
 """
 
 
-def _torchrun(backend: str, endpoint: str, run_id: str, out: Path, script: Path, env: dict) -> list[subprocess.Popen]:
+def _torchrun(
+    backend: str, endpoint: str, run_id: str, out: Path, script: Path, env: dict, relay: bool = False
+) -> list[subprocess.Popen]:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     argv = [
         torchrun,
         "--nnodes", "2",
-        "--nproc-per-node", "1",
+        "--nproc-per-node", "2" if relay else "1",
         "--rdzv-backend", backend,
         "--rdzv-endpoint", endpoint,
         "--rdzv-id", run_id,
-        "--rdzv-conf", "join_timeout=60,read_timeout=30",
+        "--rdzv-conf", "join_timeout=60,read_timeout=30" + (",relay=1" if relay else ""),
         "--max-restarts", "1",
         "--monitor-interval", "0.2",
         str(script), str(out),
@@ -80,8 +83,9 @@ def _torchrun(backend: str, endpoint: str, run_id: str, out: Path, script: Path,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relayed"])
 @pytest.mark.parametrize("backend", ["dp-zmq", "dp-grpc", "dp-etcd"])
-def test_two_torchrun_nodes_rendezvous_and_restart(backend, tmp_path):
+def test_two_torchrun_nodes_rendezvous_and_restart(backend, relay, tmp_path):
     members = []
     if backend == "dp-etcd":  # a 3-member cluster, named as docs/howto/torchrun.md shows: every member, comma-separated
         require_etcd()
@@ -96,7 +100,7 @@ def test_two_torchrun_nodes_rendezvous_and_restart(backend, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DP_")}
     env.update(OMP_NUM_THREADS="1", DP_TOKEN="torchrun-test")
     try:
-        agents = _torchrun(backend, endpoint, f"job-{backend}", out, script, env)
+        agents = _torchrun(backend, endpoint, f"job-{backend}", out, script, env, relay)
         logs = [agent.communicate(timeout=240)[0] for agent in agents]
     finally:
         for member in members:
@@ -106,14 +110,23 @@ def test_two_torchrun_nodes_rendezvous_and_restart(backend, tmp_path):
     assert any("exitcode: 7" in log or "exitcode  : 7" in log or "exit code 7" in log.lower() for log in logs), (
         "the first attempt's failure should be visible\n" + "\n".join(log[-2000:] for log in logs)
     )
-    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert [(r["sum"], r["world"]) for r in results] == [(3.0, 2), (3.0, 2)]
+    world = 4 if relay else 2
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+    total = world * (world + 1) / 2
+    assert [(r["sum"], r["world"]) for r in results] == [(total, world)] * world
     # The node whose worker failed counts a restart, the other does not: the job is named
     # after the rendezvous round, the same for both.
     assert 1 in {r["restart"] for r in results}
-    assert results[0]["job"] == results[1]["job"] and results[0]["job"].startswith("default.round")
-    scheme = backend.removeprefix("dp-")
-    assert {r["url"].split("://")[0] for r in results} == {scheme}, "the workers' channel is the rendezvous one"
+    assert len({r["job"] for r in results}) == 1 and results[0]["job"].startswith("default.round")
+    if relay:  # each node's workers through its agent's relay, one relay per round
+        assert {r["url"].split("://")[0] for r in results} == {"relay"}
+        relays = {r["url"] for r in results}
+        assert len(relays) == 2, relays
+        assert all(f"node relay for ranks {2 * n}..{2 * n + 1}" in "\n".join(logs) for n in range(2)), logs
+        assert not [p for p in relays if os.path.exists(p.removeprefix("relay://"))], "a relay's directory was left"
+    else:
+        scheme = backend.removeprefix("dp-")
+        assert {r["url"].split("://")[0] for r in results} == {scheme}, "the workers' channel is the rendezvous one"
 
 
 def test_handlers_are_registered_with_torch():
@@ -150,6 +163,14 @@ def _params(backend: str, endpoint: str, **config) -> RendezvousParameters:
 def test_an_invalid_read_timeout_is_a_value_error_naming_it(value):
     with pytest.raises(ValueError, match="read_timeout"):
         create_rdzv_handler("zmq", _params("dp-zmq", f"127.0.0.1:{free_port()}", read_timeout=value))
+
+
+@pytest.mark.parametrize(("value", "message"), [("maybe", "relay .* is 1 or 0"), ("1", "not started by torchrun")])
+def test_a_relay_is_asked_for_plainly_and_only_of_torchrun(value, message):
+    """``relay=1`` reads the workers per node from torchrun's own command line: an agent
+    started otherwise (here, pytest) is told so rather than given a relay of a guessed size."""
+    with pytest.raises(ValueError, match=message):
+        create_rdzv_handler("zmq", _params("dp-zmq", f"127.0.0.1:{free_port()}", relay=value))
 
 
 def test_several_endpoints_are_refused_for_a_single_coordinator():

@@ -1,4 +1,5 @@
-"""A node relay hosted by the node's launcher (``dataparallel launch --relay``).
+"""A node relay hosted by the node's launcher (``dataparallel launch --relay``, or torchrun's
+agent with ``--rdzv-conf relay=1``: :mod:`.torchrun`).
 
 The launcher joins the job's channel as the node (rank ``node_rank`` of ``nodes``, job
 ``JOB~nodes``: on node 0 that serves the coordinator where the URL says rank 0 does) before
@@ -63,35 +64,72 @@ class RelayHost:
 
     @contextlib.contextmanager
     def attempt(self, job: str) -> Iterator[str]:
-        """The node's relay for the workers' job ``job``, joined upstream as one member of
-        ``job~nodes``; yields the URL its workers connect to. Closing closes the relay, then
-        its channel."""
-        from ..control.relay.node import NodeRelay, nodes_job
+        """The node's relay for the workers' job ``job`` (:func:`hosted_relay`); yields the URL
+        its workers connect to."""
+        c = self.config
+        with hosted_relay(
+            self.url,
+            job,
+            node_rank=c.node_rank,
+            nodes=c.nodes,
+            nprocs=self.nprocs,
+            first_rank=self.first_rank,
+            world=self.world,
+            token=c.token,
+            timeout=c.timeout,
+            log=self.log,
+        ) as url:
+            yield url
 
-        c, first = self.config, self.first_rank
-        with contextlib.ExitStack() as stack:  # closed in reverse: the relay, its channel, its directory
-            directory = _relay_directory()
-            stack.callback(shutil.rmtree, directory, ignore_errors=True)
-            upstream = self._join(nodes_job(job))
-            stack.callback(upstream.close)
-            relay = NodeRelay(
-                upstream,
-                directory,
-                local_ranks=self.nprocs,
-                node_rank=c.node_rank,
-                nodes=c.nodes,
-                job=job,
-                first_rank=first,
-                world_size=self.world,
-            )
-            stack.callback(relay.close)
-            print(
-                f"[launch] node relay for ranks {first}..{first + self.nprocs - 1} at {relay.path} "
-                f"(node {c.node_rank} of {c.nodes} on {mask_url(self.url)})",
-                file=self.log,
-                flush=True,
-            )
-            yield f"relay://{relay.path}"
+
+@contextlib.contextmanager
+def hosted_relay(
+    url: str,
+    job: str,
+    *,
+    node_rank: int,
+    nodes: int,
+    nprocs: int,
+    first_rank: int,
+    world: int,
+    token: str | None,
+    timeout: float,
+    log: Log,
+    prefix: str = "[launch] ",
+) -> Iterator[str]:
+    """A node relay for ranks ``first_rank`` .. ``first_rank + nprocs - 1`` of the workers' job
+    ``job`` (``world`` ranks), in a fresh directory of mode 0700, joined upstream at ``url``
+    as node ``node_rank`` of ``nodes`` (job ``job~nodes``); yields the URL its workers
+    connect to. Leaving closes the relay, then its channel, and removes the directory. Hosted
+    by a node's launcher: ``dataparallel launch --relay`` (:class:`RelayHost`) and torchrun's
+    agent (``--rdzv-conf relay=1``, :mod:`.torchrun`)."""
+    from ..control.relay.node import NodeRelay, nodes_job
+
+    with contextlib.ExitStack() as stack:  # closed in reverse: the relay, its channel, its directory
+        directory = _relay_directory()
+        stack.callback(shutil.rmtree, directory, ignore_errors=True)
+        upstream = connect(
+            url, rank=node_rank, world_size=nodes, job=nodes_job(job), token=token, timeout=timeout, elastic=False
+        )
+        stack.callback(upstream.close)
+        relay = NodeRelay(
+            upstream,
+            directory,
+            local_ranks=nprocs,
+            node_rank=node_rank,
+            nodes=nodes,
+            job=job,
+            first_rank=first_rank,
+            world_size=world,
+        )
+        stack.callback(relay.close)
+        print(
+            f"{prefix}node relay for ranks {first_rank}..{first_rank + nprocs - 1} at {relay.path} "
+            f"(node {node_rank} of {nodes} on {mask_url(url)})",
+            file=log,
+            flush=True,
+        )
+        yield f"relay://{relay.path}"
 
 
 def _relay_directory() -> str:

@@ -24,13 +24,22 @@ channel with ``compare_set``, the same way torch's ``c10d`` backend does with a 
   (an earlier state written back: a replay).
 - Workers find the rendezvous round in ``DP_RDZV_ROUND``; ``dataparallel.connect()`` in a
   worker names its job after it, so a restarted group never meets the keys of the last one.
+- ``--rdzv-conf relay=1``: each agent hosts its node's relay
+  (:mod:`dataparallel.launching.relay`), one per rendezvous round, joined upstream as node
+  ``GROUP_RANK`` of the round's nodes before the workers start; the workers' channel is the
+  relay (``relay://...``), and their control traffic crosses the network once per node. The
+  node's ranks are ``GROUP_RANK * nproc-per-node`` on (torchrun's own assignment where every
+  node runs as many workers), the count read from torchrun's command line as torchrun reads it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hmac
 import os
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
@@ -57,7 +66,7 @@ from ..control.wire import MAX_FRAME, purpose_key
 from ..errors import AuthError, ControlError
 
 #: ``--rdzv-conf`` keys that torch's dynamic rendezvous (or torchrun itself) reads, and ours
-#: (``read_timeout``); every other key is a transport option, validated as in a URL.
+#: (``read_timeout``, ``relay``); every other key is a transport option, validated as in a URL.
 TORCH_RDZV_CONF = frozenset(
     {
         "timeout",
@@ -69,6 +78,7 @@ TORCH_RDZV_CONF = frozenset(
         "keep_alive_interval",
         "keep_alive_max_attempt",
         "read_timeout",
+        "relay",
     }
 )
 DEFAULT_PORTS = {"etcd": 2379, "zmq": 29400, "grpc": 29400}
@@ -191,6 +201,7 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
     token, _ = load_token()  # DP_TOKEN, else the configuration file's token_file
     url, cls = resolve(f"{scheme}://{','.join(hosts)}" + (f"?{query}" if query else ""), token, where="--rdzv-conf")
     read_timeout = _read_timeout(params)
+    nprocs = _relay_ranks(params)
     try:
         channel = cls(
             url,
@@ -217,7 +228,55 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
             f"dp-{scheme}: {url.shown}: this agent's token (DP_TOKEN) differs from the job's: {err}"
         ) from err
     backend = ChannelRendezvousBackend(channel, params.run_id, f"dp-{scheme}")
-    return ChannelRendezvousHandler(create_handler(channel.as_store(), backend, params), channel, url.raw)
+    relays = None if nprocs is None else NodeRelays(url.raw, token, read_timeout, nprocs)
+    return ChannelRendezvousHandler(create_handler(channel.as_store(), backend, params), channel, url.raw, relays)
+
+
+class NodeRelays:
+    """The agent's node relay (``--rdzv-conf relay=1``): one for each rendezvous round, for
+    the ``nprocs`` workers the agent starts in it, closed when the next round starts or the
+    agent ends."""
+
+    def __init__(self, url: str, token: str | None, timeout: float, nprocs: int) -> None:
+        from ..config import load_config
+
+        self.url, self.token, self.timeout, self.nprocs = url, token, timeout, nprocs
+        # The workers' job before its round is added (as dataparallel.connect() in a worker
+        # reads it: DP_JOB, the configuration file, the default).
+        env = {k: v for k, v in os.environ.items() if k not in (ROUND_ENV, URL_ENV, "TORCHELASTIC_RESTART_COUNT")}
+        self.job = load_config(env=env).job
+        self._round: contextlib.ExitStack | None = None
+        atexit.register(self.close)  # an agent ended by a signal does not shut its handler down
+
+    def start(self, round_: int, node_rank: int, nodes: int) -> str:
+        """Round ``round_``'s relay, this agent being node ``node_rank`` of ``nodes``; the
+        last round's closed first. Returns the URL the workers connect to."""
+        from .relay import hosted_relay
+
+        self.close()
+        stack = contextlib.ExitStack()
+        url = stack.enter_context(
+            hosted_relay(
+                self.url,
+                f"{self.job}.round{round_}",
+                node_rank=node_rank,
+                nodes=nodes,
+                nprocs=self.nprocs,
+                first_rank=node_rank * self.nprocs,
+                world=nodes * self.nprocs,
+                token=self.token,
+                timeout=self.timeout,
+                log=sys.stderr,
+                prefix="[dataparallel] ",
+            )
+        )
+        self._round = stack
+        return url
+
+    def close(self) -> None:
+        stack, self._round = self._round, None
+        if stack is not None:
+            stack.close()
 
 
 class ChannelRendezvousHandler(RendezvousHandler):
@@ -225,17 +284,27 @@ class ChannelRendezvousHandler(RendezvousHandler):
     workers which round they belong to and which channel is theirs, and keeps the channel
     open (and hosting, if it does) as long as it lives. Everything else is torch's."""
 
-    def __init__(self, inner: DynamicRendezvousHandler, channel: ControlChannel, url: str) -> None:
-        self.inner, self.channel, self._url = inner, channel, url
+    def __init__(
+        self, inner: DynamicRendezvousHandler, channel: ControlChannel, url: str, relays: NodeRelays | None = None
+    ) -> None:
+        self.inner, self.channel, self._url, self._relays = inner, channel, url, relays
 
     def next_rendezvous(self) -> RendezvousInfo:
         # The round is the same on every node, unlike TORCHELASTIC_RESTART_COUNT (a node whose
         # workers did not fail restarts them without counting). Workers inherit the agent's
         # environment.
         info = self.inner.next_rendezvous()
-        os.environ[URL_ENV] = self._url  # and which channel: their dp.connect()'s default
         holder = getattr(self.inner, "_state_holder", None)
         state = getattr(holder, "state", None)
+        url = self._url
+        if self._relays is not None:
+            if state is None:
+                raise RendezvousStateError("relay=1: torch's rendezvous handler no longer says its round")
+            try:
+                url = self._relays.start(state.round, info.rank, info.world_size)
+            except ControlError as err:
+                raise RendezvousConnectionError(f"the node relay could not join the job: {err}") from err
+        os.environ[URL_ENV] = url  # and which channel: their dp.connect()'s default
         if state is not None:
             os.environ[ROUND_ENV] = str(state.round)
         return info
@@ -260,7 +329,30 @@ class ChannelRendezvousHandler(RendezvousHandler):
         return self.inner.get_run_id()
 
     def shutdown(self) -> bool:
+        if self._relays is not None:
+            self._relays.close()
         return self.inner.shutdown()
+
+
+def _relay_ranks(params: RendezvousParameters) -> int | None:
+    """With ``relay=1`` in ``--rdzv-conf``: how many workers the agent starts on its node (its
+    ``--nproc-per-node``, read from torchrun's command line by torchrun's own parser); None
+    without a relay."""
+    raw = str(params.config.get("relay", "0")).strip().lower()
+    if raw in ("0", "false", "no", "off", ""):
+        return None
+    if raw not in ("1", "true", "yes", "on"):
+        raise ValueError(f"relay (from --rdzv-conf) is 1 or 0, got {params.config.get('relay')!r}")
+    import torch.distributed.run as run
+
+    command = os.path.basename(sys.argv[0])
+    if command != "torchrun" and os.path.realpath(sys.argv[0]) != os.path.realpath(run.__file__):
+        raise ValueError(
+            f"relay=1 (from --rdzv-conf) reads the workers per node from torchrun's --nproc-per-node: this "
+            f"agent was not started by torchrun ({sys.argv[0]!r})"
+        )
+    args = run.get_args_parser().parse_args(sys.argv[1:])
+    return run.determine_local_world_size(args.nproc_per_node)
 
 
 def _read_timeout(params: RendezvousParameters) -> float:

@@ -6,11 +6,15 @@ its node's relay, and the workers' channel is the relay."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,13 +124,75 @@ def test_two_torchrun_nodes_rendezvous_and_restart(backend, relay, tmp_path):
     assert len({r["job"] for r in results}) == 1 and results[0]["job"].startswith("default.round")
     if relay:  # each node's workers through its agent's relay, one relay per round
         assert {r["url"].split("://")[0] for r in results} == {"relay"}
-        relays = {r["url"] for r in results}
-        assert len(relays) == 2, relays
-        assert all(f"node relay for ranks {2 * n}..{2 * n + 1}" in "\n".join(logs) for n in range(2)), logs
-        assert not [p for p in relays if os.path.exists(p.removeprefix("relay://"))], "a relay's directory was left"
+        assert len({r["url"] for r in results}) == 2, results
+        # Every agent hosted a relay for each round (the failed one's and the restart's), and
+        # closed each: none of their directories is left.
+        hosted = [re.findall(r"node relay for ranks \d+\.\.\d+ at (\S+)/relay\.sock", log) for log in logs]
+        assert all(len(dirs) == 2 for dirs in hosted), logs
+        assert not [d for dirs in hosted for d in dirs if os.path.exists(d)], "a relay's directory was left"
     else:
         scheme = backend.removeprefix("dp-")
         assert {r["url"].split("://")[0] for r in results} == {scheme}, "the workers' channel is the rendezvous one"
+
+
+WAITING_WORKER = r"""
+import os, sys, time
+from pathlib import Path
+import dataparallel as dp
+
+ch = dp.connect(timeout=120)
+Path(sys.argv[1], f"pid{ch.rank}").write_text(str(os.getpid()))  # for the test to end it
+if ch.rank >= 2:  # the second node's workers never come: the first node's barrier waits upstream
+    time.sleep(120)
+Path(sys.argv[1], f"waiting{ch.rank}").write_text(str(os.getppid()))  # its agent
+ch.rendezvous(timeout=120)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_an_agent_stopped_by_a_signal_closes_its_relay_at_once(tmp_path):
+    """SIGTERM to a torchrun agent whose node's workers wait in a barrier its relay is
+    crossing upstream (the other node's workers never come, and its agent runs on): torch's
+    agent does not shut its rendezvous down on a signal, and the interpreter's exit joins
+    every executor thread, the crossing's included; the agent closes its relay first, so it
+    ends within seconds, not at the barrier's timeout (120 s), and leaves no relay directory
+    behind."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    script = tmp_path / "worker.py"
+    script.write_text(WAITING_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DP_")}
+    env.update(OMP_NUM_THREADS="1", DP_TOKEN="torchrun-test")
+    agents = _torchrun("dp-zmq", endpoint, "stopped", out, script, env, relay=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / f"waiting{r}").exists() for r in range(2)):  # the first node's two workers
+            assert time.monotonic() < deadline, "the first node's workers never reached the barrier"
+            assert all(a.poll() is None for a in agents), "an agent ended early"
+            time.sleep(0.2)
+        time.sleep(1.0)  # their relay is crossing the barrier upstream
+        first = next(a for a in agents if a.pid == int((out / "waiting0").read_text()))
+        stopped = time.monotonic()
+        first.send_signal(signal.SIGTERM)
+        try:
+            log = first.communicate(timeout=100)[0]
+        except subprocess.TimeoutExpired:
+            log = "(still running after 100 s)"
+        took = time.monotonic() - stopped
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait(timeout=30)
+            assert agent.stdout is not None
+            agent.stdout.close()
+        for pid in out.glob("pid*"):  # its workers, sleeping in a session of their own
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+    assert took < 30, f"the agent took {took:.0f}s to end after SIGTERM\n{log[-3000:]}"
+    hosted = re.findall(r"node relay for ranks 0\.\.1 at (\S+)/relay\.sock", log)
+    assert len(hosted) == 1, log
+    assert not os.path.exists(hosted[0]), "its relay's directory was left"
 
 
 def test_handlers_are_registered_with_torch():

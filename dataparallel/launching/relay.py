@@ -18,7 +18,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ..config import JobConfig
@@ -68,15 +68,14 @@ class RelayHost:
         its workers connect to."""
         c = self.config
         with hosted_relay(
-            self.url,
+            self._join,
             job,
             node_rank=c.node_rank,
             nodes=c.nodes,
             nprocs=self.nprocs,
             first_rank=self.first_rank,
             world=self.world,
-            token=c.token,
-            timeout=c.timeout,
+            shown=mask_url(self.url),
             log=self.log,
         ) as url:
             yield url
@@ -84,7 +83,7 @@ class RelayHost:
 
 @contextlib.contextmanager
 def hosted_relay(
-    url: str,
+    join: Callable[[str], ControlChannel],
     job: str,
     *,
     node_rank: int,
@@ -92,25 +91,23 @@ def hosted_relay(
     nprocs: int,
     first_rank: int,
     world: int,
-    token: str | None,
-    timeout: float,
+    shown: str,
     log: Log,
     prefix: str = "[launch] ",
 ) -> Iterator[str]:
     """A node relay for ranks ``first_rank`` .. ``first_rank + nprocs - 1`` of the workers' job
-    ``job`` (``world`` ranks), in a fresh directory of mode 0700, joined upstream at ``url``
-    as node ``node_rank`` of ``nodes`` (job ``job~nodes``); yields the URL its workers
-    connect to. Leaving closes the relay, then its channel, and removes the directory. Hosted
-    by a node's launcher: ``dataparallel launch --relay`` (:class:`RelayHost`) and torchrun's
-    agent (``--rdzv-conf relay=1``, :mod:`.torchrun`)."""
+    ``job`` (``world`` ranks), in a fresh directory of mode 0700, joined upstream as node
+    ``node_rank`` of ``nodes`` by ``join(job~nodes)`` (a channel of the job's transport at
+    ``shown``, its URL as it may be shown); yields the URL its workers connect to. Leaving
+    closes the relay, then its channel, and removes the directory. Hosted by a node's
+    launcher: ``dataparallel launch --relay`` (:class:`RelayHost`) and torchrun's agent
+    (``--rdzv-conf relay=1``, :mod:`.torchrun`)."""
     from ..control.relay.node import NodeRelay, nodes_job
 
     with contextlib.ExitStack() as stack:  # closed in reverse: the relay, its channel, its directory
         directory = _relay_directory()
         stack.callback(shutil.rmtree, directory, ignore_errors=True)
-        upstream = connect(
-            url, rank=node_rank, world_size=nodes, job=nodes_job(job), token=token, timeout=timeout, elastic=False
-        )
+        upstream = join(nodes_job(job))
         stack.callback(upstream.close)
         relay = NodeRelay(
             upstream,
@@ -125,7 +122,7 @@ def hosted_relay(
         stack.callback(relay.close)
         print(
             f"{prefix}node relay for ranks {first_rank}..{first_rank + nprocs - 1} at {relay.path} "
-            f"(node {node_rank} of {nodes} on {mask_url(url)})",
+            f"(node {node_rank} of {nodes} on {shown})",
             file=log,
             flush=True,
         )

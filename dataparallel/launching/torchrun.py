@@ -34,12 +34,12 @@ channel with ``compare_set``, the same way torch's ``c10d`` backend does with a 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hmac
 import os
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
@@ -61,7 +61,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..config import load_token
 from ..control.channel import ControlChannel
-from ..control.registry import resolve
+from ..control.registry import ChannelURL, resolve
 from ..control.wire import MAX_FRAME, purpose_key
 from ..errors import AuthError, ControlError
 
@@ -202,6 +202,7 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
     url, cls = resolve(f"{scheme}://{','.join(hosts)}" + (f"?{query}" if query else ""), token, where="--rdzv-conf")
     read_timeout = _read_timeout(params)
     nprocs = _relay_ranks(params)
+    relays = None if nprocs is None else NodeRelays(url, cls, token, nprocs)
     try:
         channel = cls(
             url,
@@ -228,7 +229,6 @@ def create_rdzv_handler(scheme: str, params: RendezvousParameters) -> Rendezvous
             f"dp-{scheme}: {url.shown}: this agent's token (DP_TOKEN) differs from the job's: {err}"
         ) from err
     backend = ChannelRendezvousBackend(channel, params.run_id, f"dp-{scheme}")
-    relays = None if nprocs is None else NodeRelays(url.raw, token, read_timeout, nprocs)
     return ChannelRendezvousHandler(create_handler(channel.as_store(), backend, params), channel, url.raw, relays)
 
 
@@ -237,16 +237,42 @@ class NodeRelays:
     the ``nprocs`` workers the agent starts in it, closed when the next round starts or the
     agent ends."""
 
-    def __init__(self, url: str, token: str | None, timeout: float, nprocs: int) -> None:
+    def __init__(self, url: ChannelURL, cls: type[ControlChannel], token: str | None, nprocs: int) -> None:
         from ..config import load_config
 
-        self.url, self.token, self.timeout, self.nprocs = url, token, timeout, nprocs
-        # The workers' job before its round is added (as dataparallel.connect() in a worker
-        # reads it: DP_JOB, the configuration file, the default).
-        env = {k: v for k, v in os.environ.items() if k not in (ROUND_ENV, URL_ENV, "TORCHELASTIC_RESTART_COUNT")}
-        self.job = load_config(env=env).job
+        self.url, self.cls, self.token, self.nprocs = url, cls, token, nprocs
+        # The settings the relay takes from the configuration, as dataparallel.connect() in a
+        # worker reads them (the file, DP_*), and from nothing else of the agent's own
+        # environment: what torchrun sets for its workers (RANK...) is not yet set, or stale.
+        env = {k: os.environ[k] for k in ("DP_CONFIG", "DP_JOB", "DP_TIMEOUT", "DP_ELASTIC") if k in os.environ}
+        config = load_config(env=env)
+        if config.elastic:
+            raise ValueError(
+                f"relay=1 (from --rdzv-conf) and {config.describe('elastic')} together: a node relay serves a "
+                "fixed set of ranks (torchrun's own --nnodes MIN:MAX resizes the job between rounds)"
+            )
+        self.job, self.timeout = config.job, config.timeout  # the workers' job before its round
         self._round: contextlib.ExitStack | None = None
-        atexit.register(self.close)  # an agent ended by a signal does not shut its handler down
+        # Closed before the interpreter joins executor threads at its exit (an agent ended by
+        # a signal does not shut its handler down, and a relay's thread may wait upstream in
+        # a barrier until its timeout); atexit would run only after that join.
+        threading._register_atexit(self.close)  # type: ignore[attr-defined]
+
+    def _join(self, job: str) -> ControlChannel:
+        """The relay's channel: node ``self._node`` of ``self._nodes`` in ``job``, made as
+        the handler's own is (not through dataparallel.connect, which would read the
+        agent's whole environment)."""
+        channel = self.cls(
+            self.url, rank=self._node, world_size=self._nodes, job=job, token=self.token, timeout=self.timeout
+        )
+        try:
+            if not channel.native_auth:
+                channel.agree_on_token()
+            channel._join()
+        except BaseException:
+            channel.close()
+            raise
+        return channel
 
     def start(self, round_: int, node_rank: int, nodes: int) -> str:
         """Round ``round_``'s relay, this agent being node ``node_rank`` of ``nodes``; the
@@ -254,18 +280,18 @@ class NodeRelays:
         from .relay import hosted_relay
 
         self.close()
+        self._node, self._nodes = node_rank, nodes
         stack = contextlib.ExitStack()
         url = stack.enter_context(
             hosted_relay(
-                self.url,
+                self._join,
                 f"{self.job}.round{round_}",
                 node_rank=node_rank,
                 nodes=nodes,
                 nprocs=self.nprocs,
                 first_rank=node_rank * self.nprocs,
                 world=nodes * self.nprocs,
-                token=self.token,
-                timeout=self.timeout,
+                shown=self.url.shown,
                 log=sys.stderr,
                 prefix="[dataparallel] ",
             )

@@ -376,24 +376,35 @@ def test_ranks_waiting_for_one_key_share_their_relays_read_of_it(tmp_path):
         nodes.close()
 
 
+def _spent(coordinator, before: dict) -> dict:
+    """The requests the coordinator served since ``before``, by operation (heartbeats left out)."""
+    after = coordinator.served()
+    return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0) and op != "heartbeat"}
+
+
 def test_a_gather_through_relays_reads_all_its_values_together(tmp_path):
-    """An all_gather and a gather of eight ranks behind two relays: every rank reads the
-    values it waits for in one multi_get a slice, which the node's ranks share, not a get
-    per value as before; the results, and a broadcast's, are every rank's."""
+    """An all_gather and a gather of eight ranks behind two relays. The all_gather crosses
+    the network once per node: counted at the coordinator, one collect per node a round and
+    nothing else (a direct channel's ranks: a collect each). The gather's destination reads
+    the values it waits for in one multi_get a slice, not a get per value. The results, and
+    a broadcast's, are every rank's."""
     nodes = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=4)
     coordinator = nodes.upstreams[0]._hosted
     world = 8
     channels = run_all([lambda r=r: dp.connect(nodes.url(r), rank=r, world_size=world, job="j") for r in range(world)])
     try:
         run_all([lambda c=c: c.rendezvous(timeout=30) for c in channels])
-        before = dict(coordinator.served())
         everyone = [b"%d" % r for r in range(world)]
-        gathered = run_all([lambda c=c: c.all_gather("ag", b"%d" % c.rank, timeout=30) for c in channels])
-        assert gathered == [everyone] * world
+        before = dict(coordinator.served())
+        for round_ in range(3):
+            values = [b"%d.%d" % (round_, r) for r in range(world)]
+            gathered = run_all([lambda c=c, v=values: c.all_gather("ag", v[c.rank], timeout=30) for c in channels])
+            assert gathered == [values] * world
+        assert _spent(coordinator, before) == {"collect": 3 * 2}
+        before = dict(coordinator.served())
         gathered = run_all([lambda c=c: c.gather("g", b"%d" % c.rank, dst=5, timeout=30) for c in channels])
         assert gathered == [None] * 5 + [everyone] + [None] * 2
-        after = coordinator.served()
-        spent = {op: after.get(op, 0) - before.get(op, 0) for op in after}
+        spent = _spent(coordinator, before)
         assert spent.get("get", 0) == 0 and spent.get("multi_get", 0) >= 1, spent
         sent = run_all(
             [lambda c=c: c.broadcast("b", b"x" if c.rank == 3 else None, src=3, timeout=30) for c in channels]
@@ -406,7 +417,9 @@ def test_a_gather_through_relays_reads_all_its_values_together(tmp_path):
 
 def test_a_gather_too_large_for_one_reply_reads_its_values_one_by_one(tmp_path):
     """Values that together pass a rank's slot (16 KiB here, 8 MiB by default) but each fit
-    it: the relay refuses the one multi_get's reply, and the rank reads them one by one."""
+    it: an all_gather's ranks are given them in parts, each as much as the slot holds; a
+    gather's destination, whose one multi_get's reply the relay refuses, reads them one by
+    one."""
     nodes = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=2, geometry=Geometry(slots=4, slot_bytes=16384))
     world = 4
     channels = run_all([lambda r=r: dp.connect(nodes.url(r), rank=r, world_size=world, job="j") for r in range(world)])
@@ -414,33 +427,38 @@ def test_a_gather_too_large_for_one_reply_reads_its_values_one_by_one(tmp_path):
         values = [bytes([r]) * 6000 for r in range(world)]
         gathered = run_all([lambda c=c: c.all_gather("big", values[c.rank], timeout=30) for c in channels])
         assert gathered == [values] * world
+        gathered = run_all([lambda c=c: c.gather("big", values[c.rank], dst=1, timeout=30) for c in channels])
+        assert gathered == [None, values, None, None]
     finally:
         close_all(channels)
         nodes.close()
 
 
 def test_a_barrier_crosses_the_network_once_per_node(zmq_nodes):
-    """Counted at the coordinator: of the barriers' collects, one per node, not one per rank."""
+    """Counted at the coordinator: of the barriers' and the all_gather's collects, one per
+    node, not one per rank."""
     nodes = zmq_nodes
     coordinator = nodes.upstreams[0]._hosted  # node 0's relay hosts it
     before = dict(coordinator.served())
     nodes.run("kv")
     after = coordinator.served()
     collects = after.get("collect", 0) - before.get("collect", 0)
-    # rendezvous, counted, prized, 20 loops, end: 24 barriers, each one collect per node (the
-    # broadcast and the gather pass through the core's key/value steps, not yet aggregated).
-    assert collects == 24 * 2, collects  # a direct channel's ranks: 24 * 6
+    # rendezvous, counted, prized, 20 loops, end: 24 barriers, and one all_gather, each one
+    # collect per node (the broadcast passes through the core's key/value steps).
+    assert collects == 25 * 2, collects  # a direct channel's ranks: 25 * 6
 
 
 def test_a_job_of_one_node_meets_in_shared_memory_alone(tmp_path):
-    """With one node the relay's ranks meeting is the barrier: no collect reaches the
-    coordinator, and every barrier still holds (the kv run's counts and prizes agree)."""
+    """With one node the relay's ranks meeting is the barrier (and their values, the
+    all_gather): no collect reaches the coordinator, and every barrier still holds (the kv
+    run's counts and prizes agree, its all_gather has every rank's value)."""
     nodes = Nodes(tmp_path, _upstream("zmq"), nodes=1, per_node=3)
     try:
         coordinator = nodes.upstreams[0]._hosted
         before = dict(coordinator.served())
         results = nodes.run("kv")
         assert [out["total"] for out in results] == [3] * 3 and sum(out["won"] for out in results) == 1
+        assert [out["gathered"] for out in results] == [["r0", "r1", "r2"]] * 3
         assert coordinator.served().get("collect", 0) == before.get("collect", 0)
     finally:
         nodes.close()

@@ -83,9 +83,10 @@ log = logging.getLogger(__name__)
 #: each other at the hello.
 #: What a reply too large for its slot is refused with (a caller may ask for less at once).
 OVER_SLOT = "over the slot's"
-LOCAL_PROTOCOL = 6  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
+LOCAL_PROTOCOL = 7  # 2: a rank registers its loss key (ops 11, 12 of the node relay); 3: barrier tokens;
 #: 4: a rank registers its heartbeat key and liveness too (the relay beats for it); 5: and
-#: its process record (written with its first beat); 6: guests and seats (SEAT)
+#: its process record (written with its first beat); 6: guests and seats (SEAT); 7: the
+#: relay's all_gather (op 16)
 
 #: A guest's request for a seat (handled by the local leg itself, never by the relay's
 #: handler): the job rank it wants, or -1 for any free one; answered with the local and job

@@ -16,7 +16,14 @@ each, and through it:
 - **a barrier crosses the network once per node**: the node's ranks meet in the local leg
   (no request each), the relay enters the same barrier once on ``upstream`` among the
   ``nodes`` relays, and releases its ranks with the outcome, error included; a job of one
-  node does not cross at all (its ranks meeting is the barrier).
+  node does not cross at all (its ranks meeting is the barrier);
+- **an all_gather crosses the network once per node**: each rank hands its value to the
+  relay (:data:`ALL_GATHER`), and once every rank of the node has, the relay enters the
+  same all_gather once on ``upstream`` with the node's values (the first rank and the values,
+  framed) and hands each rank every rank's values, error included; a job of one node does
+  not cross at all. A rank that closed without entering, or was lost, ends its peers' waits
+  as on a direct channel (the ranks' own departure records and liveness, read between the
+  slices of their waits).
 
 - **liveness by supervision**: a rank beats in shared memory, not upstream; the relay sees
   its ranks' processes end (at once) and their beats stop (a frozen rank, after the rank's
@@ -51,12 +58,14 @@ each, and through it:
   ``_multi_get``) while the relay's read of it is in flight (a key waited for: the NCCL
   unique id, a peer's address, a gather's values) are answered by its next read of it, one
   for all of them, made after every one of them arrived and within the shortest of their
-  waits (a rank whose own wait lasts longer is read for again). So a node's broadcast and
-  all_gather (the core's, on keys) cost a few requests per node, not per rank.
+  waits (a rank whose own wait lasts longer is read for again). So a node's broadcast (the
+  core's, on keys) costs a few requests per node, not per rank.
 
 Not yet aggregated (each rank's requests pass through one by one, so they are correct but
 cost what a directly connected rank's cost): the other reads (``_check``, ``_num_keys``),
-deletes (the gathers' clean-up of a round is one ``_delete_many``) and appends.
+deletes (a gather's clean-up of a round is one ``_delete_many``) and appends. A gather to
+one rank stays the core's, on keys: its other ranks return once their value is written
+upstream, which a relay holding it for its node would only pretend.
 """
 
 from __future__ import annotations
@@ -119,9 +128,14 @@ DELETE_MANY = 14
 #: How many ranks of the job had arrived at a rank's barrier (generation, name): for the
 #: message of a barrier that timed out, as a direct channel's says.
 PROGRESS = 15
+#: A rank's part of an all_gather (round, timeout, the wait, name, its value, the first value
+#: it wants back), answered with every rank's values from that one on (as many as its slot
+#: holds) once the node's one upstream all_gather is back, or after the wait with which of
+#: the node's ranks have given none yet (:meth:`NodeRelay._all_gather`).
+ALL_GATHER = 16
 
 #: The operations only a seated rank makes (a guest, holding no rank, makes none of them).
-SEATED = frozenset({WATCH, UNWATCH, LOSS, PROGRESS})
+SEATED = frozenset({WATCH, UNWATCH, LOSS, PROGRESS, ALL_GATHER})
 
 #: The operations that write: a rank declared lost has none of them in flight when its loss
 #: is published (see :meth:`NodeRelay._lose`).
@@ -449,6 +463,29 @@ def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
     raise BadMessage(f"relay: no operation {op}")
 
 
+class _Gather:
+    """One round of an all_gather on this node: the values its ranks gave (local rank ->
+    value), the longest of their timeouts, and once the round is over its outcome (status
+    and payload) and which ranks were given it."""
+
+    __slots__ = ("created", "delivered", "done", "error", "everyone", "started", "timeout", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[int, bytes] = {}
+        self.timeout = 0.0
+        self.created = time.monotonic()
+        self.started = False
+        self.done = threading.Event()
+        self.everyone: list[bytes] = []  # the outcome: every rank's value, by rank
+        self.error: bytes | None = None  # or its error
+        self.delivered: set[int] = set()
+
+
+#: Seconds past its timeout an all_gather round that never ended (a rank never entered, or
+#: never came back for the outcome) is kept before it is dropped.
+GATHER_KEPT = 60.0
+
+
 class NodeRelay:
     """Serves ``local_ranks`` ranks of node ``node_rank`` (ranks ``first_rank`` on, by default
     ``node_rank * local_ranks``, of ``world_size``, by default ``nodes * local_ranks``: nodes
@@ -498,6 +535,12 @@ class NodeRelay:
         self._last_crossing: Future[None] | None = None  # the latest crossing handed to it
         # Loss reports on a thread of their own: never queued behind the ranks' waiting reads.
         self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-loss")
+        # All_gather rounds, (the ranks' run, name, round) -> _Gather, and their upstream
+        # calls (each rank thread has at most a slot's worth of rounds in flight).
+        self._gathers: dict[tuple[str | None, str, int], _Gather] = {}
+        self._gathers_lock = threading.Lock()
+        self._gather_threads = geometry.slots
+        self._gathering = ThreadPoolExecutor(max_workers=self._gather_threads, thread_name_prefix="dp-relay-gather")
         # Local rank -> what the relay watches and beats for it (under _watch_lock); a beat
         # being written upstream holds _beating, which a rank's withdrawal waits for (so that
         # no beat of the relay's lands after the rank's own departure mark).
@@ -586,6 +629,7 @@ class NodeRelay:
         for given_up, _ in self._given_up:
             given_up.shutdown(wait=False, cancel_futures=True)
         self._reporting.shutdown(wait=False, cancel_futures=True)
+        self._gathering.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> NodeRelay:
         return self
@@ -646,6 +690,9 @@ class NodeRelay:
             return
         if call.op == PROGRESS:
             self._pool.submit(_answered, call, self._progress)
+            return
+        if call.op == ALL_GATHER:
+            self._all_gather(call)
             return
         self._pool.submit(_answered, call, self._serve)
 
@@ -840,6 +887,22 @@ class NodeRelay:
         over = ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this barrier's run is over")
         for generation in stale:
             self.server.release(generation, ERROR, error_bytes(over))
+        # Its all_gathers too: their ranks are told, and the new run's go upstream on threads
+        # of their own (the last run's may wait there until their timeout).
+        with self._gathers_lock:
+            left = [(k, g) for k, g in self._gathers.items() if k[0] == before]
+            for k, _ in left:
+                del self._gathers[k]
+        gone = error_bytes(
+            ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this all_gather's run is over")
+        )
+        for _, gather in left:
+            if not gather.done.is_set():
+                gather.error = gone
+                gather.done.set()
+        if any(g.started for _, g in left):
+            self._gathering.shutdown(wait=False, cancel_futures=True)
+            self._gathering = ThreadPoolExecutor(max_workers=self._gather_threads, thread_name_prefix="dp-relay-gather")
 
     def _cross(self, generation: int, name: str, shown: str, timeout: float | None) -> None:
         """Cross barrier ``generation`` upstream as ``name`` (``shown``: the ranks' own name,
@@ -897,6 +960,121 @@ class NodeRelay:
             return [struct.pack("<q?", total, complete)]
 
         _answer_all([call], "a barrier's count", count)
+
+    # ------------------------------------------------------------------ all_gather
+    def _all_gather(self, call: Call) -> None:
+        """A rank's part of all_gather round ``seq`` of ``name`` (on the local leg's thread:
+        never blocks): its value taken (again: a rank re-sends it until it is answered,
+        and the first is kept), the node's upstream all_gather started once every rank of
+        the node has given one, and the rank answered with the outcome, at once or when it
+        comes within the rank's wait, else with the node's ranks that gave none yet."""
+        try:
+            head, wait, name, value, gives = unpack(call.payload)
+            seq, timeout, start_at = struct.unpack("<qdq", head)
+            (wait_s,) = struct.unpack("<d", wait)
+            text = name.decode("utf-8", errors="surrogatepass")
+        except (BadMessage, ValueError, struct.error) as err:
+            call.fail(BadMessage(f"relay: a bad all_gather ({err})"))
+            return
+        local = call.seat
+        now = time.monotonic()
+        with self._gathers_lock:
+            key = (self._run, text, seq)
+            gather = self._gathers.get(key)
+            if gather is None:
+                self._prune_gathers(now)
+                gather = self._gathers[key] = _Gather()
+            if gives == b"\x01" and local not in gather.values:
+                gather.values[local] = value
+                gather.timeout = max(gather.timeout, timeout)
+            start = not gather.started and len(gather.values) == self.local_ranks
+            if start:
+                gather.started = True
+        if start:
+            self._gathering.submit(self._gather_upstream, key, gather, text)
+        if gather.done.is_set():
+            self._give_outcome(call, key, gather, start_at)
+            return
+        self._pool.submit(_answered, call, lambda c: self._await_outcome(c, key, gather, wait_s, start_at))
+
+    def _await_outcome(
+        self, call: Call, key: tuple[str | None, str, int], gather: _Gather, wait: float, start_at: int
+    ) -> None:
+        if gather.done.wait(upstream_wait(wait)):
+            self._give_outcome(call, key, gather, start_at)
+            return
+        with self._gathers_lock:
+            missing = [self.first_rank + r for r in range(self.local_ranks) if r not in gather.values]
+        call.reply(pack(b"\x00", *(struct.pack("<q", r) for r in missing)))
+
+    def _give_outcome(self, call: Call, key: tuple[str | None, str, int], gather: _Gather, start_at: int) -> None:
+        """Answer ``call`` with the round's outcome: its error, or the values from rank
+        ``start_at`` on, as many as the rank's slot holds (at least one: a value larger than
+        the slot is refused as any reply is); the round is forgotten once every rank of the
+        node was given the last of them."""
+        if gather.error is not None:
+            last = True
+        else:
+            room, end = self.server.geometry.slot_bytes - 29, start_at  # less the reply's framing and head
+            while end < len(gather.everyone) and (end == start_at or room >= 4 + len(gather.everyone[end])):
+                room -= 4 + len(gather.everyone[end])
+                end += 1
+            last = end >= len(gather.everyone)
+        if last:
+            with self._gathers_lock:
+                gather.delivered.add(call.seat)
+                if len(gather.delivered) == self.local_ranks and self._gathers.get(key) is gather:
+                    del self._gathers[key]
+        if gather.error is not None:
+            call._answer(ERROR, gather.error)
+        else:
+            head = struct.pack("<qq", start_at, len(gather.everyone))
+            call.reply(pack(b"\x01", head, *gather.everyone[start_at:end]))
+
+    def _prune_gathers(self, now: float) -> None:
+        """Drop rounds that ended, or never will, long ago (under the lock): a rank that never
+        entered, or gave up waiting, leaves its round behind."""
+        stale = [k for k, g in self._gathers.items() if now - g.created > g.timeout + GATHER_KEPT]
+        for k in stale:
+            del self._gathers[k]
+
+    def _gather_upstream(self, key: tuple[str | None, str, int], gather: _Gather, name: str) -> None:
+        """The node's all_gather upstream, once its ranks have all given their values (all
+        of them ranks of the job: every node's values are framed with its first rank, so
+        nodes of different sizes place theirs); the outcome is told to the node's ranks."""
+        try:
+            broken = self.upstream.failure
+            if broken is not None:
+                raise self._upstream_ended(broken)
+            mine = [gather.values[r] for r in range(self.local_ranks)]
+            if self.nodes == 1:  # the node is the whole job
+                values: list[bytes | None] = list(mine)
+            else:
+                framed = pack(struct.pack("<q", self.first_rank), *mine)
+                parts = self.upstream.all_gather(self._upstream_name(name), framed, timeout=gather.timeout or None)
+                values = [None] * self.world_size
+                for part in parts:
+                    first_field, *theirs = unpack(part)
+                    (first,) = struct.unpack("<q", first_field)
+                    if first < 0 or first + len(theirs) > self.world_size:
+                        raise BadMessage(f"relay: a node's all_gather values for ranks {first}.. do not fit the job")
+                    values[first : first + len(theirs)] = theirs
+            everyone = [v for v in values if v is not None]
+            if len(everyone) != self.world_size:
+                raise BadMessage(f"relay: all_gather {name!r}: the nodes' values do not cover the job's ranks")
+            if not gather.done.is_set():  # (a new run may have given it up meanwhile)
+                gather.everyone = everyone
+        except PeerLost as err:  # a node, among the relays: its ranks, to the ranks
+            gather.error = gather.error or error_bytes(self._node_lost(err))
+        except ControlTimeout as err:  # the ranks' own waits end first, with their own message
+            gather.error = gather.error or error_bytes(ControlTimeout(f"all_gather {name!r}", err.waited, ""))
+        except ControlError as err:
+            gather.error = gather.error or error_bytes(err)
+        except Exception as err:
+            log.exception("relay: all_gather %r failed", name)
+            gather.error = gather.error or error_bytes(ControlError(f"relay: {type(err).__name__}: {err}"))
+        finally:
+            gather.done.set()
 
     def _mark_arrivals(self) -> None:
         """Publish how many of this node's ranks are in the barrier under way, once it has

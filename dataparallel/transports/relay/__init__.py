@@ -4,8 +4,9 @@
 The rank joins the relay's local leg (shared memory and eventfds; the socket at PATH is only
 for joining) as the job rank it was given; every hook passes through to the relay's own
 channel, and a barrier (``rendezvous`` included) is met by the node's ranks in shared memory
-and crosses the network once per node. The relay says the job's name and size; a rank that
-was given others is refused.
+and crosses the network once per node, as an ``all_gather`` does (the node's ranks hand their
+values to the relay, which enters it upstream once with the node's). The relay says the
+job's name and size; a rank that was given others is refused.
 
 A channel that holds no rank (an observer, ``dp.observe``; ``rank=None`` until it is
 assigned one; a torchrun agent's) joins as a guest, whose calls pass through the same way;
@@ -22,13 +23,14 @@ import time
 from collections.abc import Sequence
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
-from dataparallel.control.collectives import Needs
+from dataparallel.control.collectives import Needs, _value
 from dataparallel.control.keyspace import claim_key, peer_key
 from dataparallel.control.liveness import LostPeer, StoreHeartbeats, heartbeat_key, loss_key
 from dataparallel.control.registry import ChannelURL
 from dataparallel.control.relay.local import OVER_SLOT, LocalClient, NoReply, barrier_name
 from dataparallel.control.relay.node import (
     ADD,
+    ALL_GATHER,
     APPEND,
     CHECK,
     COMPARE_SET,
@@ -321,6 +323,58 @@ class RelayedChannel(ControlChannel):
                 raise
         finally:
             self._barriers.release()
+
+    def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
+        """As every channel's all_gather; the node's ranks hand their values to their relay,
+        which enters the all_gather upstream once for them and hands each rank every rank's
+        values (or the outcome's error). The rank waits in slices, between which a lost peer
+        (the core's liveness) or a rank that closed without entering this round (its
+        departure record) ends the wait, as on a direct channel."""
+        self._usable()
+        if self._local.local_rank is None:
+            raise ConfigError(f"all_gather {name!r}: this channel holds no rank (a relay's collectives are its ranks')")
+        mine = _value(value)
+        budget = self._budget(timeout)
+        seq = self._next_seq("allgather", name)
+        what = f"all_gather {name!r} round {seq}"
+        label = _key(name)
+        gives = True  # the value goes with each look until the relay has answered one
+        absent: list[int] | None = None  # the node's ranks that gave none yet, as last told
+        got: list[bytes] = []  # the values given so far (as many as a slot holds a reply)
+
+        def fetch(slice_: float) -> list[bytes] | None:
+            nonlocal gives, absent
+            while True:
+                head, wait = struct.pack("<qdq", seq, budget, len(got)), struct.pack("<d", slice_)
+                payload = pack(head, wait, label, mine, b"\x01") if gives else pack(head, wait, label, b"", b"\x00")
+                found = self._read(ALL_GATHER, payload, slice_)
+                gives = False
+                if not found or found[0] != b"\x01":
+                    absent = [struct.unpack("<q", r)[0] for r in found[1:]]
+                    return None
+                start, total = struct.unpack("<qq", found[1])
+                if start != len(got) or total != self.world_size or len(found) < 3:
+                    raise BadMessage(f"{what}: the relay gave values {start}.. of {total} for {self.world_size} ranks")
+                got.extend(found[2:])
+                if len(got) >= total:
+                    return got[:total]
+
+        def missing() -> str:  # from the relay's last answer: no request after the deadline
+            if absent is None:
+                return ""
+            if not absent:
+                return "every rank of this node gave its value; another node's ranks have not"
+            listed = ", ".join(map(str, absent[:8])) + (" and more" if len(absent) > 8 else "")
+            return f"no value yet from rank(s) {listed}"
+
+        try:
+            return self._await_with(
+                fetch, budget, what, missing, needs=Needs("allgather", name, seq, range(self.world_size), what)
+            )
+        except ControlError as err:
+            if (isinstance(err, ChannelClosed) or getattr(err, "fatal", False)) and not self._closed:
+                self._fail(err)
+            raise
 
 
 class RelayedHeartbeats(StoreHeartbeats):

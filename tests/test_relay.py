@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ import pytest
 
 import dataparallel as dp
 from dataparallel.control.relay.local import Geometry
-from dataparallel.control.relay.node import RANKS, NodeRelay
+from dataparallel.control.relay.node import ALL_GATHER, RANKS, NodeRelay, pack
 from dataparallel.testing import close_all, free_port, run_all
 from dataparallel.testing.linearizability import run_workload
 from dataparallel.testing.netproxy import TcpProxy
@@ -400,7 +401,8 @@ def test_a_gather_through_relays_reads_all_its_values_together(tmp_path):
             values = [b"%d.%d" % (round_, r) for r in range(world)]
             gathered = run_all([lambda c=c, v=values: c.all_gather("ag", v[c.rank], timeout=30) for c in channels])
             assert gathered == [values] * world
-        assert _spent(coordinator, before) == {"collect": 3 * 2}
+        spent = _spent(coordinator, before)  # (the relays' liveness ticks: a multi_set, a check, a parked get)
+        assert spent.get("collect") == 3 * 2 and not {"set", "add", "multi_get", "delete_many"} & set(spent), spent
         before = dict(coordinator.served())
         gathered = run_all([lambda c=c: c.gather("g", b"%d" % c.rank, dst=5, timeout=30) for c in channels])
         assert gathered == [None] * 5 + [everyone] + [None] * 2
@@ -410,6 +412,35 @@ def test_a_gather_through_relays_reads_all_its_values_together(tmp_path):
             [lambda c=c: c.broadcast("b", b"x" if c.rank == 3 else None, src=3, timeout=30) for c in channels]
         )
         assert sent == [b"x"] * world
+    finally:
+        close_all(channels)
+        nodes.close()
+
+
+def test_an_all_gather_asked_again_after_its_reply_was_lost_gets_the_same_outcome(tmp_path):
+    """A rank whose reply from its relay was lost on the way (it waited past its bound) asks
+    again for the same round, its value with it: it is given the round's outcome again at
+    once, and the relay does not enter the round upstream a second time (with one rank a
+    node, its asking again would otherwise be a new round of the name upstream, a round
+    ahead of the other nodes, whose next round would then meet the wrong one)."""
+    nodes = Nodes(tmp_path, _upstream("zmq"), nodes=2, per_node=1)
+    coordinator = nodes.upstreams[0]._hosted
+    channels = run_all([lambda r=r: dp.connect(nodes.url(r), rank=r, world_size=2, job="j") for r in range(2)])
+    try:
+        run_all([lambda c=c: c.rendezvous(timeout=30) for c in channels])
+        gathered = run_all([lambda c=c: c.all_gather("ag", b"%d" % c.rank, timeout=30) for c in channels])
+        assert gathered == [[b"0", b"1"]] * 2
+        before = dict(coordinator.served())
+        # Round 0 again, as RelayedChannel.all_gather's first look sends it: (round, timeout,
+        # first value wanted), the wait, the name, the value, and that it gives its value.
+        asked = pack(struct.pack("<qdq", 0, 30.0, 0), struct.pack("<d", 2.0), b"ag", b"0", b"\x01")
+        start = time.monotonic()
+        again = channels[0]._read(ALL_GATHER, asked, 2.0)
+        assert time.monotonic() - start < 1.0, "the round's outcome is given again at once"
+        assert again[0] == b"\x01" and again[2:] == [b"0", b"1"], again
+        assert _spent(coordinator, before).get("collect", 0) == 0, "the round did not go upstream again"
+        gathered = run_all([lambda c=c: c.all_gather("ag", b"next%d" % c.rank, timeout=30) for c in channels])
+        assert gathered == [[b"next0", b"next1"]] * 2
     finally:
         close_all(channels)
         nodes.close()
@@ -626,6 +657,31 @@ def test_every_call_through_a_relay_keeps_its_timeout_when_the_relay_freezes_or_
             h.send_signal(signal.SIGCONT)
             h.kill()
             h.wait(timeout=10)
+
+
+def test_an_all_gather_keeps_its_timeout_when_the_store_behind_the_relay_freezes(tmp_path):
+    """A rank's all_gather (timeout 3 s, its channel's 60 s) waiting for another node whose
+    rank never comes, the coordinator frozen (SIGSTOP) behind the relays: the relay answers
+    the rank's looks itself, and the checks the rank makes between them (for a departed
+    rank: a read that passes through to the frozen store) end by the all_gather's deadline,
+    so the call raises a ControlError within its own timeout and the slack, not the
+    channel's 60 s."""
+    from jobutil import standalone
+
+    url = f"zmq://127.0.0.1:{free_port()}"
+    with standalone(url, None) as server:
+        nodes = Nodes(tmp_path, url, nodes=2, per_node=1)
+        try:
+            ch = dp.connect(nodes.url(0), rank=0, world_size=2, job="j", timeout=60)
+            server.send_signal(signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(dp.ControlError):
+                ch.all_gather("never", b"v", timeout=3)
+            took = time.monotonic() - start
+            assert took < 3 + 1.5, f"all_gather(timeout=3) took {took:.1f}s"
+        finally:
+            server.send_signal(signal.SIGCONT)
+            nodes.close()
 
 
 def test_an_upstream_timeout_passes_through_as_itself(tmp_path):

@@ -465,10 +465,10 @@ def _serve_op(up: ControlChannel, op: int, f: list[bytes]) -> bytes:
 
 class _Gather:
     """One round of an all_gather on this node: the values its ranks gave (local rank ->
-    value), the longest of their timeouts, and once the round is over its outcome (status
-    and payload) and which ranks were given it."""
+    value), the longest of their timeouts, and once the round is over its outcome (every
+    rank's values, or the error) and when it ended."""
 
-    __slots__ = ("created", "delivered", "done", "error", "everyone", "started", "timeout", "values")
+    __slots__ = ("created", "done", "ended", "error", "everyone", "started", "timeout", "values")
 
     def __init__(self) -> None:
         self.values: dict[int, bytes] = {}
@@ -478,11 +478,15 @@ class _Gather:
         self.done = threading.Event()
         self.everyone: list[bytes] = []  # the outcome: every rank's value, by rank
         self.error: bytes | None = None  # or its error
-        self.delivered: set[int] = set()
+        self.ended: float | None = None
 
 
-#: Seconds past its timeout an all_gather round that never ended (a rank never entered, or
-#: never came back for the outcome) is kept before it is dropped.
+#: Seconds an all_gather round is kept once it ended: a rank whose reply was lost on the way
+#: (it waited past its bound) asks again, and is given the same outcome (never a round
+#: started again: the upstream's rounds of a name are counted).
+GATHER_ENDED_KEPT = 30.0
+#: Seconds past its timeout a round that never started upstream (a rank of the node never
+#: entered it) is kept before it is dropped.
 GATHER_KEPT = 60.0
 
 
@@ -536,10 +540,10 @@ class NodeRelay:
         # Loss reports on a thread of their own: never queued behind the ranks' waiting reads.
         self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-relay-loss")
         # All_gather rounds, (the ranks' run, name, round) -> _Gather, and their upstream
-        # calls (each rank thread has at most a slot's worth of rounds in flight).
+        # calls (rounds of several names may wait upstream at once, started in any order).
         self._gathers: dict[tuple[str | None, str, int], _Gather] = {}
         self._gathers_lock = threading.Lock()
-        self._gather_threads = geometry.slots
+        self._gather_threads = (local_ranks + 2) * geometry.slots  # as many as its calls in flight
         self._gathering = ThreadPoolExecutor(max_workers=self._gather_threads, thread_name_prefix="dp-relay-gather")
         # Local rank -> what the relay watches and beats for it (under _watch_lock); a beat
         # being written upstream holds _beating, which a rank's withdrawal waits for (so that
@@ -899,6 +903,7 @@ class NodeRelay:
         for _, gather in left:
             if not gather.done.is_set():
                 gather.error = gone
+                gather.ended = time.monotonic()
                 gather.done.set()
         if any(g.started for _, g in left):
             self._gathering.shutdown(wait=False, cancel_futures=True)
@@ -1010,21 +1015,14 @@ class NodeRelay:
     def _give_outcome(self, call: Call, key: tuple[str | None, str, int], gather: _Gather, start_at: int) -> None:
         """Answer ``call`` with the round's outcome: its error, or the values from rank
         ``start_at`` on, as many as the rank's slot holds (at least one: a value larger than
-        the slot is refused as any reply is); the round is forgotten once every rank of the
-        node was given the last of them."""
-        if gather.error is not None:
-            last = True
-        else:
-            room, end = self.server.geometry.slot_bytes - 29, start_at  # less the reply's framing and head
+        the slot is refused as any reply is). The round stays for :data:`GATHER_ENDED_KEPT`:
+        a reply may be lost on its way, and the rank asks again."""
+        end = start_at
+        if gather.error is None:
+            room = self.server.geometry.slot_bytes - 29  # less the reply's framing and head
             while end < len(gather.everyone) and (end == start_at or room >= 4 + len(gather.everyone[end])):
                 room -= 4 + len(gather.everyone[end])
                 end += 1
-            last = end >= len(gather.everyone)
-        if last:
-            with self._gathers_lock:
-                gather.delivered.add(call.seat)
-                if len(gather.delivered) == self.local_ranks and self._gathers.get(key) is gather:
-                    del self._gathers[key]
         if gather.error is not None:
             call._answer(ERROR, gather.error)
         else:
@@ -1032,10 +1030,16 @@ class NodeRelay:
             call.reply(pack(b"\x01", head, *gather.everyone[start_at:end]))
 
     def _prune_gathers(self, now: float) -> None:
-        """Drop rounds that ended, or never will, long ago (under the lock): a rank that never
-        entered, or gave up waiting, leaves its round behind."""
-        stale = [k for k, g in self._gathers.items() if now - g.created > g.timeout + GATHER_KEPT]
-        for k in stale:
+        """Drop (under the lock) the rounds that ended :data:`GATHER_ENDED_KEPT` ago, and those
+        that never started upstream and never will (a rank of the node never entered, past
+        the longest timeout and :data:`GATHER_KEPT`); a round waiting upstream stays."""
+
+        def stale(g: _Gather) -> bool:
+            if g.ended is not None:
+                return now - g.ended > GATHER_ENDED_KEPT
+            return not g.started and now - g.created > g.timeout + GATHER_KEPT
+
+        for k in [k for k, g in self._gathers.items() if stale(g)]:
             del self._gathers[k]
 
     def _gather_upstream(self, key: tuple[str | None, str, int], gather: _Gather, name: str) -> None:
@@ -1074,6 +1078,7 @@ class NodeRelay:
             log.exception("relay: all_gather %r failed", name)
             gather.error = gather.error or error_bytes(ControlError(f"relay: {type(err).__name__}: {err}"))
         finally:
+            gather.ended = gather.ended or time.monotonic()
             gather.done.set()
 
     def _mark_arrivals(self) -> None:

@@ -335,6 +335,7 @@ class RelayedChannel(ControlChannel):
             raise ConfigError(f"all_gather {name!r}: this channel holds no rank (a relay's collectives are its ranks')")
         mine = _value(value)
         budget = self._budget(timeout)
+        deadline = time.monotonic() + budget
         seq = self._next_seq("allgather", name)
         what = f"all_gather {name!r} round {seq}"
         label = _key(name)
@@ -347,7 +348,11 @@ class RelayedChannel(ControlChannel):
             while True:
                 head, wait = struct.pack("<qdq", seq, budget, len(got)), struct.pack("<d", slice_)
                 payload = pack(head, wait, label, mine, b"\x01") if gives else pack(head, wait, label, b"", b"\x00")
-                found = self._read(ALL_GATHER, payload, slice_)
+                self._within.deadline = None  # its own wait's bound (a slice): never cut short
+                try:
+                    found = self._read(ALL_GATHER, payload, slice_)
+                finally:
+                    self._within.deadline = deadline
                 gives = False
                 if not found or found[0] != b"\x01":
                     absent = [struct.unpack("<q", r)[0] for r in found[1:]]
@@ -367,6 +372,9 @@ class RelayedChannel(ControlChannel):
             listed = ", ".join(map(str, absent[:8])) + (" and more" if len(absent) > 8 else "")
             return f"no value yet from rank(s) {listed}"
 
+        # The calls the wait makes between slices (its departure check) end by its deadline,
+        # as a barrier's do: a relay frozen then holds the caller no longer than its timeout.
+        self._within.deadline = deadline
         try:
             return self._await_with(
                 fetch, budget, what, missing, needs=Needs("allgather", name, seq, range(self.world_size), what)
@@ -375,6 +383,8 @@ class RelayedChannel(ControlChannel):
             if (isinstance(err, ChannelClosed) or getattr(err, "fatal", False)) and not self._closed:
                 self._fail(err)
             raise
+        finally:
+            self._within.deadline = None
 
 
 class RelayedHeartbeats(StoreHeartbeats):

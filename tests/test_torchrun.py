@@ -65,6 +65,18 @@ ch.close()
 """
 
 
+def _job(tmp_path: Path, worker: str) -> tuple[Path, Path, dict[str, str]]:
+    """The workers' script (``worker``'s source), the directory they write into, and the
+    agents' environment (this one's, less any DP_* setting, with the job's token)."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DP_")}
+    env.update(OMP_NUM_THREADS="1", DP_TOKEN="torchrun-test")
+    return script, out, env
+
+
 def _torchrun(
     backend: str, endpoint: str, run_id: str, out: Path, script: Path, env: dict, relay: bool = False
 ) -> list[subprocess.Popen]:
@@ -97,12 +109,7 @@ def test_two_torchrun_nodes_rendezvous_and_restart(backend, relay, tmp_path):
         endpoint = ",".join(f"127.0.0.1:{m.client_port}" for m in members)
     else:
         endpoint = f"127.0.0.1:{free_port()}"
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DP_")}
-    env.update(OMP_NUM_THREADS="1", DP_TOKEN="torchrun-test")
+    script, out, env = _job(tmp_path, WORKER)
     try:
         agents = _torchrun(backend, endpoint, f"job-{backend}", out, script, env, relay)
         logs = [agent.communicate(timeout=240)[0] for agent in agents]
@@ -158,12 +165,7 @@ def test_an_agent_stopped_by_a_signal_closes_its_relay_at_once(tmp_path):
     ends within seconds, not at the barrier's timeout (120 s), and leaves no relay directory
     behind."""
     endpoint = f"127.0.0.1:{free_port()}"
-    script = tmp_path / "worker.py"
-    script.write_text(WAITING_WORKER)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DP_")}
-    env.update(OMP_NUM_THREADS="1", DP_TOKEN="torchrun-test")
+    script, out, env = _job(tmp_path, WAITING_WORKER)
     agents = _torchrun("dp-zmq", endpoint, "stopped", out, script, env, relay=True)
     try:
         deadline = time.monotonic() + 120

@@ -960,7 +960,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         )
         for s in sessions:
             assert s.reply_bytes == sum(c._cached[(s.id, i)] for i in s.replies)
-            assert len(s.replies) <= LIMITS.reply_cache_entries or len(s.replies) == 1
+            # Past reply_cache_entries only replies of the last two liveness timeouts (evicted
+            # as the next one comes), and never past reply_cache_recent_entries.
+            assert len(s.replies) <= LIMITS.reply_cache_recent_entries or len(s.replies) == 1
+            assert s.reply_at.keys() == s.replies.keys()
             assert s.reply_bytes <= LIMITS.reply_cache_session_bytes or len(s.replies) == 1
             assert len(s.seen) <= 2 * WINDOW + 1
             assert len(s.parked) <= MAX_PARKED

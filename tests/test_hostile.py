@@ -391,11 +391,12 @@ def _hello(attacker, job: str, world_size: int = 1, liveness_timeout: float = 30
 @pytest.mark.timeout(120)
 def test_a_replayed_request_is_never_applied_twice(served):
     """A request parked, then answered late, once made evicted ids below it acceptable again:
-    park id 100, apply id 200, roll the reply cache past both, replay id 200."""
+    park id 100, apply id 200, roll the reply cache past both, replay id 200. (A liveness
+    timeout of 0.5 s: replies are held past the entry count for two of them.)"""
     scheme, url, _proc = served
     attacker = attacker_for(scheme, url)
     try:
-        session = _hello(attacker, "replay")
+        session = _hello(attacker, "replay", liveness_timeout=0.5)
 
         def add(request_id: int, key: str) -> pb.Reply:
             return attacker.call(pb.Request(id=request_id, session=session, add=pb.Add(key=key, amount=1)))
@@ -413,6 +414,35 @@ def test_a_replayed_request_is_never_applied_twice(served):
         assert read.value == b"1", "the replayed add was applied again"
         assert add(100_000, "filler").status == pb.OK  # far above: id 200 is now below the window
         assert add(200, "counter").status == pb.BAD_MESSAGE
+    finally:
+        attacker.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_resend_after_many_other_writes_of_its_session_gets_its_own_reply(served):
+    """A session that carries many callers (a node relay's, a rank's threads) can apply more
+    than ``reply_cache_entries`` writes while one of its replies is lost on a reset: its
+    resend, a second later, is answered with that reply (applied once), not refused as
+    replayed with the call's outcome lost."""
+    scheme, url, _proc = served
+    attacker = attacker_for(scheme, url)
+    try:
+        session = _hello(attacker, "many", liveness_timeout=10.0)
+
+        def add(request_id: int, key: str) -> pb.Reply:
+            return attacker.call(pb.Request(id=request_id, session=session, add=pb.Add(key=key, amount=1)))
+
+        assert add(10, "counter").number == 1
+        for request_id in range(11, 11 + 1000):  # the other callers' writes meanwhile
+            assert add(request_id, "filler").status == pb.OK
+        resent = add(10, "counter")
+        assert resent.status == pb.OK and resent.number == 1, resent
+        read = attacker.call(pb.Request(id=5000, session=session, get=pb.Get(key="counter", timeout=1)))
+        assert read.value == b"1", "the resent add was applied again"
+        for request_id in range(6000, 6000 + CoordinatorLimits().reply_cache_recent_entries):
+            add(request_id, "filler")  # past the most held, however recent
+        refused = add(10, "counter")
+        assert refused.status == pb.BAD_MESSAGE and "no longer held" in refused.error, refused
     finally:
         attacker.close()
 

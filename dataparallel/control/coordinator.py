@@ -73,6 +73,13 @@ class CoordinatorLimits:
     #: Replies of mutations a session's resends are answered from (exactly once), at most
     #: this many and this many bytes per session, and this many bytes over all sessions.
     reply_cache_entries: int = 256
+    #: ... and beyond ``reply_cache_entries``, up to this many replies a session had in the
+    #: last two liveness timeouts of its job: a resend comes within a reconnect (waited out up
+    #: to the liveness timeout) and a resend interval (at most half of it), and a session that
+    #: carries many callers (a node relay's, a rank's threads) has more than
+    #: ``reply_cache_entries`` replies in that time (its resend would be refused as applied
+    #: already, the call's outcome lost to its caller).
+    reply_cache_recent_entries: int = 4_096
     reply_cache_session_bytes: int = 4 << 20
     reply_cache_bytes: int = 256 << 20
     #: Request ids within this distance below a session's highest are checked one by one
@@ -94,6 +101,8 @@ class Session:
     last_seen: float
     rank: int | None = None
     replies: OrderedDict[int, pb.Reply] = field(default_factory=OrderedDict)
+    #: When each of ``replies`` was cached.
+    reply_at: dict[int, float] = field(default_factory=dict)
     reply_bytes: int = 0
     parked: dict[int, Parked] = field(default_factory=dict)
     #: The hello's nonce: a resent hello (its reply lost) gets this session again, not another.
@@ -759,19 +768,26 @@ class Coordinator(Generic[R]):
 
     def _remember(self, session: Session, reply: pb.Reply) -> None:
         """Cache ``reply`` for resends, evicting the oldest past the limits (the newest reply
-        of a session always stays)."""
+        of a session always stays; see :class:`CoordinatorLimits` for how long one is held)."""
         if self._sessions.get(session.id) is not session:
             return  # it left or was dropped (its leave, or a parked request failed after): no resends to answer
         size = reply.ByteSize()
+        now = self._clock()
         session.replies[reply.id] = reply
+        session.reply_at[reply.id] = now
         session.reply_bytes += size
         self._cached[(session.id, reply.id)] = size
         self._cached_bytes += size
         limits = self.limits
-        while len(session.replies) > 1 and (
-            len(session.replies) > limits.reply_cache_entries or session.reply_bytes > limits.reply_cache_session_bytes
-        ):
-            self._forget(session, next(iter(session.replies)))
+        recent = now - 2 * session.job.liveness_timeout
+        while len(session.replies) > 1:
+            oldest = next(iter(session.replies))
+            over = len(session.replies) > limits.reply_cache_entries and (
+                session.reply_at[oldest] < recent or len(session.replies) > limits.reply_cache_recent_entries
+            )
+            if not over and session.reply_bytes <= limits.reply_cache_session_bytes:
+                break
+            self._forget(session, oldest)
         while self._cached_bytes > limits.reply_cache_bytes and len(self._cached) > 1:
             session_id, request_id = next(iter(self._cached))
             owner = self._sessions.get(session_id)
@@ -781,6 +797,7 @@ class Coordinator(Generic[R]):
 
     def _forget(self, session: Session, request_id: int) -> None:
         reply = session.replies.pop(request_id, None)
+        session.reply_at.pop(request_id, None)
         size = self._cached.pop((session.id, request_id), 0)
         if reply is not None:
             session.reply_bytes -= size

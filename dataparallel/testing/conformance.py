@@ -1896,6 +1896,10 @@ class RelayTests(ChannelHarness):
         # Whoever hosts the transport's coordinator where a rank 0 does: a job of its own.
         host = dp.connect(channel_url, rank=0, world_size=1, job=f"{job}~host", timeout=STEP_TIMEOUT)
         proxy, upstream_url = proxy_in_front(channel_url) if host.survives_connection_loss else (None, channel_url)
+        # The relays' upstreams with their ranks' liveness, as a launcher joins them with the
+        # job's: with the default one, a request lost in a reset is sent again only after 5 s,
+        # and the ranks, told their store has not answered for 2 s, give up.
+        upstream_url = with_options(upstream_url, **self.LIVENESS)
         upstreams: list[dp.ControlChannel] = []
         relays: list[NodeRelay] = []
         try:

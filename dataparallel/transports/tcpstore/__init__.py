@@ -285,7 +285,9 @@ class TCPStoreChannel(ControlChannel):
         if mine:
             _shut_down_connections(self._peer, mine)
 
-    def _call(self, op: Callable[[Connection], T], read: bool = False, within: float | None = None) -> T:
+    def _call(
+        self, op: Callable[[Connection], T], read: bool = False, within: float | None = None, grace: float = 0.0
+    ) -> T:
         """Run ``op`` on this thread's connection: the one place TCPStore's errors become the
         channel's. A ``DistStoreError`` (an expired wait) passes through for ``_wait``; any
         other failure drops the connection (a reply still on its way would otherwise be read
@@ -299,7 +301,9 @@ class TCPStoreChannel(ControlChannel):
         re-sent one).
 
         The whole call takes at most ``within`` seconds (default: the channel's timeout): a
-        connection, retries and the answer included; past that, ChannelClosed."""
+        connection, retries and the answer included; past that, ChannelClosed. ``grace`` more
+        seconds are given to the answer alone (not to a connection): a wait's expiry, which
+        the store sends at the wait's end."""
         bound = self.timeout if within is None else within
         closing = self._left_to_close(at_least=0.05)  # the departure, within close's timeout
         bound = bound if closing is None else min(bound, closing)
@@ -308,7 +312,7 @@ class TCPStoreChannel(ControlChannel):
         while True:
             self._raise_failure()
             client = self._client(max(start + bound - time.monotonic(), 0.0))
-            self._deadlines.arm(max(start + bound - time.monotonic(), 0.0))
+            self._deadlines.arm(max(start + bound + grace - time.monotonic(), 0.0))
             try:
                 with quiet_torch_log():
                     return op(client)
@@ -378,7 +382,7 @@ class TCPStoreChannel(ControlChannel):
         """Wait up to ``timeout`` seconds for the (prefixed) keys; False on timeout."""
         wait = timedelta(seconds=max(timeout, 1e-3))
         try:
-            self._call(lambda s: s.wait(full, wait), read=True, within=_answer_within(timeout))
+            self._call(lambda s: s.wait(full, wait), read=True, within=max(timeout, ANSWER_GRACE), grace=ANSWER_GRACE)
         except dist.DistStoreError:  # TCPStore's error for an expired wait (network: DistNetworkError)
             return False
         except _Expired:
@@ -401,7 +405,7 @@ class TCPStoreChannel(ControlChannel):
         full, deadline = self._prefix + key, time.monotonic() + timeout
         while True:
             try:
-                value = self._read(full, _answer_within(deadline - time.monotonic()))
+                value = self._read(full, max(deadline - time.monotonic(), ANSWER_GRACE))
             except _Expired:  # unanswered by the wait's end: nothing came within the timeout (see _wait)
                 if time.monotonic() < deadline:
                     raise
@@ -443,7 +447,7 @@ class TCPStoreChannel(ControlChannel):
         full = [self._prefix + k for k in keys]
         if not self._wait(full, timeout):
             return None
-        return self._call(lambda s: s.multi_get(full), read=True, within=_answer_within(0.0))
+        return self._call(lambda s: s.multi_get(full), read=True, within=ANSWER_GRACE, grace=ANSWER_GRACE)
 
     def _multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
         keys = [self._prefix + k for k, _ in items]
@@ -463,11 +467,6 @@ class TCPStoreChannel(ControlChannel):
 
 class _Expired(ChannelClosed):
     """A call that outlived its bound (:class:`_Deadlines` shut its connection down)."""
-
-
-def _answer_within(wait: float) -> float:
-    """How long a call that is part of a wait of ``wait`` more seconds may take."""
-    return max(wait, ANSWER_GRACE) + ANSWER_GRACE
 
 
 #: Held while a connection to a coordinator is made (one lock per coordinator address), so

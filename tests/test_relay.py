@@ -659,13 +659,24 @@ def test_every_call_through_a_relay_keeps_its_timeout_when_the_relay_freezes_or_
             h.wait(timeout=10)
 
 
-def test_an_all_gather_keeps_its_timeout_when_the_store_behind_the_relay_freezes(tmp_path):
-    """A rank's all_gather (timeout 3 s, its channel's 60 s) waiting for another node whose
-    rank never comes, the coordinator frozen (SIGSTOP) behind the relays: the relay answers
-    the rank's looks itself, and the checks the rank makes between them (for a departed
-    rank: a read that passes through to the frozen store) end by the all_gather's deadline,
-    so the call raises a ControlError within its own timeout and the slack, not the
-    channel's 60 s."""
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda ch: ch.all_gather("never", b"v", timeout=3), id="all_gather"),
+        pytest.param(lambda ch: ch.broadcast("never", src=1, timeout=3), id="broadcast"),
+        pytest.param(lambda ch: ch.gather("never", b"v", dst=0, timeout=3), id="gather"),
+        pytest.param(lambda ch: ch.barrier("never", timeout=3), id="barrier"),
+    ],
+)
+def test_a_collective_keeps_its_timeout_when_the_store_behind_the_relay_freezes(tmp_path, call):
+    """A rank's collective (timeout 3 s, its channel's 60 s) waiting for another node whose
+    rank never comes, the coordinator frozen (SIGSTOP) behind the relays: the checks the rank
+    makes between its looks (for a departed rank: reads that pass through to the frozen
+    store) end by the collective's deadline, so the call raises a ControlError within its own
+    timeout and the slack, not the channel's 60 s. (The waits themselves: the relay answers
+    an all_gather's or barrier's looks itself; a broadcast's or gather's reads go upstream,
+    and the relay answers each within its slice, unanswered, so the rank reads again until its
+    deadline and then raises ChannelClosed, as a direct rank whose coordinator froze does.)"""
     from jobutil import standalone
 
     url = f"zmq://127.0.0.1:{free_port()}"
@@ -676,9 +687,9 @@ def test_an_all_gather_keeps_its_timeout_when_the_store_behind_the_relay_freezes
             server.send_signal(signal.SIGSTOP)
             start = time.monotonic()
             with pytest.raises(dp.ControlError):
-                ch.all_gather("never", b"v", timeout=3)
+                call(ch)
             took = time.monotonic() - start
-            assert took < 3 + 1.5, f"all_gather(timeout=3) took {took:.1f}s"
+            assert took < 3 + 1.5, f"took {took:.1f}s with timeout=3"
         finally:
             server.send_signal(signal.SIGCONT)
             nodes.close()

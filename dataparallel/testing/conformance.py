@@ -2188,6 +2188,69 @@ class TimeoutTests(ChannelHarness):
             timings.update(self._time_all(closes, self.PROMISE))
         self._check_bounds(timings, "coordinator frozen, killed or dark")
 
+    @pytest.mark.timeout(90)
+    def test_a_wait_rides_out_a_coordinator_paused_for_a_moment(self, channel_url: str, open_ranks: OpenRanks) -> None:
+        """A coordinator (or store) frozen (SIGSTOP) for about a second, well within the
+        liveness timeout, while a rank waits in every kind of wait, each for a rank that never
+        comes (a key, keys, a broadcast, a gather, an all_gather, a barrier; timeout T): each
+        ends as it would have without the pause, a ControlTimeout (not a ChannelClosed at the
+        pause: a node relay passed its store's unanswered read on as one, ending a get or a
+        broadcast half a second into the pause), within T, the pause and the slack (the bound
+        itself is the test above's; here, that nothing waits for the channel's timeout), and
+        the channel goes on. The waits run a few at a time (a pause each), as a rank's threads
+        wait. Where nothing can be frozen (ranks that are threads of one process), the same
+        waits without the pause."""
+        t, pause = 3.0, 1.2
+        with contextlib.ExitStack() as stack:
+            if self.cross_process:
+                server = stack.enter_context(self.silenceable_server(channel_url))
+                job = getattr(server, "job", "paused")
+                ch = dp.connect(server.url, rank=1, world_size=2, job=job, timeout=STEP_TIMEOUT)
+                stack.callback(_close_quietly, ch)
+                stack.callback(_resume, server.pid)  # resumed first on the way out, should the test fail
+
+                def freeze() -> None:
+                    time.sleep(0.3)  # every call in its wait
+                    os.kill(server.pid, signal.SIGSTOP)
+                    time.sleep(pause)
+                    os.kill(server.pid, signal.SIGCONT)
+
+            else:
+                _, ch = open_ranks(2, job="paused", timeout=STEP_TIMEOUT)
+
+                def freeze() -> None:
+                    pass
+
+            rounds: list[dict[str, Callable[[], object]]] = [
+                {
+                    "get": lambda: ch.get("paused/never", timeout=t),
+                    "wait": lambda: ch.wait(["paused/never"], timeout=t),
+                    "multi_get": lambda: ch.multi_get(["paused/never", "paused/nor"], timeout=t),
+                },
+                {
+                    "broadcast": lambda: ch.broadcast("paused/bc", src=0, timeout=t),
+                    "gather": lambda: ch.gather("paused/g", b"x", dst=1, timeout=t),
+                },
+                {
+                    "all_gather": lambda: ch.all_gather("paused/ag", b"x", timeout=t),
+                    "barrier": lambda: ch.barrier("paused/b", timeout=t),
+                },
+            ]
+            limit = t + pause + self.slack(t)
+            for calls in rounds:
+                pauser = threading.Thread(target=freeze, daemon=True)
+                pauser.start()
+                timings = self._time_all(calls, t)
+                pauser.join()
+                for name, timed in timings.items():
+                    assert isinstance(timed.err, dp.ControlTimeout), (
+                        f"{name}: {type(timed.err).__name__} after {timed.took:.2f}s, not a ControlTimeout: {timed.err}"
+                    )
+                    assert timed.took - timed.starved <= limit, f"{name} (timeout={t:g}) took {timed}"
+            assert ch.failure is None, f"the channel failed after the pauses: {ch.failure}"
+            ch.set("paused/after", b"1")
+            assert ch.get("paused/after", timeout=STEP_TIMEOUT) == b"1"
+
     @pytest.mark.timeout(120)
     def test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang(
         self, channel_url: str

@@ -85,7 +85,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ...errors import BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
-from ..liveness import loss_report
+from ..liveness import ReadUnanswered, loss_report
 from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes
 
 if TYPE_CHECKING:
@@ -256,6 +256,30 @@ def arrived_hint(total: int, world_size: int, complete: bool) -> str:
 def upstream_wait(timeout: float) -> float:
     """How long the relay's upstream read waits for a rank's read of ``timeout`` seconds."""
     return max(timeout - min(READ_GRACE, timeout / 4), 1e-3)
+
+
+def unanswered_as_such(
+    upstream: ControlChannel, read: Callable[[K, float], V | None]
+) -> Callable[[K, float], V | None]:
+    """``read``, an upstream waiting read, with a ChannelClosed the upstream gives for a read
+    its store left unanswered within its bound (the upstream itself not failed: a store
+    frozen or slow for a moment) raised as :class:`ReadUnanswered`, which the rank's wait
+    reads again while its time lasts. A transport may give either (the hooks' contract);
+    zmq's and grpc's give ChannelClosed. The rank's wait is in slices (its liveness is the
+    relay's), so, passed on as such, a store that paused for a slice would end a rank's get
+    or broadcast at once, where a direct rank's single wait rides the pause out."""
+
+    def waiting(key: K, wait: float) -> V | None:
+        try:
+            return read(key, wait)
+        except ReadUnanswered:
+            raise
+        except ChannelClosed as err:
+            if upstream.failure is not None or upstream._closed:
+                raise
+            raise ReadUnanswered(f"the store left the node relay's read unanswered ({err})") from None
+
+    return waiting
 
 
 class Batched:
@@ -585,9 +609,13 @@ class NodeRelay:
         self._compare_sets = Batched(self._pool, self._serve_compare_sets)
         self._adds = Batched(self._pool, self._serve_adds)
         self._watches = Batched(self._pool, self._serve_watches)
-        self._reads: SharedReads[str, bytes] = SharedReads(self._pool, upstream._get, pack)
+        self._reads: SharedReads[str, bytes] = SharedReads(
+            self._pool, unanswered_as_such(upstream, upstream._get), pack
+        )
         self._multi_reads: SharedReads[tuple[str, ...], list[bytes]] = SharedReads(
-            self._pool, lambda keys, wait: upstream._multi_get(keys, wait), lambda values: pack(b"", *values)
+            self._pool,
+            unanswered_as_such(upstream, lambda keys, wait: upstream._multi_get(list(keys), wait)),
+            lambda values: pack(b"", *values),
         )
         info = {
             "job": job,

@@ -2251,6 +2251,30 @@ class TimeoutTests(ChannelHarness):
             ch.set("paused/after", b"1")
             assert ch.get("paused/after", timeout=STEP_TIMEOUT) == b"1"
 
+    @pytest.mark.timeout(60)
+    def test_a_rank_waiting_in_many_threads_at_once_keeps_its_channel(self, open_ranks: OpenRanks) -> None:
+        """One rank waits in ten things at once, on ten threads (eight keys, an all_gather, a
+        barrier), each for a rank that never comes: each ends with a ControlError within its
+        timeout and the slack, none saying its rank had no room for it, and the channel goes
+        on (a rank behind a node relay has a few slots for its calls in flight: those it could
+        not use ended an all_gather with ChannelClosed, which failed the whole channel)."""
+        t = 3.0
+        _, ch = open_ranks(2, job="crowded", timeout=STEP_TIMEOUT)
+        calls: dict[str, Callable[[], object]] = {
+            f"get {i}": (lambda i=i: ch.get(f"crowded/never{i}", timeout=t)) for i in range(8)
+        }
+        calls["all_gather"] = lambda: ch.all_gather("crowded/ag", b"x", timeout=t)
+        calls["barrier"] = lambda: ch.barrier("crowded/b", timeout=t)
+        timings = self._time_all(calls, t)
+        limit = t + self.slack(t)
+        for name, timed in timings.items():
+            assert timed.err is not None and _control_error(timed.err), f"{name}: {timed}"
+            assert "slot" not in str(timed.err), f"{name}: {timed.err}"
+            assert timed.took - timed.starved <= limit, f"{name} (timeout={t:g}) took {timed}"
+        assert ch.failure is None, f"the channel failed: {ch.failure}"
+        ch.set("crowded/after", b"1")
+        assert ch.get("crowded/after", timeout=STEP_TIMEOUT) == b"1"
+
     @pytest.mark.timeout(120)
     def test_a_channel_dropped_unclosed_after_its_coordinator_died_is_collected_without_a_hang(
         self, channel_url: str

@@ -59,6 +59,7 @@ every call, which is the cost the relay exists to remove.
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import json
@@ -802,6 +803,12 @@ class NoReply(ControlTimeout):
     opposed to an answer that is itself a timeout (an upstream call's, passed back)."""
 
 
+class SlotsBusy(NoReply):
+    """The rank's other calls held every slot the call may use for its whole bound: nothing
+    was sent, and the relay's silence is not what this says (a rank's threads waiting in
+    more reads at once than it has slots)."""
+
+
 class LocalClient:
     """A rank's end: joins the relay at ``path`` as ``rank`` (one of the node's; the relay's
     local rank ``rank - first_rank``), or as a guest (``rank`` None, or its seat held:
@@ -859,6 +866,9 @@ class LocalClient:
         self._late: dict[int, int] = {}
         self._lock = threading.Lock()
         self._free_cv = threading.Condition(self._lock)
+        #: The waiting calls waiting for a slot, first come first served: a read whose slice
+        #: ended takes no slot before one that waited for it.
+        self._queue: collections.deque[object] = collections.deque()
         self._closed = False
         self._in_flight = 0  # calls and waits using the descriptors: close() waits for them
         self._using = _InFlight(self)  # `with self._using:` around every use of them
@@ -1058,22 +1068,33 @@ class LocalClient:
             raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
 
     def _take(self, deadline: float, waiting: bool = False) -> int:
+        """A free slot, by ``deadline`` (else :class:`SlotsBusy`); a waiting call leaves
+        :data:`KEPT_FREE` to the others, and waiting calls take theirs in the order they came."""
         start = time.monotonic()
         kept = KEPT_FREE if waiting and self.geometry.slots > KEPT_FREE else 0
+        ticket = object()
         with self._free_cv:
-            while len(self._free) <= kept:
-                if self._closed:
-                    raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
-                if self._late:
-                    self._reclaim()
-                    if len(self._free) > kept:
-                        break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NoReply(f"a free slot of local rank {self.rank} (every slot busy)", time.monotonic() - start)
-                # A late reply rings no one: look again soon while a slot waits for one.
-                self._free_cv.wait(min(left, _RECLAIM_EVERY) if self._late else left)
-            return self._free.pop()
+            if waiting:
+                self._queue.append(ticket)
+            try:
+                while True:
+                    if self._closed:
+                        raise ChannelClosed(f"local rank {self.rank}: its channel to the node relay is closed")
+                    if self._late:
+                        self._reclaim()
+                    if len(self._free) > kept and (not waiting or self._queue[0] is ticket):
+                        return self._free.pop()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise SlotsBusy(
+                            f"a free slot of local rank {self.rank} (every slot busy)", time.monotonic() - start
+                        )
+                    # A late reply rings no one: look again soon while a slot waits for one.
+                    self._free_cv.wait(min(left, _RECLAIM_EVERY) if self._late else left)
+            finally:
+                if waiting:
+                    self._queue.remove(ticket)
+                    self._free_cv.notify_all()  # the next in line looks
 
     def _give(self, slot: int) -> None:
         with self._free_cv:

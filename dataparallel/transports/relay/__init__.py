@@ -27,7 +27,7 @@ from dataparallel.control.collectives import Needs, _value
 from dataparallel.control.keyspace import claim_key, peer_key
 from dataparallel.control.liveness import LostPeer, StoreHeartbeats, heartbeat_key, loss_key
 from dataparallel.control.registry import ChannelURL
-from dataparallel.control.relay.local import OVER_SLOT, LocalClient, NoReply, barrier_name
+from dataparallel.control.relay.local import OVER_SLOT, LocalClient, NoReply, SlotsBusy, barrier_name
 from dataparallel.control.relay.node import (
     ADD,
     ALL_GATHER,
@@ -148,14 +148,21 @@ class RelayedChannel(ControlChannel):
 
     def _read(self, op: int, payload: bytes, timeout: float) -> list[bytes]:
         """A waiting read: the relay's silence past its bound is an unanswered read (the core
-        reads again while its wait lasts), never a timeout of the key's wait."""
+        reads again while its wait lasts), never a timeout of the key's wait. SlotsBusy (the
+        rank's other threads held every slot it may use for the whole slice: the relay was
+        not asked) passes through, for the caller to take as a look that saw nothing."""
         try:
             return unpack(self._call(op, payload, waits=timeout))
+        except SlotsBusy:
+            raise
         except NoReply as err:
             raise ReadUnanswered(f"node relay: {err}") from None
 
     def _get(self, key: str, timeout: float) -> bytes | None:
-        found = self._read(GET, pack(_key(key), struct.pack("<d", timeout)), timeout)
+        try:
+            found = self._read(GET, pack(_key(key), struct.pack("<d", timeout)), timeout)
+        except SlotsBusy:
+            return None  # nothing seen this slice; the core's wait looks again while it lasts
         return found[0] if found else None
 
     def _add(self, key: str, amount: int) -> int:
@@ -180,6 +187,8 @@ class RelayedChannel(ControlChannel):
         payload = pack(struct.pack("<d", timeout), *(_key(k) for k in keys))
         try:
             found = self._read(MULTI_GET, payload, timeout)
+        except SlotsBusy:
+            return None  # as _get's
         except BadMessage as err:
             if OVER_SLOT not in str(err) or len(keys) == 1:
                 raise
@@ -351,6 +360,8 @@ class RelayedChannel(ControlChannel):
                 self._within.deadline = None  # its own wait's bound (a slice): never cut short
                 try:
                     found = self._read(ALL_GATHER, payload, slice_)
+                except SlotsBusy:
+                    return None  # not asked this slice (the value still to give, if it was)
                 finally:
                     self._within.deadline = deadline
                 gives = False

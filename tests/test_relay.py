@@ -695,6 +695,44 @@ def test_a_collective_keeps_its_timeout_when_the_store_behind_the_relay_freezes(
             nodes.close()
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda ch: ch.broadcast("never", src=1, timeout=2), id="broadcast"),
+        pytest.param(lambda ch: ch.gather("never", b"v", dst=0, timeout=2), id="gather"),
+        pytest.param(lambda ch: ch.get("never", timeout=2), id="get"),
+    ],
+)
+def test_the_checks_between_a_waits_looks_end_by_its_deadline(tmp_path, call):
+    """A relayed rank's wait for a rank that never comes (timeout 2 s, the channel's 20 s),
+    whose looks the store answers, but whose departure check between them (a read of the
+    job's departures, passed through the relay) the store holds: the check ends by the
+    wait's deadline, so the call raises within its timeout and the slack, not the channel's
+    20 s (a barrier's and an all_gather's were bounded so already)."""
+    up = dp.connect(f"memory://relay-{free_port()}", rank=0, world_size=1, job="held~nodes", timeout=20)
+    relay = NodeRelay(up, tmp_path / "node", local_ranks=2, node_rank=0, nodes=1, job="held")
+    check, release = up._check, threading.Event()
+
+    def held(keys):
+        if any("__dp/departed" in k for k in keys):
+            release.wait(25)  # the store holding the read (until the test ends)
+        return check(keys)
+
+    up._check = held
+    try:
+        ch = dp.connect(f"relay://{relay.path}", rank=0, world_size=2, job="held", timeout=20)
+        start = time.monotonic()
+        with pytest.raises(dp.ControlError):
+            call(ch)
+        took = time.monotonic() - start
+        assert took < 2 + 0.5, f"took {took:.1f}s with timeout=2"
+        ch.close()
+    finally:
+        release.set()
+        relay.close()
+        up.close()
+
+
 def test_an_upstream_timeout_passes_through_as_itself(tmp_path):
     """An upstream call that answers with a ControlTimeout reaches the rank as that error,
     at once: only the relay's own silence is a closed channel."""

@@ -2261,7 +2261,7 @@ class TimeoutTests(ChannelHarness):
         t = 3.0
         _, ch = open_ranks(2, job="crowded", timeout=STEP_TIMEOUT)
         calls: dict[str, Callable[[], object]] = {
-            f"get {i}": (lambda i=i: ch.get(f"crowded/never{i}", timeout=t)) for i in range(8)
+            f"get {i}": partial(ch.get, f"crowded/never{i}", timeout=t) for i in range(8)
         }
         calls["all_gather"] = lambda: ch.all_gather("crowded/ag", b"x", timeout=t)
         calls["barrier"] = lambda: ch.barrier("crowded/b", timeout=t)

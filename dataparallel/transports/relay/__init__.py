@@ -20,7 +20,8 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from dataparallel.control.channel import ControlChannel, ReadUnanswered
 from dataparallel.control.collectives import Needs, _value
@@ -60,6 +61,9 @@ _SLACK = 0.25
 #: and never past this long after the barrier's deadline: a frozen relay's silence must not
 #: push the timeout past its promise (the deadline and half a second).
 _HINT_WITHIN, _HINT_BY = 0.3, 0.3
+
+
+T = TypeVar("T")
 
 
 def _key(key: str) -> bytes:
@@ -273,6 +277,40 @@ class RelayedChannel(ControlChannel):
         self._local.close()
 
     # ------------------------------------------------------------------ collectives
+    def _await_with(
+        self,
+        fetch: Callable[[float], T | None],
+        timeout: float | None,
+        what: str,
+        hint: Any = None,
+        needs: Needs | None = None,
+    ) -> T:
+        """As every channel's, with the calls the wait makes between its looks (its departure
+        check) bounded by its deadline, and those of its timeout's message by
+        :data:`_HINT_BY` past it, as a barrier's and an all_gather's are (they set the bound
+        themselves): a read the store holds then keeps the caller no longer than its timeout.
+        The looks keep their own slices' bounds."""
+        if getattr(self._within, "deadline", None) is not None:
+            return super()._await_with(fetch, timeout, what, hint, needs)
+        deadline = time.monotonic() + self._budget(timeout)
+
+        def look(slice_: float) -> T | None:
+            self._within.deadline = None
+            try:
+                return fetch(slice_)
+            finally:
+                self._within.deadline = deadline
+
+        def hinted() -> str:
+            self._within.deadline = deadline + _HINT_BY
+            return hint()
+
+        self._within.deadline = deadline
+        try:
+            return super()._await_with(look, timeout, what, hinted if hint else None, needs)
+        finally:
+            self._within.deadline = None
+
     def _raise_if_departed(self, needs: Needs, during: str) -> None:
         # A departure check the relay left unanswered within its slice is asked again at the
         # next one: a busy relay is no closed channel (a frozen one ends the barrier at its

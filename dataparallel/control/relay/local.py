@@ -959,11 +959,13 @@ class LocalClient:
             return outcome
         raise _error_from(outcome)
 
-    def call(self, op: int, payload: bytes, timeout: float, waiting: bool = False) -> bytes:
+    def call(self, op: int, payload: bytes, timeout: float, waiting: float | None = None) -> bytes:
         """Send ``op`` with ``payload`` and wait up to ``timeout`` seconds for the reply's bytes.
-        ``waiting``: the call may wait for long at the relay (a read that waits for its key);
+        ``waiting``: the call may wait this long at the relay (a read that waits for its key);
         such calls leave :data:`KEPT_FREE` slots to the others, so that reads waiting never
-        hold up a rank's writes or its liveness's reads.
+        hold up a rank's writes or its liveness's reads, and take theirs in the order they
+        came, within what their bound leaves beyond that wait (else :class:`SlotsBusy`: a
+        slot taken later would leave the relay too little time to answer).
         A handler's error is raised as its type (a :class:`dataparallel.errors` one by name);
         the relay gone or this client closed: ChannelClosed; no reply in time: ControlTimeout
         (the slot stays taken until the late reply comes, so it can never be misread as
@@ -973,7 +975,7 @@ class LocalClient:
             raise BadMessage(f"a request of {len(payload)} bytes; the relay's slots take {geo.slot_bytes}")
         deadline = time.monotonic() + timeout
         with self._using:
-            slot = self._take(deadline, waiting)
+            slot = self._take(deadline - (waiting or 0.0), waiting is not None)
             seq = self._seq[slot] + 1
             self._seq[slot] = seq
             at = geo.slot_at(slot)

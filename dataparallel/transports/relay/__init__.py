@@ -66,6 +66,11 @@ _HINT_WITHIN, _HINT_BY = 0.3, 0.3
 T = TypeVar("T")
 
 
+class _Crowded(ReadUnanswered):
+    """A read the rank's other calls left no slot for, for its whole bound: the relay was not
+    asked (not its silence)."""
+
+
 def _key(key: str) -> bytes:
     return key.encode("utf-8", errors="surrogatepass")
 
@@ -133,7 +138,7 @@ class RelayedChannel(ControlChannel):
         if closing is not None:
             bound = min(bound, closing)
         try:
-            return self._local.call(op, payload, timeout=bound, waiting=waits is not None)
+            return self._local.call(op, payload, timeout=bound, waiting=None if waits is None else min(waits, bound))
         except NoReply as err:
             if waits is not None:
                 raise
@@ -152,21 +157,18 @@ class RelayedChannel(ControlChannel):
 
     def _read(self, op: int, payload: bytes, timeout: float) -> list[bytes]:
         """A waiting read: the relay's silence past its bound is an unanswered read (the core
-        reads again while its wait lasts), never a timeout of the key's wait. SlotsBusy (the
-        rank's other threads held every slot it may use for the whole slice: the relay was
-        not asked) passes through, for the caller to take as a look that saw nothing."""
+        reads again while its wait lasts), never a timeout of the key's wait; so is a read
+        the rank's other calls left no slot for (:class:`_Crowded`), which a wait's look
+        takes as a look that saw nothing (:meth:`_await_with`)."""
         try:
             return unpack(self._call(op, payload, waits=timeout))
-        except SlotsBusy:
-            raise
+        except SlotsBusy as err:
+            raise _Crowded(f"node relay: {err}") from None
         except NoReply as err:
             raise ReadUnanswered(f"node relay: {err}") from None
 
     def _get(self, key: str, timeout: float) -> bytes | None:
-        try:
-            found = self._read(GET, pack(_key(key), struct.pack("<d", timeout)), timeout)
-        except SlotsBusy:
-            return None  # nothing seen this slice; the core's wait looks again while it lasts
+        found = self._read(GET, pack(_key(key), struct.pack("<d", timeout)), timeout)
         return found[0] if found else None
 
     def _add(self, key: str, amount: int) -> int:
@@ -191,8 +193,6 @@ class RelayedChannel(ControlChannel):
         payload = pack(struct.pack("<d", timeout), *(_key(k) for k in keys))
         try:
             found = self._read(MULTI_GET, payload, timeout)
-        except SlotsBusy:
-            return None  # as _get's
         except BadMessage as err:
             if OVER_SLOT not in str(err) or len(keys) == 1:
                 raise
@@ -289,7 +289,9 @@ class RelayedChannel(ControlChannel):
         check) bounded by its deadline, and those of its timeout's message by
         :data:`_HINT_BY` past it, as a barrier's and an all_gather's are (they set the bound
         themselves): a read the store holds then keeps the caller no longer than its timeout.
-        The looks keep their own slices' bounds."""
+        The looks keep their own slices' bounds; a look the rank's other calls left no slot
+        for saw nothing (the wait looks again while it lasts, and ends in a ControlTimeout as
+        a direct rank's does), where any other read takes it as unanswered."""
         if getattr(self._within, "deadline", None) is not None:
             return super()._await_with(fetch, timeout, what, hint, needs)
         deadline = time.monotonic() + self._budget(timeout)
@@ -298,6 +300,8 @@ class RelayedChannel(ControlChannel):
             self._within.deadline = None
             try:
                 return fetch(slice_)
+            except _Crowded:
+                return None
             finally:
                 self._within.deadline = deadline
 
@@ -398,7 +402,7 @@ class RelayedChannel(ControlChannel):
                 self._within.deadline = None  # its own wait's bound (a slice): never cut short
                 try:
                     found = self._read(ALL_GATHER, payload, slice_)
-                except SlotsBusy:
+                except _Crowded:
                     return None  # not asked this slice (the value still to give, if it was)
                 finally:
                     self._within.deadline = deadline

@@ -621,7 +621,8 @@ def test_every_call_through_a_relay_keeps_its_timeout_when_the_relay_freezes_or_
     in a process of its own (as a launcher hosts it) with a rank joined through it with
     ``timeout=T``; one relay frozen (SIGSTOP), one killed. Every blocking call on each rank,
     all started at that moment, returns or raises a ControlError within T plus the suite's
-    slack, and so does ``close`` after them."""
+    slack, and so does ``close`` after them; a wait for keys through the frozen relay ends in
+    ChannelClosed (nothing answered it), not a ControlTimeout."""
     from dataparallel.testing.conformance import TimeoutTests
 
     check = TimeoutTests()
@@ -652,6 +653,11 @@ def test_every_call_through_a_relay_keeps_its_timeout_when_the_relay_freezes_or_
         closes = {f"{c}: close": ch.close for c, ch in zip(conditions, channels, strict=True)}
         timings.update(check._time_all(closes, check.PROMISE))
         check._check_bounds(timings, "the node relay frozen or killed")
+        # Through a silent relay no key's absence was seen: a wait for keys ends closed (its
+        # reads unanswered), never timed out, as a direct rank's whose coordinator froze.
+        for name in ("get", "wait", "multi_get"):
+            err = timings[f"relay frozen: {name}"].err
+            assert isinstance(err, dp.ChannelClosed), f"relay frozen: {name}: {err!r}"
     finally:
         for h in hosts:
             h.send_signal(signal.SIGCONT)

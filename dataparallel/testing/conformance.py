@@ -2209,17 +2209,18 @@ class TimeoutTests(ChannelHarness):
                 stack.callback(_close_quietly, ch)
                 stack.callback(_resume, server.pid)  # resumed first on the way out, should the test fail
 
-                def freeze() -> None:
+                def freeze(resumed: list[float]) -> None:
                     time.sleep(0.3)  # every call in its wait
                     os.kill(server.pid, signal.SIGSTOP)
                     time.sleep(pause)
                     os.kill(server.pid, signal.SIGCONT)
+                    resumed.append(time.monotonic())
 
             else:
                 _, ch = open_ranks(2, job="paused", timeout=STEP_TIMEOUT)
 
-                def freeze() -> None:
-                    pass
+                def freeze(resumed: list[float]) -> None:
+                    resumed.append(time.monotonic())
 
             rounds: list[dict[str, Callable[[], object]]] = [
                 {
@@ -2238,10 +2239,20 @@ class TimeoutTests(ChannelHarness):
             ]
             limit = t + pause + self.slack(t)
             for calls in rounds:
-                pauser = threading.Thread(target=freeze, daemon=True)
-                pauser.start()
-                timings = self._time_all(calls, t)
-                pauser.join()
+                # A round counts once the pause ended well within the waits (a loaded machine
+                # can hold the pausing thread back until it covers their ends, which then
+                # rightly raise ChannelClosed): up to three tries.
+                for _ in range(3):
+                    resumed: list[float] = []
+                    pauser = threading.Thread(target=freeze, args=(resumed,), daemon=True)
+                    start = time.monotonic()
+                    pauser.start()
+                    timings = self._time_all(calls, t)
+                    pauser.join()
+                    if resumed and resumed[0] - start <= 0.3 + pause + 0.6:
+                        break
+                else:
+                    pytest.fail(f"the coordinator's pause did not end in time in three tries ({resumed})")
                 for name, timed in timings.items():
                     assert isinstance(timed.err, dp.ControlTimeout), (
                         f"{name}: {type(timed.err).__name__} after {timed.took:.2f}s, not a ControlTimeout: {timed.err}"
@@ -2254,10 +2265,12 @@ class TimeoutTests(ChannelHarness):
     @pytest.mark.timeout(60)
     def test_a_rank_waiting_in_many_threads_at_once_keeps_its_channel(self, open_ranks: OpenRanks) -> None:
         """One rank waits in ten things at once, on ten threads (eight keys, an all_gather, a
-        barrier), each for a rank that never comes: each ends with a ControlError within its
-        timeout and the slack, none saying its rank had no room for it, and the channel goes
-        on (a rank behind a node relay has a few slots for its calls in flight: those it could
-        not use ended an all_gather with ChannelClosed, which failed the whole channel)."""
+        barrier), each for a rank that never comes: each ends with a ControlTimeout within its
+        timeout and the slack, as it would alone (behind a relay, the load's exception
+        below), and the channel goes on (a rank behind a
+        node relay has a few slots for its calls in flight: a read that found none free was
+        taken for the relay's silence, and an all_gather ending on one raised ChannelClosed,
+        which failed the whole channel)."""
         t = 3.0
         _, ch = open_ranks(2, job="crowded", timeout=STEP_TIMEOUT)
         calls: dict[str, Callable[[], object]] = {
@@ -2268,8 +2281,10 @@ class TimeoutTests(ChannelHarness):
         timings = self._time_all(calls, t)
         limit = t + self.slack(t)
         for name, timed in timings.items():
-            assert timed.err is not None and _control_error(timed.err), f"{name}: {timed}"
-            assert "slot" not in str(timed.err), f"{name}: {timed.err}"
+            # Or, behind a relay too loaded to answer a wait's last look within the reply's
+            # grace (a quarter of a second), that look's own ChannelClosed, as before.
+            late = isinstance(timed.err, dp.ChannelClosed) and "reply from the node relay" in str(timed.err)
+            assert isinstance(timed.err, dp.ControlTimeout) or late, f"{name}: {timed}"
             assert timed.took - timed.starved <= limit, f"{name} (timeout={t:g}) took {timed}"
         assert ch.failure is None, f"the channel failed: {ch.failure}"
         ch.set("crowded/after", b"1")

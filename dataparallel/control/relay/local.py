@@ -804,9 +804,10 @@ class NoReply(ControlTimeout):
 
 
 class SlotsBusy(NoReply):
-    """The rank's other calls held every slot the call may use for its whole bound: nothing
-    was sent, and the relay's silence is not what this says (a rank's threads waiting in
-    more reads at once than it has slots)."""
+    """The rank's other calls in flight held every slot the call may use for its whole
+    bound: nothing was sent, and the relay's silence is not what this says (a rank's threads
+    waiting in more reads at once than it has slots). Where a slot is held by a call the relay
+    left unanswered, it is: :class:`NoReply`."""
 
 
 class LocalClient:
@@ -1088,9 +1089,14 @@ class LocalClient:
                         return self._free.pop()
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise SlotsBusy(
-                            f"a free slot of local rank {self.rank} (every slot busy)", time.monotonic() - start
-                        )
+                        waited = time.monotonic() - start
+                        if self._late:  # slots the relay left unanswered past their calls' bounds: its silence
+                            raise NoReply(
+                                f"a free slot of local rank {self.rank} ({len(self._late)} held by calls the "
+                                "node relay has not answered)",
+                                waited,
+                            )
+                        raise SlotsBusy(f"a free slot of local rank {self.rank} (every slot busy)", waited)
                     # A late reply rings no one: look again soon while a slot waits for one.
                     self._free_cv.wait(min(left, _RECLAIM_EVERY) if self._late else left)
             finally:

@@ -262,20 +262,22 @@ def unanswered_as_such(
     upstream: ControlChannel, read: Callable[[K, float], V | None]
 ) -> Callable[[K, float], V | None]:
     """``read``, an upstream waiting read, with a ChannelClosed the upstream gives for a read
-    its store left unanswered within its bound (the upstream itself not failed: a store
-    frozen or slow for a moment) raised as :class:`ReadUnanswered`, which the rank's wait
+    its store left unanswered within its bound (the upstream itself not failed, the read
+    waited: a store frozen or slow for a moment) raised as :class:`ReadUnanswered`, which the rank's wait
     reads again while its time lasts. A transport may give either (the hooks' contract);
     zmq's and grpc's give ChannelClosed. The rank's wait is in slices (its liveness is the
     relay's), so, passed on as such, a store that paused for a slice would end a rank's get
     or broadcast at once, where a direct rank's single wait rides the pause out."""
 
     def waiting(key: K, wait: float) -> V | None:
+        start = time.monotonic()
         try:
             return read(key, wait)
         except ReadUnanswered:
             raise
         except ChannelClosed as err:
-            if upstream.failure is not None or upstream._closed:
+            # Only a read that waited (most of) its time: one refused at once is no silence.
+            if upstream.failure is not None or upstream._closed or time.monotonic() - start < 0.75 * wait:
                 raise
             raise ReadUnanswered(f"the store left the node relay's read unanswered ({err})") from None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dataparallel.control.relay.local import Call, Geometry, LocalClient, LocalServer
+from dataparallel.control.relay.local import Call, Geometry, LocalClient, LocalServer, SlotsBusy
 from dataparallel.errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlTimeout, PeerLost
 
 ECHO, SLOW, FAIL, NEVER, BEAT = 1, 2, 3, 4, 5
@@ -170,11 +170,37 @@ def test_oversized_and_late_calls_fail_typed_and_never_cross(tmp_path):
                 client.call(NEVER, b"", timeout=0.5)
             assert time.monotonic() - start < 1.5
             # The one slot is still the unanswered call's: the next call waits for it, and the
-            # late answer never reads as the next call's.
-            with pytest.raises(ControlTimeout, match="every slot busy"):
+            # late answer never reads as the next call's. Its timeout is the relay's silence
+            # (a NoReply), not its rank's other calls' crowding (SlotsBusy).
+            with pytest.raises(ControlTimeout, match="held by calls the node relay has not answered") as info:
                 client.call(ECHO, b"next", timeout=0.3)
+            assert not isinstance(info.value, SlotsBusy)
             relay.calls[-1].reply(b"late")
             assert client.call(ECHO, b"next", timeout=5) == b"echo:next"
+    finally:
+        relay.close()
+
+
+def test_a_waiting_call_crowded_out_by_its_ranks_calls_in_flight_says_so(tmp_path):
+    """Two slots, one kept free of waiting calls, and one call in flight (its reply not yet
+    due): a waiting call finds no slot it may use and ends with SlotsBusy (nothing sent; the
+    relay's silence is not what it says) within what its bound leaves beyond its wait; a call
+    that does not wait takes the kept slot at once."""
+    relay = Relay(tmp_path / "r", geometry=Geometry(slots=2, slot_bytes=1024))
+    try:
+        with LocalClient(relay.server.path, 0) as client:
+            held: list[bytes] = []
+            busy = threading.Thread(target=lambda: held.append(client.call(NEVER, b"", timeout=3.0)))
+            busy.start()
+            time.sleep(0.2)
+            start = time.monotonic()
+            with pytest.raises(SlotsBusy, match="every slot busy"):
+                client.call(ECHO, b"w", timeout=0.5, waiting=0.3)
+            assert 0.15 <= time.monotonic() - start < 1.0
+            assert client.call(ECHO, b"now", timeout=5) == b"echo:now"
+            relay.calls[0].reply(b"answered")
+            busy.join(10)
+            assert held == [b"answered"]
     finally:
         relay.close()
 

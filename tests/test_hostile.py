@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -388,6 +389,15 @@ def _hello(attacker, job: str, world_size: int = 1, liveness_timeout: float = 30
     return reply.session
 
 
+def _adder(attacker, session: bytes) -> Callable[[int, str], pb.Reply]:
+    """``add(request_id, key)``: an add of 1 to ``key`` as request ``request_id`` of ``session``."""
+
+    def add(request_id: int, key: str) -> pb.Reply:
+        return attacker.call(pb.Request(id=request_id, session=session, add=pb.Add(key=key, amount=1)))
+
+    return add
+
+
 @pytest.mark.timeout(120)
 def test_a_replayed_request_is_never_applied_twice(served):
     """A request parked, then answered late, once made evicted ids below it acceptable again:
@@ -397,9 +407,7 @@ def test_a_replayed_request_is_never_applied_twice(served):
     attacker = attacker_for(scheme, url)
     try:
         session = _hello(attacker, "replay", liveness_timeout=0.5)
-
-        def add(request_id: int, key: str) -> pb.Reply:
-            return attacker.call(pb.Request(id=request_id, session=session, add=pb.Add(key=key, amount=1)))
+        add = _adder(attacker, session)
 
         attacker.send(pb.Request(id=100, session=session, get=pb.Get(key="missing", timeout=1.0)))
         assert add(200, "counter").number == 1
@@ -428,9 +436,7 @@ def test_a_resend_after_many_other_writes_of_its_session_gets_its_own_reply(serv
     attacker = attacker_for(scheme, url)
     try:
         session = _hello(attacker, "many", liveness_timeout=10.0)
-
-        def add(request_id: int, key: str) -> pb.Reply:
-            return attacker.call(pb.Request(id=request_id, session=session, add=pb.Add(key=key, amount=1)))
+        add = _adder(attacker, session)
 
         assert add(10, "counter").number == 1
         for request_id in range(11, 11 + 1000):  # the other callers' writes meanwhile

@@ -205,6 +205,60 @@ def test_a_waiting_call_crowded_out_by_its_ranks_calls_in_flight_says_so(tmp_pat
         relay.close()
 
 
+def test_a_call_that_found_no_slot_ends_early_enough_for_the_relays_answer_time(tmp_path):
+    """One slot, held by a call in flight: a call given ``answer`` seconds for the relay's
+    hop back stops waiting for a slot that long before its deadline (a slot taken later
+    would leave the relay too little time, and the call would end past its time: a
+    relayed append crowded out by its rank's other calls ended 0.34 s past its timeout)."""
+    relay = Relay(tmp_path / "r", geometry=Geometry(slots=1, slot_bytes=1024))
+    try:
+        with LocalClient(relay.server.path, 0) as client:
+            held: list[bytes] = []
+            busy = threading.Thread(target=lambda: held.append(client.call(NEVER, b"", timeout=5.0)))
+            busy.start()
+            time.sleep(0.2)
+            start = time.monotonic()
+            with pytest.raises(SlotsBusy, match="every slot busy"):
+                client.call(ECHO, b"w", timeout=1.2, answer=0.5)
+            took = time.monotonic() - start
+            assert 0.65 <= took < 1.0, took
+            relay.calls[0].reply(b"answered")
+            busy.join(10)
+            assert held == [b"answered"]
+            assert client.call(ECHO, b"now", timeout=5, answer=0.5) == b"echo:now"
+    finally:
+        relay.close()
+
+
+class _StoreGone(ChannelClosed):
+    """A transport's own kind of ChannelClosed (as tcpstore's for a call past its bound)."""
+
+
+def test_a_transports_own_error_reaches_the_rank_as_the_error_it_is_a_kind_of(relay):
+    """A call failed with a transport's private subclass of a dataparallel error is raised
+    at the rank as that error, with its text (the rank has no such class: it reached the
+    rank as a bare ControlError, and a relayed write to a store that did not answer was no
+    ChannelClosed)."""
+    with LocalClient(relay.server.path, 0) as client:
+        raised: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                client.call(NEVER, b"", timeout=10)
+            except BaseException as err:
+                raised.append(err)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        deadline = time.monotonic() + 10
+        while not relay.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        relay.calls[0].fail(_StoreGone("the store did not answer within 2.8s"))
+        caller.join(10)
+    assert len(raised) == 1 and type(raised[0]) is ChannelClosed, raised
+    assert str(raised[0]) == "the store did not answer within 2.8s"
+
+
 def test_a_killed_rank_is_noticed_at_once_and_its_slot_freed(relay):
     """By its process's end (a pidfd), not by its socket's: a child of the rank holds the
     socket open after the rank is killed."""

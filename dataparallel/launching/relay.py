@@ -15,6 +15,7 @@ launcher (:class:`RelayHost`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -47,10 +48,18 @@ class RelayHost:
         )
         self._launchers = self._join(f"{config.job}~launchers")
 
-    def _join(self, job: str) -> ControlChannel:
+    def _join(self, job: str, timeout: float | None = None) -> ControlChannel:
+        """The job's channel as this node, in ``job``, its calls bounded by ``timeout`` (default:
+        the job's)."""
         c = self.config
         return connect(
-            self.url, rank=c.node_rank, world_size=c.nodes, job=job, token=c.token, timeout=c.timeout, elastic=False
+            self.url,
+            rank=c.node_rank,
+            world_size=c.nodes,
+            job=job,
+            token=c.token,
+            timeout=c.timeout if timeout is None else timeout,
+            elastic=False,
         )
 
     def close(self) -> None:
@@ -66,9 +75,11 @@ class RelayHost:
     def attempt(self, job: str) -> Iterator[str]:
         """The node's relay for the workers' job ``job`` (:func:`hosted_relay`); yields the URL
         its workers connect to."""
+        from ..control.relay.node import upstream_timeout
+
         c = self.config
         with hosted_relay(
-            self._join,
+            functools.partial(self._join, timeout=upstream_timeout(c.timeout)),
             job,
             node_rank=c.node_rank,
             nodes=c.nodes,

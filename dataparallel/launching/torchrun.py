@@ -262,8 +262,15 @@ class NodeRelays:
         """The relay's channel: node ``self._node`` of ``self._nodes`` in ``job``, made as
         the handler's own is (not through dataparallel.connect, which would read the
         agent's whole environment)."""
+        from ..control.relay.node import upstream_timeout
+
         channel = self.cls(
-            self.url, rank=self._node, world_size=self._nodes, job=job, token=self.token, timeout=self.timeout
+            self.url,
+            rank=self._node,
+            world_size=self._nodes,
+            job=job,
+            token=self.token,
+            timeout=upstream_timeout(self.timeout),
         )
         try:
             if not channel.native_auth:

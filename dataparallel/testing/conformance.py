@@ -2043,27 +2043,42 @@ class TimeoutTests(ChannelHarness):
     @staticmethod
     def _time_all(calls: dict[str, Callable[[], object]], promise: float) -> dict[str, Timed]:
         """Run the calls at once, on threads; how long each took, what it raised, and how
-        long its thread waited for a CPU once ``promise`` seconds had passed (a timer looks
-        then: what it waited before delays no deadline)."""
+        long its thread waited for a CPU once ``promise`` seconds had passed (one timer looks
+        at every call's thread then: what it waited before delays no deadline; a timer a call
+        would be as many threads more, woken at the calls' deadline)."""
+        at_promise: dict[int, float] = {}  # a call's thread -> what it had waited by then
+        threads: list[int] = []
+        lock = threading.Lock()
+
+        def look() -> None:
+            with lock:
+                for thread in threads:
+                    at_promise[thread] = _waited_for_cpu(thread)
 
         def timed(call: Callable[[], object]) -> Timed:
             start, thread = time.monotonic(), threading.get_native_id()
-            at_promise: list[float] = []
-            timer = threading.Timer(promise, lambda: at_promise.append(_waited_for_cpu(thread)))
-            timer.daemon = True
-            timer.start()
+            with lock:
+                threads.append(thread)
             err: BaseException | None = None
             try:
                 call()
             except Exception as raised:
                 err = raised
             took = time.monotonic() - start
-            timer.cancel()
-            starved = _waited_for_cpu(thread) - at_promise[0] if at_promise else 0.0
+            with lock:
+                threads.remove(thread)  # not looked at once it returned (its id may be reused)
+                before = at_promise.get(thread)
+            starved = _waited_for_cpu(thread) - before if before is not None else 0.0
             return Timed(took, err, max(starved, 0.0))
 
-        names = list(calls)
-        return dict(zip(names, run_all([partial(timed, calls[n]) for n in names]), strict=True))
+        timer = threading.Timer(promise, look)
+        timer.daemon = True
+        timer.start()
+        try:
+            names = list(calls)
+            return dict(zip(names, run_all([partial(timed, calls[n]) for n in names]), strict=True))
+        finally:
+            timer.cancel()
 
     @pytest.mark.timeout(60)
     def test_a_connect_to_nothing_keeps_its_timeout(self, channel_url: str) -> None:

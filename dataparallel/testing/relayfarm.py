@@ -37,7 +37,7 @@ import dataparallel as dp
 from dataparallel import errors
 from dataparallel.control.channel import COMMON_OPTIONS
 from dataparallel.control.registry import ChannelURL, parse_url, register_transport, resolve, transport_class
-from dataparallel.control.relay.node import NodeRelay, nodes_job
+from dataparallel.control.relay.node import NodeRelay, nodes_job, upstream_timeout
 from dataparallel.errors import ConfigError, ControlError
 from dataparallel.transports.relay import RelayedChannel
 
@@ -280,7 +280,14 @@ class RelayFarm:
             if self._closed:
                 raise errors.ChannelClosed("the relay farm is closed")
             if entry.relay is None:
-                up = _joined(upstream, rank=node, world_size=nodes, job=nodes_job(job), token=token, timeout=timeout)
+                up = _joined(
+                    upstream,
+                    rank=node,
+                    world_size=nodes,
+                    job=nodes_job(job),
+                    token=token,
+                    timeout=upstream_timeout(timeout),
+                )
                 try:
                     relay = NodeRelay(
                         up,

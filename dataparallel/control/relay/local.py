@@ -960,13 +960,15 @@ class LocalClient:
             return outcome
         raise _error_from(outcome)
 
-    def call(self, op: int, payload: bytes, timeout: float, waiting: float | None = None) -> bytes:
+    def call(self, op: int, payload: bytes, timeout: float, waiting: float | None = None, answer: float = 0.0) -> bytes:
         """Send ``op`` with ``payload`` and wait up to ``timeout`` seconds for the reply's bytes.
         ``waiting``: the call may wait this long at the relay (a read that waits for its key);
         such calls leave :data:`KEPT_FREE` slots to the others, so that reads waiting never
         hold up a rank's writes or its liveness's reads, and take theirs in the order they
-        came, within what their bound leaves beyond that wait (else :class:`SlotsBusy`: a
-        slot taken later would leave the relay too little time to answer).
+        came. A call takes its slot within what its bound leaves beyond its wait, or beyond
+        ``answer`` (the time the relay is given to answer any call: its hop back), whichever
+        is longer (else :class:`SlotsBusy`: a slot taken later would leave the relay too
+        little time to answer, and the call would end past its time).
         A handler's error is raised as its type (a :class:`dataparallel.errors` one by name);
         the relay gone or this client closed: ChannelClosed; no reply in time: ControlTimeout
         (the slot stays taken until the late reply comes, so it can never be misread as
@@ -976,7 +978,7 @@ class LocalClient:
             raise BadMessage(f"a request of {len(payload)} bytes; the relay's slots take {geo.slot_bytes}")
         deadline = time.monotonic() + timeout
         with self._using:
-            slot = self._take(deadline - (waiting or 0.0), waiting is not None)
+            slot = self._take(deadline - max(waiting or 0.0, answer), waiting is not None)
             seq = self._seq[slot] + 1
             self._seq[slot] = seq
             at = geo.slot_at(slot)
@@ -1182,9 +1184,23 @@ def error_bytes(error: BaseException) -> bytes:
 
 def _error_text(error: BaseException) -> bytes:
     """An error as the rank will raise it: its type's name, its text and its plain fields
-    (a PeerLost's rank and last_seen, a ControlTimeout's what and waited)."""
+    (a PeerLost's rank and last_seen, a ControlTimeout's what and waited). A transport's own
+    subclass of an error travels as that error (the rank has no such class: a store's
+    private ChannelClosed would otherwise reach it as a bare ControlError)."""
     fields = {k: v for k, v in vars(error).items() if isinstance(v, str | int | float | bool | type(None))}
-    return json.dumps({"type": type(error).__name__, "message": str(error), "fields": fields}).encode()
+    return json.dumps({"type": _known_type(type(error)), "message": str(error), "fields": fields}).encode()
+
+
+def _known_type(kind: type) -> str:
+    """The name of ``kind`` or of the nearest of its bases a rank rebuilds (:func:`_error_from`):
+    a :mod:`dataparallel.errors` type, ReadUnanswered or ValueError."""
+    from ... import errors
+    from ..channel import ReadUnanswered
+
+    for base in kind.__mro__:
+        if base in (ReadUnanswered, ValueError) or getattr(errors, base.__name__, None) is base:
+            return base.__name__
+    return kind.__name__
 
 
 def _error_from(reply: bytes) -> Exception:

@@ -258,6 +258,14 @@ def upstream_wait(timeout: float) -> float:
     return max(timeout - min(READ_GRACE, timeout / 4), 1e-3)
 
 
+def upstream_timeout(timeout: float) -> float:
+    """The timeout a node relay's upstream channel is joined with, for a job whose ranks'
+    is ``timeout``: its calls end as its relayed reads do (:func:`upstream_wait`), a little
+    before the ranks' own, so that its answer (the upstream's error, where the store is gone
+    or frozen) reaches a rank within the rank's bound rather than its silence at the end of it."""
+    return upstream_wait(timeout)
+
+
 def unanswered_as_such(
     upstream: ControlChannel, read: Callable[[K, float], V | None]
 ) -> Callable[[K, float], V | None]:
@@ -521,7 +529,8 @@ class NodeRelay:
     ``node_rank * local_ranks``, of ``world_size``, by default ``nodes * local_ranks``: nodes
     of different sizes give both) through the local leg in ``directory``, speaking for them on
     ``upstream``, a channel joined as rank ``node_rank`` of ``nodes`` (see the module
-    docstring). ``on_gone(rank, how)``: told when a local rank's process ends or closes (its
+    docstring), with the timeout :func:`upstream_timeout` gives for the ranks' own (the
+    launchers' relays are). ``on_gone(rank, how)``: told when a local rank's process ends or closes (its
     job rank)."""
 
     def __init__(

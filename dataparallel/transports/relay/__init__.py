@@ -138,7 +138,13 @@ class RelayedChannel(ControlChannel):
         if closing is not None:
             bound = min(bound, closing)
         try:
-            return self._local.call(op, payload, timeout=bound, waiting=None if waits is None else min(waits, bound))
+            return self._local.call(
+                op,
+                payload,
+                timeout=bound,
+                waiting=None if waits is None else min(waits, bound),
+                answer=min(_SLACK, bound / 2),
+            )
         except NoReply as err:
             if waits is not None:
                 raise

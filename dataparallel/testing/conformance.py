@@ -2043,9 +2043,10 @@ class TimeoutTests(ChannelHarness):
     @staticmethod
     def _time_all(calls: dict[str, Callable[[], object]], promise: float) -> dict[str, Timed]:
         """Run the calls at once, on threads; how long each took, what it raised, and how
-        long its thread waited for a CPU once ``promise`` seconds had passed (one timer looks
-        at every call's thread then: what it waited before delays no deadline; a timer a call
-        would be as many threads more, woken at the calls' deadline)."""
+        long its thread waited for a CPU once ``promise`` seconds had passed (one timer,
+        started with the calls, which start within milliseconds of it, looks at every call's
+        thread then: what it waited before delays no deadline; a timer a call would be as
+        many threads more, woken at the calls' deadline)."""
         at_promise: dict[int, float] = {}  # a call's thread -> what it had waited by then
         threads: list[int] = []
         lock = threading.Lock()

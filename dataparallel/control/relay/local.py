@@ -1192,13 +1192,15 @@ def _error_text(error: BaseException) -> bytes:
 
 
 def _known_type(kind: type) -> str:
-    """The name of ``kind`` or of the nearest of its bases a rank rebuilds (:func:`_error_from`):
-    a :mod:`dataparallel.errors` type, ReadUnanswered or ValueError."""
+    """The name of ``kind`` or of the nearest of its bases a rank rebuilds as a ControlError
+    (:func:`_error_from`): a :mod:`dataparallel.errors` type or ReadUnanswered. Any other
+    error keeps its own name (a ValueError, ``_add``'s, is rebuilt as one; a subclass of it
+    reaches the rank as a ControlError naming it, as before)."""
     from ... import errors
     from ..channel import ReadUnanswered
 
     for base in kind.__mro__:
-        if base in (ReadUnanswered, ValueError) or getattr(errors, base.__name__, None) is base:
+        if base is ReadUnanswered or getattr(errors, base.__name__, None) is base:
             return base.__name__
     return kind.__name__
 

@@ -529,9 +529,9 @@ class NodeRelay:
     ``node_rank * local_ranks``, of ``world_size``, by default ``nodes * local_ranks``: nodes
     of different sizes give both) through the local leg in ``directory``, speaking for them on
     ``upstream``, a channel joined as rank ``node_rank`` of ``nodes`` (see the module
-    docstring), with the timeout :func:`upstream_timeout` gives for the ranks' own (the
-    launchers' relays are). ``on_gone(rank, how)``: told when a local rank's process ends or closes (its
-    job rank)."""
+    docstring), best with the timeout :func:`upstream_timeout` gives for the ranks' own (as
+    the launchers' relays and the test farm's are). ``on_gone(rank, how)``: told when a
+    local rank's process ends or closes (its job rank)."""
 
     def __init__(
         self,

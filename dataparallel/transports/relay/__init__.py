@@ -54,8 +54,9 @@ from dataparallel.control.relay.node import (
 from dataparallel.errors import BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout
 
 #: Seconds a call waits for the relay beyond what its own operation may take (the relay's
-#: upstream call is bounded by the same timeout): what a direct client's reply grace is, so a
-#: call through a frozen relay keeps the timeout's bound as a frozen coordinator's does.
+#: upstream call ends a little before: node.upstream_timeout, upstream_wait): what a direct
+#: client's reply grace is, so a call through a frozen relay keeps the timeout's bound as a
+#: frozen coordinator's does.
 _SLACK = 0.25
 #: A timed-out barrier's count (its message's) is asked of the relay for this long at most,
 #: and never past this long after the barrier's deadline: a frozen relay's silence must not

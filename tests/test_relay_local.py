@@ -3,6 +3,7 @@ ends, a real other user as the intruder, real kills and freezes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -189,28 +191,36 @@ def test_oversized_and_late_calls_fail_typed_and_never_cross(tmp_path):
         relay.close()
 
 
-def test_a_waiting_call_crowded_out_by_its_ranks_calls_in_flight_says_so(tmp_path):
-    """Two slots, one kept free of waiting calls, and one call in flight (its reply not yet
-    due): a waiting call finds no slot it may use and ends with SlotsBusy (nothing sent; the
-    relay's silence is not what it says) within what its bound leaves beyond its wait; a call
-    that does not wait takes the kept slot at once."""
-    relay = Relay(tmp_path / "r", geometry=Geometry(slots=2, slot_bytes=1024))
+@contextlib.contextmanager
+def _one_call_in_flight(tmp_path: Path, slots: int) -> Iterator[LocalClient]:
+    """Rank 0 of a relay whose ranks have ``slots`` slots, one of them held by a call in
+    flight (its reply not yet due: given, and checked, on the way out)."""
+    relay = Relay(tmp_path / "r", geometry=Geometry(slots=slots, slot_bytes=1024))
     try:
         with LocalClient(relay.server.path, 0) as client:
             held: list[bytes] = []
-            busy = threading.Thread(target=lambda: held.append(client.call(NEVER, b"", timeout=3.0)))
+            busy = threading.Thread(target=lambda: held.append(client.call(NEVER, b"", timeout=5.0)))
             busy.start()
             time.sleep(0.2)
-            start = time.monotonic()
-            with pytest.raises(SlotsBusy, match="every slot busy"):
-                client.call(ECHO, b"w", timeout=0.5, waiting=0.3)
-            assert 0.15 <= time.monotonic() - start < 1.0
-            assert client.call(ECHO, b"now", timeout=5) == b"echo:now"
+            yield client
             relay.calls[0].reply(b"answered")
             busy.join(10)
             assert held == [b"answered"]
     finally:
         relay.close()
+
+
+def test_a_waiting_call_crowded_out_by_its_ranks_calls_in_flight_says_so(tmp_path):
+    """Two slots, one kept free of waiting calls, and one call in flight: a waiting call
+    finds no slot it may use and ends with SlotsBusy (nothing sent; the relay's silence is
+    not what it says) within what its bound leaves beyond its wait; a call that does not
+    wait takes the kept slot at once."""
+    with _one_call_in_flight(tmp_path, slots=2) as client:
+        start = time.monotonic()
+        with pytest.raises(SlotsBusy, match="every slot busy"):
+            client.call(ECHO, b"w", timeout=0.5, waiting=0.3)
+        assert 0.15 <= time.monotonic() - start < 1.0
+        assert client.call(ECHO, b"now", timeout=5) == b"echo:now"
 
 
 def test_a_call_that_found_no_slot_ends_early_enough_for_the_relays_answer_time(tmp_path):
@@ -218,24 +228,12 @@ def test_a_call_that_found_no_slot_ends_early_enough_for_the_relays_answer_time(
     hop back stops waiting for a slot that long before its deadline (a slot taken later
     would leave the relay too little time, and the call would end past its time: a
     relayed append crowded out by its rank's other calls ended 0.34 s past its timeout)."""
-    relay = Relay(tmp_path / "r", geometry=Geometry(slots=1, slot_bytes=1024))
-    try:
-        with LocalClient(relay.server.path, 0) as client:
-            held: list[bytes] = []
-            busy = threading.Thread(target=lambda: held.append(client.call(NEVER, b"", timeout=5.0)))
-            busy.start()
-            time.sleep(0.2)
-            start = time.monotonic()
-            with pytest.raises(SlotsBusy, match="every slot busy"):
-                client.call(ECHO, b"w", timeout=1.2, answer=0.5)
-            took = time.monotonic() - start
-            assert 0.65 <= took < 1.15, took  # 1.2 s: the whole bound, as before
-            relay.calls[0].reply(b"answered")
-            busy.join(10)
-            assert held == [b"answered"]
-            assert client.call(ECHO, b"now", timeout=5, answer=0.5) == b"echo:now"
-    finally:
-        relay.close()
+    with _one_call_in_flight(tmp_path, slots=1) as client:
+        start = time.monotonic()
+        with pytest.raises(SlotsBusy, match="every slot busy"):
+            client.call(ECHO, b"w", timeout=1.2, answer=0.5)
+        took = time.monotonic() - start
+        assert 0.65 <= took < 1.15, took  # 1.2 s: the whole bound, as before
 
 
 class _StoreGone(ChannelClosed):
@@ -252,20 +250,13 @@ def test_a_transports_own_error_reaches_the_rank_as_the_error_it_is_a_kind_of(re
         for n, error in enumerate(
             [_StoreGone("the store did not answer within 2.8s"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad")]
         ):
-
-            def call() -> None:
-                try:
-                    client.call(NEVER, b"", timeout=10)
-                except BaseException as err:
-                    raised.append(err)
-
-            caller = threading.Thread(target=call)
-            caller.start()
+            caller, ended = waiting_call(client)
             deadline = time.monotonic() + 10
             while len(relay.calls) <= n and time.monotonic() < deadline:
                 time.sleep(0.01)
             relay.calls[n].fail(error)
             caller.join(10)
+            raised += ended
     assert len(raised) == 2 and type(raised[0]) is ChannelClosed, raised
     assert str(raised[0]) == "the store did not answer within 2.8s"
     # An error of no dataparallel kind (but _add's ValueError) is a ControlError naming it.

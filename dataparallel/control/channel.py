@@ -263,6 +263,7 @@ class ControlChannel(Collectives, abc.ABC):
         self._closed = False
         self._close_by: float | None = None  # when close() must be done, once it has begun
         self._close_lock = threading.Lock()
+        self._call_by = threading.local()  # a thread's collective's deadline (_by_deadline)
         self._broken: ControlError | None = None
         self._liveness: Liveness | None = None
         self._store: dist.Store | None = None

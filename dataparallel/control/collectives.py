@@ -17,9 +17,11 @@ Transports with collectives of their own see departures in their own way and ove
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Callable, Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,11 @@ _DEPARTURE = "__dp/departure/"
 #: Most (kind, name) rounds a departure record lists (the latest used); a collective whose
 #: name a partial record leaves out is waited for as before.
 MAX_RECORDED = 4096
+#: The least a collective's own store call is given at the collective's deadline (seconds):
+#: a write a barrier or a broadcast makes after its wait used its timeout (its count, an
+#: acknowledgement) still has the time a live store takes to answer, and the collective ends
+#: that much past its timeout at most, inside the half-second a call may overrun.
+CALL_FLOOR = 0.25
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,11 @@ class Collectives:
         _seq: dict[tuple[str, str], int]
         _seq_lock: threading.Lock
         _departed: dict[int, Departure]
+        _call_by: threading.local
 
+        def _left_to_close(self, at_least: float = 0.0) -> float | None: ...
         def _usable(self) -> None: ...
+        def _budget(self, timeout: float | None) -> float: ...
         def _next_seq(self, kind: str, name: str) -> int: ...
         def _scoped(self, key: str) -> str: ...
         def _set(self, key: str, value: bytes) -> None: ...
@@ -94,6 +104,31 @@ class Collectives:
             needs: Needs | None = None,
         ) -> list[bytes]: ...
 
+    @contextlib.contextmanager
+    def _by_deadline(self, seconds: float) -> Iterator[None]:
+        """The store calls this thread makes meanwhile (a collective's writes, reads and
+        departure checks) end by the deadline ``seconds`` from now, or by an earlier one a
+        caller already set (:meth:`_call_bound`): a collective keeps its own timeout, not the
+        channel's, whatever its calls wait for."""
+        outer = getattr(self._call_by, "deadline", None)
+        deadline = time.monotonic() + seconds
+        self._call_by.deadline = deadline if outer is None else min(outer, deadline)
+        try:
+            yield
+        finally:
+            self._call_by.deadline = outer
+
+    def _call_bound(self, bound: float, at_least: float = CALL_FLOOR) -> float:
+        """The seconds a transport gives one blocking store call whose own bound is
+        ``bound`` (the channel's timeout, or a read's wait): no more than what is left of the
+        collective this thread is in (but at least ``at_least``, :data:`CALL_FLOOR`), nor of
+        close's timeout once close has begun. A transport's hooks bound each call by it."""
+        deadline = getattr(self._call_by, "deadline", None)
+        if deadline is not None:
+            bound = min(bound, max(deadline - time.monotonic(), at_least))
+        closing = self._left_to_close(at_least=0.05)
+        return bound if closing is None else min(bound, closing)
+
     def rendezvous(self, timeout: float | None = None) -> None:
         """Block until all ``world_size`` ranks have connected.
 
@@ -107,6 +142,10 @@ class Collectives:
         Two round trips per rank (add, then get); reusable forever.
         """
         self._usable()
+        with self._by_deadline(self._budget(timeout)):
+            self._barrier(name, timeout)
+
+    def _barrier(self, name: str, timeout: float | None) -> None:
         seq = self._next_seq("barrier", name)
         base = self._scoped(f"{_C}barrier/{name}")
         arrived = self._add(f"{base}/count", 1)
@@ -142,6 +181,10 @@ class Collectives:
         """
         self._usable()
         self._check_rank(src, "src")
+        with self._by_deadline(self._budget(timeout)):
+            return self._broadcast(name, value, src, timeout)
+
+    def _broadcast(self, name: str, value: bytes | None, src: int, timeout: float | None) -> bytes:
         seq = self._next_seq("bcast", name)
         base = self._scoped(f"{_C}bcast/{name}/{seq}")
         if self.rank == src:
@@ -165,6 +208,10 @@ class Collectives:
         """
         self._usable()
         self._check_rank(dst, "dst")
+        with self._by_deadline(self._budget(timeout)):
+            return self._gather(name, value, dst, timeout)
+
+    def _gather(self, name: str, value: bytes, dst: int, timeout: float | None) -> list[bytes] | None:
         seq = self._next_seq("gather", name)
         base = self._scoped(f"{_C}gather/{name}/{seq}")
         if self.rank != dst:
@@ -180,6 +227,10 @@ class Collectives:
     def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
         self._usable()
+        with self._by_deadline(self._budget(timeout)):
+            return self._all_gather(name, value, timeout)
+
+    def _all_gather(self, name: str, value: bytes, timeout: float | None) -> list[bytes]:
         seq = self._next_seq("allgather", name)
         base = self._scoped(f"{_C}allgather/{name}/{seq}")
         self._set(f"{base}/{self.rank}", _value(value))

@@ -2298,6 +2298,60 @@ class TimeoutTests(ChannelHarness):
             ch.set("paused/after", b"1")
             assert ch.get("paused/after", timeout=STEP_TIMEOUT) == b"1"
 
+    @pytest.mark.timeout(90)
+    def test_a_collective_cut_short_by_a_coordinator_paused_past_its_timeout_leaves_the_channel_usable(
+        self, channel_url: str, open_ranks: OpenRanks
+    ) -> None:
+        """A coordinator (or store) frozen (SIGSTOP) past the timeout of the collectives a rank
+        is in, well within the liveness timeout, the channel's own timeout much longer than
+        theirs: a barrier, an all_gather, a broadcast and a gather that wait for a rank that
+        never comes, a broadcast from this rank and a gather to another, which only write.
+        Each ends within its own timeout and the slack, not the channel's, with a
+        ControlTimeout or a ChannelClosed (the store did not answer in time; a write may or may
+        not have landed). The channel is not failed by it: once the coordinator runs again, the
+        rank's writes, reads and collectives go on. (A TCPStore rank's barrier(timeout=1) took
+        15 s: its count's add had the channel's 60 s, and ended at the liveness timeout.)
+        Where nothing can be frozen, the same calls without the pause (and where the frozen
+        process is a peer, not the store, the writes land)."""
+        t = 1.0
+        with contextlib.ExitStack() as stack:
+            if self.cross_process:
+                server = stack.enter_context(self.silenceable_server(channel_url))
+                job = getattr(server, "job", "cut-short")
+                ch = dp.connect(server.url, rank=1, world_size=2, job=job, timeout=STEP_TIMEOUT)
+                stack.callback(_close_quietly, ch)
+                stack.callback(_resume, server.pid)  # resumed first on the way out, should the test fail
+                ch.set("cut/before", b"1")  # the session is open, and the store answered once
+                os.kill(server.pid, signal.SIGSTOP)
+            else:
+                _, ch = open_ranks(2, job="cut-short", timeout=STEP_TIMEOUT)
+            calls: dict[str, Callable[[], object]] = {
+                "barrier": lambda: ch.barrier("cut/b", timeout=t),
+                "all_gather": lambda: ch.all_gather("cut/ag", b"x", timeout=t),
+                "broadcast": lambda: ch.broadcast("cut/bc", src=0, timeout=t),
+                "gather": lambda: ch.gather("cut/g", b"x", dst=1, timeout=t),
+            }
+            writes: dict[str, Callable[[], object]] = {
+                "broadcast from this rank": lambda: ch.broadcast("cut/mine", b"v", src=1, timeout=t),
+                "gather to another rank": lambda: ch.gather("cut/theirs", b"x", dst=0, timeout=t),
+            }
+            timings = self._time_all({**calls, **writes}, t)
+            if self.cross_process:
+                _resume(server.pid)
+            for name, timed in timings.items():
+                if name in writes and timed.err is None:  # a store the pause left running (a peer frozen)
+                    continue
+                assert isinstance(timed.err, (dp.ControlTimeout, dp.ChannelClosed)), (
+                    f"{name}: {type(timed.err).__name__} after {timed.took:.2f}s: {timed.err}"
+                )
+                assert timed.took - timed.starved <= t + self.slack(t), f"{name} (timeout={t:g}) took {timed}"
+            assert ch.failure is None, f"the channel failed when its collectives ran out of time: {ch.failure!r}"
+            ch.set("cut/after", b"1")
+            assert ch.get("cut/after", timeout=STEP_TIMEOUT) == b"1"
+            with pytest.raises(dp.ControlTimeout):
+                ch.barrier("cut/again", timeout=t)
+            assert ch.failure is None, f"the channel failed after the coordinator ran again: {ch.failure!r}"
+
     @pytest.mark.timeout(60)
     def test_a_rank_waiting_in_many_threads_at_once_keeps_its_channel(self, open_ranks: OpenRanks) -> None:
         """One rank waits in ten things at once, on ten threads (eight keys, an all_gather, a

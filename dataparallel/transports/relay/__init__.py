@@ -135,9 +135,11 @@ class RelayedChannel(ControlChannel):
         within = getattr(self._within, "deadline", None)
         if within is not None:  # a call a barrier's wait makes (its departure check): within the barrier's bound
             bound = min(bound, max(within - time.monotonic(), 0.05))
-        closing = self._left_to_close(at_least=0.05)
-        if closing is not None:
-            bound = min(bound, closing)
+        if waits is None:  # within the core's collective this call is part of (a waiting read's wait is)
+            bound = self._call_bound(bound)
+        else:
+            closing = self._left_to_close(at_least=0.05)
+            bound = bound if closing is None else min(bound, closing)
         try:
             return self._local.call(
                 op,

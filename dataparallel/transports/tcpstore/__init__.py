@@ -304,9 +304,8 @@ class TCPStoreChannel(ControlChannel):
         connection, retries and the answer included; past that, ChannelClosed. ``grace`` more
         seconds are given to the answer alone (not to a connection): a wait's expiry, which
         the store sends at the wait's end."""
-        bound = self.timeout if within is None else within
-        closing = self._left_to_close(at_least=0.05)  # the departure, within close's timeout
-        bound = bound if closing is None else min(bound, closing)
+        # Within what is left of the collective this call is part of, and of close's timeout.
+        bound = self._call_bound(self.timeout if within is None else within)
         start = time.monotonic()
         deadline = start + min(self.liveness_timeout, bound)
         while True:
@@ -424,7 +423,7 @@ class TCPStoreChannel(ControlChannel):
             # TCPStore's server hangs up on an add to a value that is not a number: say so
             # (looked at within what is left of the add's timeout).
             try:
-                current = self._read(full, max(start + self.timeout - time.monotonic(), 0.0))
+                current = self._read(full, max(start + self._call_bound(self.timeout) - time.monotonic(), 0.0))
             except ControlError:
                 raise err from None
             if current is not None and not current.lstrip(b"-").isdigit():

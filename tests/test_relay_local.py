@@ -613,6 +613,31 @@ def test_closing_a_client_ends_its_calls_in_flight(relay):
         client.call(ECHO, b"after", timeout=5)
 
 
+def test_closing_a_client_waits_for_a_use_that_does_not_notice_no_longer_than_its_timeout(relay, caplog):
+    """A thread using the client's descriptors between waits (it sees the close only at its
+    next one) holds close() back at most close's own timeout (a relayed channel's close
+    passes what is left of its own); the descriptors are then left open, not closed under it."""
+    client = LocalClient(relay.server.path, 0)
+    inside, leave = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with client._using:
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    assert inside.wait(5)
+    start = time.monotonic()
+    client.close(timeout=0.3)
+    took = time.monotonic() - start
+    leave.set()
+    t.join(timeout=5)
+    assert 0.25 <= took < 1.5, f"close(timeout=0.3) took {took:.2f}s"
+    assert "still in flight at close" in caplog.text
+    os.fstat(client._doorbell)  # left open for the use that had not ended
+
+
 def test_a_long_name_of_many_bytes_per_character_crosses_whole(tmp_path):
     seen: list[bytes | None] = []
 

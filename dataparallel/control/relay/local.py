@@ -1011,9 +1011,10 @@ class LocalClient:
             return reply
         raise _error_from(reply)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Close: calls in flight raise ChannelClosed; the descriptors are released once they
-        have (a descriptor closed under a waiting thread could be another file's by then)."""
+        have, within ``timeout`` seconds (a descriptor closed under a waiting thread could be
+        another file's by then: past it, they stay open)."""
         with self._free_cv:
             if self._closed:
                 return
@@ -1024,7 +1025,7 @@ class LocalClient:
             pass
         with self._free_cv:
             self._free_cv.notify_all()
-            deadline = time.monotonic() + 5.0
+            deadline = time.monotonic() + timeout
             while self._in_flight and time.monotonic() < deadline:
                 self._free_cv.wait(0.05)
             if self._in_flight:

@@ -283,7 +283,7 @@ class RelayedChannel(ControlChannel):
     def _close(self) -> None:
         if self._broken is None:
             self._unwatch()
-        self._local.close()
+        self._local.close(self._left_to_close(at_least=0.05) or 5.0)  # within close's timeout
 
     # ------------------------------------------------------------------ collectives
     def _await_with(

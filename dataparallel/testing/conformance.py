@@ -2224,6 +2224,18 @@ class TimeoutTests(ChannelHarness):
             timings.update(self._time_all(closes, self.PROMISE))
         self._check_bounds(timings, "coordinator frozen, killed or dark")
 
+    def _rank_beside_a_silenceable_server(
+        self, stack: contextlib.ExitStack, channel_url: str, job: str
+    ) -> tuple[SilencedServer, dp.ControlChannel]:
+        """A :meth:`silenceable_server` and rank 1 of 2 of its job (``job`` where the server
+        names none) with the step timeout, closed and the server resumed on ``stack``'s exit
+        (resumed first, should the test fail with it frozen)."""
+        server = stack.enter_context(self.silenceable_server(channel_url))
+        ch = dp.connect(server.url, rank=1, world_size=2, job=getattr(server, "job", job), timeout=STEP_TIMEOUT)
+        stack.callback(_close_quietly, ch)
+        stack.callback(_resume, server.pid)
+        return server, ch
+
     @pytest.mark.timeout(90)
     def test_a_wait_rides_out_a_coordinator_paused_for_a_moment(self, channel_url: str, open_ranks: OpenRanks) -> None:
         """A coordinator (or store) frozen (SIGSTOP) for about a second, well within the
@@ -2239,11 +2251,7 @@ class TimeoutTests(ChannelHarness):
         t, pause = 3.0, 1.2
         with contextlib.ExitStack() as stack:
             if self.cross_process:
-                server = stack.enter_context(self.silenceable_server(channel_url))
-                job = getattr(server, "job", "paused")
-                ch = dp.connect(server.url, rank=1, world_size=2, job=job, timeout=STEP_TIMEOUT)
-                stack.callback(_close_quietly, ch)
-                stack.callback(_resume, server.pid)  # resumed first on the way out, should the test fail
+                server, ch = self._rank_beside_a_silenceable_server(stack, channel_url, "paused")
 
                 def freeze(resumed: list[float]) -> None:
                     time.sleep(0.3)  # every call in its wait
@@ -2316,11 +2324,7 @@ class TimeoutTests(ChannelHarness):
         t = 1.0
         with contextlib.ExitStack() as stack:
             if self.cross_process:
-                server = stack.enter_context(self.silenceable_server(channel_url))
-                job = getattr(server, "job", "cut-short")
-                ch = dp.connect(server.url, rank=1, world_size=2, job=job, timeout=STEP_TIMEOUT)
-                stack.callback(_close_quietly, ch)
-                stack.callback(_resume, server.pid)  # resumed first on the way out, should the test fail
+                server, ch = self._rank_beside_a_silenceable_server(stack, channel_url, "cut-short")
                 ch.set("cut/before", b"1")  # the session is open, and the store answered once
                 os.kill(server.pid, signal.SIGSTOP)
             else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -27,17 +28,19 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ControlError, PeerLeft
 
+log = logging.getLogger(__name__)
+
 _C = "__dp/c/"
 _DEPARTED = "__dp/departed"
 _DEPARTURE = "__dp/departure/"
 #: Most (kind, name) rounds a departure record lists (the latest used); a collective whose
 #: name a partial record leaves out is waited for as before.
 MAX_RECORDED = 4096
-#: The least a collective's own store call is given at the collective's deadline (seconds):
-#: a write a barrier or a broadcast makes after its wait used its timeout (its count, an
-#: acknowledgement) still has the time a live store takes to answer, and the collective ends
-#: that much past its timeout at most, inside the half-second a call may overrun.
-CALL_FLOOR = 0.25
+#: Seconds past a collective's deadline its store calls may still take, all of them together
+#: (a write a barrier or a broadcast makes after its wait used its timeout: its count, an
+#: acknowledgement): the time a live store takes to answer, well inside the half-second a
+#: call may overrun its timeout.
+CALL_GRACE = 0.25
 
 
 @dataclass(frozen=True)
@@ -105,29 +108,46 @@ class Collectives:
         ) -> list[bytes]: ...
 
     @contextlib.contextmanager
-    def _by_deadline(self, seconds: float) -> Iterator[None]:
-        """The store calls this thread makes meanwhile (a collective's writes, reads and
-        departure checks) end by the deadline ``seconds`` from now, or by an earlier one a
-        caller already set (:meth:`_call_bound`): a collective keeps its own timeout, not the
-        channel's, whatever its calls wait for."""
-        outer = getattr(self._call_by, "deadline", None)
+    def _by_deadline(self, seconds: float) -> Iterator[float]:
+        """The deadline ``seconds`` from now (``time.monotonic()``), for a collective's waits;
+        the store calls this thread makes meanwhile (its writes, reads and departure checks)
+        end by it and :data:`CALL_GRACE`, or by an earlier end a caller already set
+        (:meth:`_call_bound`): a collective keeps its own timeout, not the channel's,
+        whatever its calls wait for."""
+        outer = getattr(self._call_by, "end", None)
         deadline = time.monotonic() + seconds
-        self._call_by.deadline = deadline if outer is None else min(outer, deadline)
+        end = deadline + CALL_GRACE
+        self._call_by.end = end if outer is None else min(outer, end)
         try:
-            yield
+            yield deadline
         finally:
-            self._call_by.deadline = outer
+            self._call_by.end = outer
 
-    def _call_bound(self, bound: float, at_least: float = CALL_FLOOR) -> float:
+    def _call_bound(self, bound: float) -> float:
         """The seconds a transport gives one blocking store call whose own bound is
         ``bound`` (the channel's timeout, or a read's wait): no more than what is left of the
-        collective this thread is in (but at least ``at_least``, :data:`CALL_FLOOR`), nor of
-        close's timeout once close has begun. A transport's hooks bound each call by it."""
-        deadline = getattr(self._call_by, "deadline", None)
-        if deadline is not None:
-            bound = min(bound, max(deadline - time.monotonic(), at_least))
+        collective this thread is in (its timeout and :data:`CALL_GRACE`), nor of close's
+        timeout once close has begun. A transport's hooks bound each blocking call by it."""
+        end = getattr(self._call_by, "end", None)
+        if end is not None:
+            bound = min(bound, max(end - time.monotonic(), 0.01))
         closing = self._left_to_close(at_least=0.05)
         return bound if closing is None else min(bound, closing)
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        """What is left of ``deadline`` for a collective's wait (a wait at its deadline still
+        looks once)."""
+        return max(deadline - time.monotonic(), 1e-3)
+
+    def _tidy(self, what: str, clean: Callable[[], object]) -> None:
+        """A collective's clean-up once its result is in hand (a count of readers, its keys
+        deleted): a store that does not answer it in time leaves the keys behind (the run's
+        own, gone with it) rather than fail a collective that completed."""
+        try:
+            clean()
+        except ControlError as err:
+            log.debug("%s: clean-up left undone: %s", what, err)
 
     def rendezvous(self, timeout: float | None = None) -> None:
         """Block until all ``world_size`` ranks have connected.
@@ -142,10 +162,10 @@ class Collectives:
         Two round trips per rank (add, then get); reusable forever.
         """
         self._usable()
-        with self._by_deadline(self._budget(timeout)):
-            self._barrier(name, timeout)
+        with self._by_deadline(self._budget(timeout)) as deadline:
+            self._barrier(name, deadline)
 
-    def _barrier(self, name: str, timeout: float | None) -> None:
+    def _barrier(self, name: str, deadline: float) -> None:
         seq = self._next_seq("barrier", name)
         base = self._scoped(f"{_C}barrier/{name}")
         arrived = self._add(f"{base}/count", 1)
@@ -166,7 +186,8 @@ class Collectives:
             return f"{min(now, self.world_size)}/{self.world_size} ranks had arrived"
 
         what = f"barrier {name!r} round {round_}"
-        self._await(done, timeout, what, progress, Needs("barrier", name, seq, range(self.world_size), what))
+        needs = Needs("barrier", name, seq, range(self.world_size), what)
+        self._await(done, self._left(deadline), what, progress, needs)
 
     def broadcast(
         self,
@@ -181,10 +202,10 @@ class Collectives:
         """
         self._usable()
         self._check_rank(src, "src")
-        with self._by_deadline(self._budget(timeout)):
-            return self._broadcast(name, value, src, timeout)
+        with self._by_deadline(self._budget(timeout)) as deadline:
+            return self._broadcast(name, value, src, deadline)
 
-    def _broadcast(self, name: str, value: bytes | None, src: int, timeout: float | None) -> bytes:
+    def _broadcast(self, name: str, value: bytes | None, src: int, deadline: float) -> bytes:
         seq = self._next_seq("bcast", name)
         base = self._scoped(f"{_C}bcast/{name}/{seq}")
         if self.rank == src:
@@ -195,10 +216,14 @@ class Collectives:
             return bytes(value)
         what = f"broadcast {name!r} from rank {src}"
         got = self._await(
-            f"{base}/value", timeout, what, needs=Needs("bcast", name, seq, (src,), f"{what} round {seq}")
+            f"{base}/value", self._left(deadline), what, needs=Needs("bcast", name, seq, (src,), f"{what} round {seq}")
         )
-        if self._add(f"{base}/acks", 1) == self.world_size - 1:
-            self._delete_many([f"{base}/value", f"{base}/acks"])
+
+        def acknowledge() -> None:
+            if self._add(f"{base}/acks", 1) == self.world_size - 1:
+                self._delete_many([f"{base}/value", f"{base}/acks"])
+
+        self._tidy(what, acknowledge)
         return got
 
     def gather(self, name: str, value: bytes, dst: int = 0, timeout: float | None = None) -> list[bytes] | None:
@@ -208,35 +233,39 @@ class Collectives:
         """
         self._usable()
         self._check_rank(dst, "dst")
-        with self._by_deadline(self._budget(timeout)):
-            return self._gather(name, value, dst, timeout)
+        with self._by_deadline(self._budget(timeout)) as deadline:
+            return self._gather(name, value, dst, deadline)
 
-    def _gather(self, name: str, value: bytes, dst: int, timeout: float | None) -> list[bytes] | None:
+    def _gather(self, name: str, value: bytes, dst: int, deadline: float) -> list[bytes] | None:
         seq = self._next_seq("gather", name)
         base = self._scoped(f"{_C}gather/{name}/{seq}")
         if self.rank != dst:
             self._set(f"{base}/{self.rank}", _value(value))
             return None
         others = [rank for rank in range(self.world_size) if rank != dst]
-        got = self._await_values(base, others, "gather", name, seq, timeout) if others else []
+        got = self._await_values(base, others, "gather", name, seq, self._left(deadline)) if others else []
         if others:
-            self._delete_many([f"{base}/{rank}" for rank in others])
+            self._tidy(f"gather {name!r} round {seq}", lambda: self._delete_many([f"{base}/{rank}" for rank in others]))
         got.insert(dst, _value(value))
         return got
 
     def all_gather(self, name: str, value: bytes, timeout: float | None = None) -> list[bytes]:
         """Every rank's ``value`` on every rank, as a list indexed by rank."""
         self._usable()
-        with self._by_deadline(self._budget(timeout)):
-            return self._all_gather(name, value, timeout)
+        with self._by_deadline(self._budget(timeout)) as deadline:
+            return self._all_gather(name, value, deadline)
 
-    def _all_gather(self, name: str, value: bytes, timeout: float | None) -> list[bytes]:
+    def _all_gather(self, name: str, value: bytes, deadline: float) -> list[bytes]:
         seq = self._next_seq("allgather", name)
         base = self._scoped(f"{_C}allgather/{name}/{seq}")
         self._set(f"{base}/{self.rank}", _value(value))
-        out = self._await_values(base, range(self.world_size), "allgather", name, seq, timeout)
-        if self._add(f"{base}/read", 1) == self.world_size:
-            self._delete_many([*(f"{base}/{rank}" for rank in range(self.world_size)), f"{base}/read"])
+        out = self._await_values(base, range(self.world_size), "allgather", name, seq, self._left(deadline))
+
+        def read() -> None:
+            if self._add(f"{base}/read", 1) == self.world_size:
+                self._delete_many([*(f"{base}/{rank}" for rank in range(self.world_size)), f"{base}/read"])
+
+        self._tidy(f"all_gather {name!r} round {seq}", read)
         return out
 
     def _await_values(

@@ -138,17 +138,22 @@ def _most_waited_for_cpu(since: dict[int, float]) -> float:
     return max((now[t] - before for t, before in since.items() if t in now), default=0.0)
 
 
-def run_all(fns: Sequence[Callable[[], T]], timeout: float = STEP_TIMEOUT) -> list[T]:
-    """Run callables concurrently on threads; return their results, re-raise the first error.
+def run_all(
+    fns: Sequence[Callable[[], T]], timeout: float = STEP_TIMEOUT, pool: ThreadPoolExecutor | None = None
+) -> list[T]:
+    """Run callables concurrently on threads (new ones, or ``pool``'s, which has as many
+    idle as there are calls); return their results, re-raise the first error.
     Calls still running when an error (a timeout, pytest-timeout's alarm) is raised are not
     waited for: they may be waiting on what the caller's clean-up ends (a frozen server it
     resumes, a channel it closes)."""
-    pool = ThreadPoolExecutor(max_workers=max(len(fns), 1))
+    own = pool is None
+    runner = ThreadPoolExecutor(max_workers=max(len(fns), 1)) if pool is None else pool
     try:
-        futures = [pool.submit(fn) for fn in fns]
+        futures = [runner.submit(fn) for fn in fns]
         return [f.result(timeout=timeout) for f in futures]
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if own:
+            runner.shutdown(wait=False, cancel_futures=True)
 
 
 def close_all(channels: Sequence[dp.ControlChannel]) -> None:
@@ -2059,8 +2064,10 @@ class TimeoutTests(ChannelHarness):
                 raise AssertionError(f"{where}: {name} raised {type(err).__name__}, not a ControlError: {err}") from err
 
     @staticmethod
-    def _time_all(calls: dict[str, Callable[[], object]], promise: float) -> dict[str, Timed]:
-        """Run the calls at once, on threads; how long each took, what it raised, and how
+    def _time_all(
+        calls: dict[str, Callable[[], object]], promise: float, pool: ThreadPoolExecutor | None = None
+    ) -> dict[str, Timed]:
+        """Run the calls at once, on threads (new ones, or ``pool``'s); how long each took, what it raised, and how
         long its thread waited for a CPU once ``promise`` seconds had passed (one timer,
         started with the calls, which start within milliseconds of it, looks at every call's
         thread then: what it waited before delays no deadline; a timer a call would be as
@@ -2097,7 +2104,7 @@ class TimeoutTests(ChannelHarness):
         timer.start()
         try:
             names = list(calls)
-            return dict(zip(names, run_all([partial(timed, calls[n]) for n in names]), strict=True))
+            return dict(zip(names, run_all([partial(timed, calls[n]) for n in names], pool=pool), strict=True))
         finally:
             timer.cancel()
 
@@ -2313,7 +2320,8 @@ class TimeoutTests(ChannelHarness):
         """A coordinator (or store) frozen (SIGSTOP) past the timeout of the collectives a rank
         is in, well within the liveness timeout, the channel's own timeout much longer than
         theirs: a barrier, an all_gather, a broadcast and a gather that wait for a rank that
-        never comes, a broadcast from this rank and a gather to another, which only write.
+        never comes, a broadcast from this rank and a gather to another, which only write;
+        each on a thread that used the channel before the pause (its own connection open).
         Each ends within its own timeout and the slack, not the channel's, with a
         ControlTimeout or a ChannelClosed (the store did not answer in time; a write may or may
         not have landed). The channel is not failed by it: once the coordinator runs again, the
@@ -2325,8 +2333,6 @@ class TimeoutTests(ChannelHarness):
         with contextlib.ExitStack() as stack:
             if self.cross_process:
                 server, ch = self._rank_beside_a_silenceable_server(stack, channel_url, "cut-short")
-                ch.set("cut/before", b"1")  # the session is open, and the store answered once
-                os.kill(server.pid, signal.SIGSTOP)
             else:
                 _, ch = open_ranks(2, job="cut-short", timeout=STEP_TIMEOUT)
             calls: dict[str, Callable[[], object]] = {
@@ -2339,7 +2345,21 @@ class TimeoutTests(ChannelHarness):
                 "broadcast from this rank": lambda: ch.broadcast("cut/mine", b"v", src=1, timeout=t),
                 "gather to another rank": lambda: ch.gather("cut/theirs", b"x", dst=0, timeout=t),
             }
-            timings = self._time_all({**calls, **writes}, t)
+            # The calls run on threads that used the channel before the pause (a transport's
+            # connection of each thread's own is open: its calls, not its connecting, meet it).
+            n = len(calls) + len(writes)
+            pool = ThreadPoolExecutor(max_workers=n)
+            stack.callback(pool.shutdown, wait=False, cancel_futures=True)  # not waiting on a frozen server
+            gate = threading.Barrier(n)
+
+            def use(i: int) -> None:
+                ch.set(f"cut/before/{i}", b"1")
+                gate.wait(STEP_TIMEOUT)  # every thread of the pool takes one
+
+            list(pool.map(use, range(n)))
+            if self.cross_process:
+                os.kill(server.pid, signal.SIGSTOP)
+            timings = self._time_all({**calls, **writes}, t, pool=pool)
             if self.cross_process:
                 _resume(server.pid)
             for name, timed in timings.items():

@@ -798,6 +798,14 @@ class LocalServer:
                 log.exception("relay: on_gone failed for local rank %d", member.rank)
 
 
+def _relay_gone(message: str) -> ChannelClosed:
+    """The relay's end, as a rank sees it (its socket closed or its eventfds gone): fatal to
+    the rank's channel, as its coordinator's end is to a directly connected rank's."""
+    error = ChannelClosed(message)
+    error.fatal = True  # type: ignore[attr-defined]
+    return error
+
+
 class NoReply(ControlTimeout):
     """The node relay did not answer a call within its bound (it is frozen or cut off), as
     opposed to an answer that is itself a timeout (an upstream call's, passed back)."""
@@ -938,7 +946,7 @@ class LocalClient:
                 except BlockingIOError:  # no token left: the last, who rings
                     _eventfd_ring(self._arrivals)
             except OSError as err:
-                raise ChannelClosed(f"node relay gone: {err}") from err
+                raise _relay_gone(f"node relay gone: {err}") from err
             return self._generation
 
     def released(self, generation: int, timeout: float) -> bytes | None:
@@ -1071,7 +1079,7 @@ class LocalClient:
             if drain:
                 LocalServer._drain(bell)
         elif ready:
-            raise ChannelClosed(f"local rank {self.rank}: the node relay closed")
+            raise _relay_gone(f"local rank {self.rank}: the node relay closed")
 
     def _take(self, deadline: float, waiting: bool = False) -> int:
         """A free slot, by ``deadline`` (else :class:`SlotsBusy`); a waiting call leaves

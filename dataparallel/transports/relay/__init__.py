@@ -283,7 +283,7 @@ class RelayedChannel(ControlChannel):
     def _close(self) -> None:
         if self._broken is None:
             self._unwatch()
-        self._local.close(self._left_to_close(at_least=0.05) or 5.0)  # within close's timeout
+        self._local.close(self._left_to_close(at_least=0.2) or 5.0)  # within close's timeout (a woken use ends in less)
 
     # ------------------------------------------------------------------ collectives
     def _await_with(
@@ -378,7 +378,7 @@ class RelayedChannel(ControlChannel):
                 finally:
                     self._within.deadline = None
             except ControlError as err:
-                if (isinstance(err, ChannelClosed) or getattr(err, "fatal", False)) and not self._closed:
+                if getattr(err, "fatal", False) and not self._closed:
                     self._fail(err)
                 raise
         finally:
@@ -442,7 +442,7 @@ class RelayedChannel(ControlChannel):
                 fetch, budget, what, missing, needs=Needs("allgather", name, seq, range(self.world_size), what)
             )
         except ControlError as err:
-            if (isinstance(err, ChannelClosed) or getattr(err, "fatal", False)) and not self._closed:
+            if getattr(err, "fatal", False) and not self._closed:
                 self._fail(err)
             raise
         finally:

@@ -1000,6 +1000,51 @@ def test_a_relays_channel_ending_ends_its_ranks_channels_at_their_next_call_or_t
         nodes.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collective", ["barrier", "all_gather"])
+def test_a_relays_channel_failing_under_a_crossing_collective_ends_its_ranks_channel_with_it(tmp_path, collective):
+    """A rank waits in a barrier or all_gather its relay has taken upstream (the other node's
+    rank never comes) when the relay's own channel fails: the rank's call ends with that
+    failure, naming the relay, and its channel has failed with it at once, as a directly
+    connected rank's fails on its coordinator's end (not at its next call or liveness tick:
+    its heartbeats here are 5 s apart). An upstream collective's own error (its time out)
+    is not fatal; the relay's end is."""
+    slow = "?heartbeat=5&liveness_timeout=30"
+    nodes = Nodes(tmp_path, f"memory://crossing-{free_port()}", nodes=2, per_node=1)
+    try:
+        ch = dp.connect(nodes.url(0) + slow, rank=0, world_size=2, job=nodes.job, timeout=30)
+        other = dp.connect(nodes.url(1) + slow, rank=1, world_size=2, job=nodes.job, timeout=30)
+        call = {
+            "barrier": lambda: ch.barrier("crossing", timeout=20),
+            "all_gather": lambda: ch.all_gather("crossing", b"v", timeout=20),
+        }
+        box: list[BaseException | None] = []
+
+        def waits() -> None:
+            try:
+                call[collective]()
+                box.append(None)
+            except BaseException as err:
+                box.append(err)
+
+        t = threading.Thread(target=waits, daemon=True)
+        t.start()
+        time.sleep(1.0)  # the node's one rank has arrived: its relay waits upstream
+        assert not box, box
+        ended = time.monotonic()
+        nodes.upstreams[0].fail_with(dp.ChannelClosed("its coordinator is gone (the test's)"))
+        t.join(timeout=10)
+        took = time.monotonic() - ended
+        failure = ch.failure  # looked at once the call ended, before any liveness tick
+        assert box and isinstance(box[0], dp.ChannelClosed), box
+        assert "node 0's relay's channel failed: its coordinator is gone (the test's)" in str(box[0]), box
+        assert took < 3.0, took
+        assert failure is not None, "the rank's channel went on after its relay's channel failed"
+        close_all([ch, other])
+    finally:
+        nodes.close()
+
+
 @pytest.mark.timeout(120)
 def test_idle_ranks_behind_relays_notice_their_store_gone_within_the_liveness_timeout(tmp_path):
     """The job's coordinator killed while the ranks make no call of their own: each rank's

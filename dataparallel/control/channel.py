@@ -128,7 +128,8 @@ class ControlChannel(Collectives, abc.ABC):
     - Only ``_get`` and ``_multi_get`` wait for keys; the others return once the store has
       answered, and raise rather than hang when it does not (the liveness thread calls them).
       A hook that blocks on the store bounds each call by ``self._call_bound(bound)``, its
-      own bound cut to what is left of the collective its thread is in, and of ``close``.
+      own bound cut to what is left of the collective its thread is in (its timeout and
+      0.25 s more, shared by all its calls), and of ``close``.
       A ``_get`` or ``_multi_get`` that got no answer within its bound (a store restarting or
       failing over) may raise :class:`ReadUnanswered`: the wait goes on while its time lasts,
       and ends in ChannelClosed, never ControlTimeout (a key's absence was not seen), if the

@@ -175,7 +175,7 @@ class Collectives:
             self._set(done, b"1")
             if round_:
                 # Everyone has left the previous round: they are all in this one.
-                self._delete(f"{base}/done/{round_ - 1}")
+                self._tidy(f"barrier {name!r} round {round_}", lambda: self._delete(f"{base}/done/{round_ - 1}"))
             return
 
         def progress() -> str:

@@ -894,6 +894,15 @@ class NodeRelay:
             self._cross, generation, text, own, timeout if timeout > 0 else None
         )
 
+    def _as_told(self, err: ControlError) -> ControlError:
+        """An upstream collective's error as the node's ranks are told it: where the relay's
+        own channel failed meanwhile (its coordinator gone), that failure, fatal to their
+        channels (:meth:`_upstream_ended`), else the error itself."""
+        broken = self.upstream.failure
+        if broken is None or getattr(err, "fatal", False):
+            return err
+        return self._upstream_ended(broken)
+
     def _upstream_name(self, name: str) -> str:
         """A barrier's name upstream: the ranks' name, tagged with their run."""
         return f"{name}@{self._run_tag}" if self._run_tag else name
@@ -928,6 +937,7 @@ class NodeRelay:
         self._crossing_now.clear()
         self._marked = None
         over = ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this barrier's run is over")
+        over.fatal = True  # type: ignore[attr-defined]  # its ranks' channels end (their run is over)
         for generation in stale:
             self.server.release(generation, ERROR, error_bytes(over))
         # Its all_gathers too: their ranks are told, and the new run's go upstream on threads
@@ -936,9 +946,9 @@ class NodeRelay:
             left = [(k, g) for k, g in self._gathers.items() if k[0] == before]
             for k, _ in left:
                 del self._gathers[k]
-        gone = error_bytes(
-            ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this all_gather's run is over")
-        )
+        ended = ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this all_gather's run is over")
+        ended.fatal = True  # type: ignore[attr-defined]
+        gone = error_bytes(ended)
         for _, gather in left:
             if not gather.done.is_set():
                 gather.error = gone
@@ -960,7 +970,7 @@ class NodeRelay:
             timeout_ = ControlTimeout(f"barrier {shown!r}", err.waited, arrived_hint(total, self.world_size, complete))
             self.server.release(generation, ERROR, error_bytes(timeout_))
         except ControlError as err:
-            self.server.release(generation, ERROR, error_bytes(err))
+            self.server.release(generation, ERROR, error_bytes(self._as_told(err)))
         except Exception as err:
             log.exception("relay: barrier %r failed", name)
             self.server.release(generation, ERROR, error_bytes(ControlError(f"relay: {type(err).__name__}: {err}")))
@@ -1112,7 +1122,7 @@ class NodeRelay:
         except ControlTimeout as err:  # the ranks' own waits end first, with their own message
             gather.error = gather.error or error_bytes(ControlTimeout(f"all_gather {name!r}", err.waited, ""))
         except ControlError as err:
-            gather.error = gather.error or error_bytes(err)
+            gather.error = gather.error or error_bytes(self._as_told(err))
         except Exception as err:
             log.exception("relay: all_gather %r failed", name)
             gather.error = gather.error or error_bytes(ControlError(f"relay: {type(err).__name__}: {err}"))

@@ -283,7 +283,9 @@ class RelayedChannel(ControlChannel):
     def _close(self) -> None:
         if self._broken is None:
             self._unwatch()
-        self._local.close(self._left_to_close(at_least=0.2) or 5.0)  # within close's timeout (a woken use ends in less)
+        # What is left of close's timeout, but 0.2 s at least (a woken use ends in less; the
+        # descriptors are otherwise left open for the rest of the process).
+        self._local.close(self._left_to_close(at_least=0.2) or 5.0)
 
     # ------------------------------------------------------------------ collectives
     def _await_with(

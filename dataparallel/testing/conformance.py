@@ -2067,11 +2067,11 @@ class TimeoutTests(ChannelHarness):
     def _time_all(
         calls: dict[str, Callable[[], object]], promise: float, pool: ThreadPoolExecutor | None = None
     ) -> dict[str, Timed]:
-        """Run the calls at once, on threads (new ones, or ``pool``'s); how long each took, what it raised, and how
-        long its thread waited for a CPU once ``promise`` seconds had passed (one timer,
-        started with the calls, which start within milliseconds of it, looks at every call's
-        thread then: what it waited before delays no deadline; a timer a call would be as
-        many threads more, woken at the calls' deadline), or for a call that returned past
+        """Run the calls at once, on threads (new ones, or ``pool``'s); how long each took,
+        what it raised, and how long its thread waited for a CPU once ``promise`` seconds
+        had passed (one timer, started with the calls, which start within milliseconds of it,
+        looks at every call's thread then: what it waited before delays no deadline; a timer
+        a call would be as many threads more, woken at the calls' deadline), or for a call that returned past
         the promise and its slack, how long its process's most starved thread did (see
         :class:`Timed`)."""
         at_promise: dict[int, float] = {}  # every thread of the process -> what it had waited by then

@@ -75,6 +75,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from ...errors import AuthError, BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout
 
@@ -798,12 +799,20 @@ class LocalServer:
                 log.exception("relay: on_gone failed for local rank %d", member.rank)
 
 
-def _relay_gone(message: str) -> ChannelClosed:
-    """The relay's end, as a rank sees it (its socket closed or its eventfds gone): fatal to
-    the rank's channel, as its coordinator's end is to a directly connected rank's."""
-    error = ChannelClosed(message)
+_E = TypeVar("_E", bound=ControlError)
+
+
+def fatal(error: _E) -> _E:
+    """``error`` marked fatal to the rank's channel that gets it (the mark crosses the local
+    leg with the error's fields): the rank's channel fails on it, as a directly connected
+    rank's fails on its coordinator's end."""
     error.fatal = True  # type: ignore[attr-defined]
     return error
+
+
+def _relay_gone(message: str) -> ChannelClosed:
+    """The relay's end, as a rank sees it (its socket closed or its eventfds gone)."""
+    return fatal(ChannelClosed(message))
 
 
 class NoReply(ControlTimeout):

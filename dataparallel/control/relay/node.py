@@ -86,7 +86,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ...errors import BadMessage, ChannelClosed, ConfigError, ControlError, ControlTimeout, PeerLost
 from ..liveness import ReadUnanswered, loss_report
-from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes
+from .local import ERROR, OK, Call, Geometry, LocalServer, error_bytes, fatal
 
 if TYPE_CHECKING:
     from ..channel import ControlChannel
@@ -936,8 +936,8 @@ class NodeRelay:
         self._round_of.clear()
         self._crossing_now.clear()
         self._marked = None
-        over = ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this barrier's run is over")
-        over.fatal = True  # type: ignore[attr-defined]  # its ranks' channels end (their run is over)
+        # Their ranks' channels end with it: their run is over.
+        over = fatal(ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this barrier's run is over"))
         for generation in stale:
             self.server.release(generation, ERROR, error_bytes(over))
         # Its all_gathers too: their ranks are told, and the new run's go upstream on threads
@@ -946,9 +946,9 @@ class NodeRelay:
             left = [(k, g) for k, g in self._gathers.items() if k[0] == before]
             for k, _ in left:
                 del self._gathers[k]
-        ended = ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this all_gather's run is over")
-        ended.fatal = True  # type: ignore[attr-defined]
-        gone = error_bytes(ended)
+        gone = error_bytes(
+            fatal(ChannelClosed(f"a new run of job {self.job!r} began at {self._by}: this all_gather's run is over"))
+        )
         for _, gather in left:
             if not gather.done.is_set():
                 gather.error = gone
@@ -1193,8 +1193,9 @@ class NodeRelay:
         writer = None
         if incarnation is not None:
             writer = (local, incarnation)
-            error = ChannelClosed(f"rank {rank} of job {self.job!r} was declared lost: {how} (noticed by {self._by})")
-            error.fatal = True  # type: ignore[attr-defined]  # crosses to the rank with its fields
+            error = fatal(
+                ChannelClosed(f"rank {rank} of job {self.job!r} was declared lost: {how} (noticed by {self._by})")
+            )
             self._fenced[writer] = (error, report)
         self._reporting.submit(self._publish_loss, rank, key, report, writer)
 
@@ -1206,8 +1207,7 @@ class NodeRelay:
         error = type(broken).__new__(type(broken))
         Exception.__init__(error, f"{self._by}'s channel failed: {broken}")
         error.__dict__.update(broken.__dict__)
-        error.fatal = True  # type: ignore[attr-defined]
-        return error
+        return fatal(error)
 
     def _report_loss(self, rank: int, key: str, how: str) -> None:
         """Publish rank's loss (a rank of another node) where its run's ranks read losses."""

@@ -423,7 +423,7 @@ class TCPStoreChannel(ControlChannel):
             # TCPStore's server hangs up on an add to a value that is not a number: say so
             # (looked at within what is left of the add's timeout).
             try:
-                current = self._read(full, self._call_bound(max(start + self.timeout - time.monotonic(), 0.0)))
+                current = self._read(full, max(start + self.timeout - time.monotonic(), 0.0))  # _call bounds it
             except ControlError:
                 raise err from None
             if current is not None and not current.lstrip(b"-").isdigit():
